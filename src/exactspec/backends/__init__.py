@@ -1,0 +1,6 @@
+"""Runtimes that run the target (and draft) models. See :mod:`exactspec.backends.base`."""
+
+from exactspec.backends.base import Backend, Tokenizer, UnsupportedModelError
+from exactspec.backends.transformers_backend import HFTokenizer, TransformersBackend
+
+__all__ = ["Backend", "HFTokenizer", "Tokenizer", "TransformersBackend", "UnsupportedModelError"]

@@ -1,0 +1,95 @@
+"""The ``Backend`` and ``Tokenizer`` protocols: what the engine needs from a runtime.
+
+A backend owns one model and the KV cache of one sequence. The engine drives it with
+``prefill`` (fill the cache, no logits), ``forward`` (append tokens, return their logits)
+and ``rollback`` (drop rejected positions from the end of the cache). The contract, in the
+style of llama.cpp's ``common/speculative.h``:
+
+    requires  forward(ids): the cache holds the tokens before ``ids``
+    returns   logits [len(ids), vocab]: row i is the next-token distribution after ids[i]
+    ensures   the cache holds the previous tokens + ids
+    rollback(n) requires 0 ≤ n ≤ num_cached_tokens and ensures n fewer cached tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+class UnsupportedModelError(ValueError):
+    """A model that exactspec cannot run exactly (e.g. a KV cache that cannot roll back)."""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Text ↔ token ids for one model."""
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` with the model's usual special tokens (e.g. BOS)."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids``, special tokens (EOS, ...) left out."""
+        ...
+
+    def apply_chat_template(self, prompt: str) -> list[int]:
+        """Token ids of ``prompt`` as one user turn, ready for the assistant's answer.
+
+        Raises:
+            ValueError: if the model has no chat template.
+        """
+        ...
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token string → id, for checking that a draft shares the target's tokenizer."""
+        ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One model with the KV cache of one sequence.
+
+    Attributes:
+        tokenizer: the model's :class:`Tokenizer`.
+        vocab_size: width of the logits (may exceed the tokenizer's size: padding).
+        max_context_length: most positions the model supports (tokens), or None.
+        eos_token_ids: ids that end generation (may be empty).
+        device: where logits are returned.
+        num_cached_tokens: tokens currently in the KV cache.
+    """
+
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_context_length: int | None
+    eos_token_ids: tuple[int, ...]
+    device: torch.device
+
+    @property
+    def num_cached_tokens(self) -> int: ...
+
+    def prefill(self, token_ids: Sequence[int]) -> None:
+        """Empty the cache, then fill it with ``token_ids`` (may be empty); no logits."""
+        ...
+
+    def forward(self, token_ids: Sequence[int], num_logits: int | None = None) -> torch.Tensor:
+        """Append ``token_ids`` (at least one) to the cache in one forward pass.
+
+        Args:
+            token_ids: tokens to score.
+            num_logits: return logits for only the last ``num_logits`` positions
+                (None: all of them).
+        Returns:
+            ``[num_logits or len(token_ids), vocab_size]`` float logits on ``device``.
+        """
+        ...
+
+    def rollback(self, num_tokens: int) -> None:
+        """Drop the last ``num_tokens`` positions from the cache.
+
+        Raises:
+            ValueError: if ``num_tokens`` is negative or exceeds ``num_cached_tokens``.
+        """
+        ...

@@ -1,0 +1,169 @@
+"""Hugging Face transformers (PyTorch) backend.
+
+Loads a local model folder or a GGUF file (dequantised by transformers), keeps one
+``DynamicCache`` and rolls it back with ``DynamicCache.crop(-n)``. Models whose cache
+layers are not plain full-attention layers (sliding windows, recurrent state) cannot be
+rolled back exactly and are refused with :class:`UnsupportedModelError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from exactspec.backends.base import UnsupportedModelError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""dtype names accepted by :meth:`TransformersBackend.load`."""
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` → cuda when available, else cpu; otherwise ``torch.device(device)``.
+
+    Raises:
+        ValueError: for an unknown device string, or cuda on a machine without one.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"device {device!r} is invalid: use auto, cpu, cuda or cuda:N") from error
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but PyTorch sees no CUDA GPU "
+                         f"(torch {torch.__version__}); use --device cpu")
+    return resolved
+
+
+class HFTokenizer:
+    """:class:`~exactspec.backends.base.Tokenizer` over a transformers tokenizer."""
+
+    def __init__(self, tokenizer) -> None:
+        self.hf_tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf_tokenizer(text)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.hf_tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, prompt: str) -> list[int]:
+        if not self.hf_tokenizer.chat_template:
+            raise ValueError("this model has no chat template; run without --chat")
+        ids = self.hf_tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+            return_dict=False)
+        return list(ids)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.hf_tokenizer.get_vocab()
+
+
+class TransformersBackend:
+    """A transformers causal LM with one rollback-able KV cache (see ``Backend``).
+
+    Args:
+        model: a ``PreTrainedModel`` for causal LM, already on its device and in eval mode.
+        tokenizer: a :class:`~exactspec.backends.base.Tokenizer`.
+        eos_token_ids: ids that end generation; by default the model's generation config's.
+    Raises:
+        UnsupportedModelError: if the model's cache cannot be rolled back.
+    """
+
+    def __init__(self, model, tokenizer, eos_token_ids: Sequence[int] | None = None) -> None:
+        from transformers import DynamicCache
+
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        config = model.config.get_text_config(decoder=True)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_context_length = getattr(config, "max_position_embeddings", None)
+        if eos_token_ids is None:
+            eos = model.generation_config.eos_token_id
+            eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.device = next(model.parameters()).device
+        self._new_cache = lambda: DynamicCache(config=model.config)
+        _check_rollback(model, self._new_cache())
+        self._cache = self._new_cache()
+
+    @classmethod
+    def load(cls, path: str | Path, *, device: str = "auto", dtype: str = "float32",
+             gguf_file: str | None = None) -> TransformersBackend:
+        """Load a local model folder, or a GGUF file (``path`` ending in .gguf).
+
+        Args:
+            path: a folder with ``config.json`` and weights, or a ``.gguf`` file.
+            device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+            dtype: one of :data:`DTYPES`; float32 keeps greedy output bit-identical to plain
+                decoding (other dtypes may flip near-tied argmaxes, see DESIGN.md).
+            gguf_file: a GGUF file name inside folder ``path`` (alternative to a .gguf path).
+        Raises:
+            FileNotFoundError: if ``path`` does not exist.
+            ValueError: for an unknown dtype or device.
+            UnsupportedModelError: if the cache cannot be rolled back.
+        """
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is invalid: choose one of {', '.join(DTYPES)}")
+        resolved_device = resolve_device(device)
+        path = Path(path).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+        if path.suffix == ".gguf":
+            path, gguf_file = path.parent, path.name
+        kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+        hf_logging.disable_progress_bar()  # callers show their own progress indicator
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **kwargs)
+        finally:
+            hf_logging.enable_progress_bar()
+        return cls(model.to(resolved_device), HFTokenizer(tokenizer))
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self._cache.get_seq_length()
+
+    def prefill(self, token_ids: Sequence[int]) -> None:
+        self._cache = self._new_cache()
+        if len(token_ids) > 0:
+            self._run(token_ids, num_logits=1)
+
+    def forward(self, token_ids: Sequence[int], num_logits: int | None = None) -> torch.Tensor:
+        if len(token_ids) == 0:
+            raise ValueError("forward needs at least one token")
+        return self._run(token_ids, num_logits or len(token_ids))
+
+    def rollback(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= self.num_cached_tokens:
+            raise ValueError(f"rollback({num_tokens}) is invalid: the cache holds "
+                             f"{self.num_cached_tokens} tokens")
+        if num_tokens:
+            self._cache.crop(-num_tokens)
+
+    def _run(self, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:
+        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            output = self.model(input_ids=input_ids, cache=self._cache, use_cache=True,
+                                logits_to_keep=num_logits)
+        return output.logits[0]
+
+
+def _check_rollback(model, cache) -> None:
+    from transformers.cache_utils import DynamicLayer
+
+    if getattr(model, "_is_stateful", False):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} keeps a recurrent state that cannot be rolled back after "
+            "a rejected draft; speculative decoding on it is not supported")
+    odd = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
+    if odd:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} uses cache layers {sorted(odd)} (e.g. sliding-window "
+            "attention) that cannot be rolled back exactly after a rejected draft; only "
+            "full-attention models are supported by the transformers backend for now")

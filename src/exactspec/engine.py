@@ -1,0 +1,182 @@
+"""The speculative decoding loop for one sequence: draft → verify → commit → rollback.
+
+Source: Leviathan et al. 2022 (arXiv 2211.17192), Algorithm 1, one cycle per iteration of
+the loop in :meth:`SpeculativeGenerator.generate`. The target's KV cache always holds every
+token of the context except the last one, so each cycle scores ``[last, d_1 .. d_k]`` in
+one forward pass: row i of the logits is the target's distribution for position i + 1,
+and row k gives the bonus token. After verification the cache is cut back to the context
+minus its new last token. With k = 0 (or no proposer) the same loop is plain decoding.
+
+The engine is the one owner of the committed length: ``tokens`` (prompt + committed) is
+the only record of the sequence; proposers and backends follow it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+
+from exactspec.backends.base import Backend
+from exactspec.metrics import GenerationStats
+from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
+from exactspec.sampling import (SamplingParams, check_finite, greedy_tokens, logits_to_probs,
+                                make_generator)
+from exactspec.stopping import StopChecker
+from exactspec.verification import greedy_verify, rejection_sample
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class GenerationResult:
+    """The output of one generation.
+
+    Attributes:
+        text: the generated text (special tokens left out, cut before a stop string).
+        token_ids: ``[num_generated_tokens]`` generated ids, ending with the EOS or the
+            token that completed a stop string when one ended generation.
+        finish_reason: ``"stop"`` (EOS or stop string) or ``"length"`` (max_new_tokens or
+            the model's context limit).
+        prompt_token_ids: the prompt as the model saw it (chat template applied).
+        stats: counts and timings, see :class:`~exactspec.metrics.GenerationStats`.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    prompt_token_ids: list[int]
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        """Every field, with ``stats`` expanded to all its figures (JSON-serialisable)."""
+        return asdict(self) | {"stats": self.stats.to_dict()}
+
+
+class SpeculativeGenerator:
+    """Exact speculative decoding of one sequence at a time.
+
+    Args:
+        target: the target model's backend.
+        proposer: what drafts tokens; None means plain decoding (k = 0).
+        num_speculative_tokens: k, the most tokens drafted per cycle (≥ 0; 0 = plain
+            decoding). Clamped per cycle so that neither max_new_tokens nor the context
+            limit is exceeded.
+    Raises:
+        ValueError: if num_speculative_tokens is not an integer ≥ 0.
+    """
+
+    def __init__(self, target: Backend, proposer: Proposer | None = None,
+                 num_speculative_tokens: int = 4) -> None:
+        if (not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool)
+                or num_speculative_tokens < 0):
+            raise ValueError(f"num_speculative_tokens = {num_speculative_tokens!r} is invalid: "
+                             "it must be an integer ≥ 0 (0 = plain decoding)")
+        self.target = target
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                 chat: bool = False) -> GenerationResult:
+        """Generate a continuation of ``prompt`` whose tokens follow the target's processed
+        distribution exactly (token for token equal to plain decoding when greedy).
+
+        Args:
+            prompt: text, or ``[prompt_len]`` token ids (used as they are).
+            params: sampling parameters (default: greedy, 128 new tokens).
+            chat: wrap a text prompt in the model's chat template as one user turn.
+        Returns:
+            :class:`GenerationResult`.
+        Raises:
+            ValueError: for an empty prompt, token ids outside the vocabulary, a prompt
+                longer than the model's context, or ``chat`` with token ids.
+        """
+        params = params or SamplingParams()
+        start = time.perf_counter()
+        tokens = self._prompt_token_ids(prompt, chat)  # prompt + committed tokens
+        num_prompt_tokens = len(tokens)
+        stats = GenerationStats(num_speculative_tokens=self.num_speculative_tokens,
+                                num_prompt_tokens=num_prompt_tokens)
+        generator = make_generator(params.seed, self.target.device)
+        stopper = StopChecker(self.target.tokenizer, self.target.eos_token_ids, params.stop)
+        context_limit = self.target.max_context_length or float("inf")
+
+        self.target.prefill(tokens[:-1])
+        stats.prefill_seconds = time.perf_counter() - start
+        finish_reason: FinishReason | None = None
+        while finish_reason is None:
+            generated = len(tokens) - num_prompt_tokens
+            room = int(min(params.max_new_tokens - generated, context_limit - len(tokens)))
+            if room <= 0:
+                finish_reason = "length"
+                break
+            k = min(self.num_speculative_tokens, room - 1)
+
+            t0 = time.perf_counter()
+            proposal = self.proposer.propose(tokens, k, params, generator) if k else EMPTY_PROPOSAL
+            t1 = time.perf_counter()
+            committed, num_accepted = self._verify(tokens[-1], proposal, params, generator)
+            t2 = time.perf_counter()
+
+            num_emitted = 0
+            for token in committed:
+                tokens.append(token)
+                num_emitted += 1
+                if stopper.is_stop(tokens[num_prompt_tokens:]):
+                    finish_reason = "stop"
+                    break
+            self.target.rollback(len(proposal) - num_accepted)
+            if self.proposer is not None:
+                self.proposer.observe(num_accepted)
+
+            stats.draft_seconds += t1 - t0
+            stats.verify_seconds += t2 - t1
+            stats.record_cycle(len(proposal), num_accepted, num_emitted)
+            if stats.cycles == 1:
+                stats.ttft_seconds = time.perf_counter() - start
+        stats.total_seconds = time.perf_counter() - start
+
+        output = tokens[num_prompt_tokens:]
+        return GenerationResult(text=stopper.text(output), token_ids=output,
+                                finish_reason=finish_reason, prompt_token_ids=tokens[:num_prompt_tokens],
+                                stats=stats)
+
+    def _verify(self, last_token: int, proposal: Proposal, params: SamplingParams,
+                generator: torch.Generator) -> tuple[list[int], int]:
+        """Score ``[last_token, *drafts]`` in one target forward pass and run the rejection
+        sampler. Returns the committed tokens and the number of accepted drafts."""
+        logits = self.target.forward([last_token, *proposal.token_ids])  # [k+1, vocab]
+        check_finite(logits)
+        draft_token_ids = torch.tensor([proposal.token_ids], dtype=torch.long,
+                                       device=logits.device)  # [1, k]
+        if params.greedy:
+            result = greedy_verify(draft_token_ids, greedy_tokens(logits).unsqueeze(0))
+        else:
+            target_probs = logits_to_probs(logits, params).unsqueeze(0)  # [1, k+1, vocab]
+            draft_probs = None if proposal.probs is None else proposal.probs.unsqueeze(0)
+            result = rejection_sample(draft_token_ids, draft_probs, target_probs, generator)
+        committed = [t for t in result.output_token_ids[0].tolist() if t >= 0]  # one host sync
+        return committed, len(committed) - 1
+
+    def _prompt_token_ids(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
+        tokenizer = self.target.tokenizer
+        if isinstance(prompt, str):
+            token_ids = tokenizer.apply_chat_template(prompt) if chat else tokenizer.encode(prompt)
+        else:
+            if chat:
+                raise ValueError("chat=True needs a text prompt, not token ids")
+            token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.target.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        limit = self.target.max_context_length
+        if limit is not None and len(token_ids) > limit:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; the model's context "
+                             f"holds {limit}")
+        return token_ids

@@ -1,0 +1,134 @@
+"""Generation statistics: the figures that explain the speed of speculative decoding.
+
+Definitions follow DESIGN.md's glossary:
+    acceptance rate          accepted drafted tokens / drafted tokens (0..1).
+    mean acceptance length   committed tokens / cycles (1.0 for plain decoding, ≤ k+1).
+    per-position acceptance  P(draft position i accepted | position i was drafted).
+    TTFT                     time to first token (seconds, prefill included).
+    TPOT                     time per output token after the first (seconds).
+A cycle cut short by a stop (EOS or a stop string) counts only the tokens it emitted: its
+accepted count is capped at the emitted tokens, so nothing after a stop is counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """Counts and timings of one generation. Times in seconds, counts in tokens.
+
+    Attributes:
+        num_speculative_tokens: k, the most tokens drafted per cycle.
+        num_prompt_tokens: prompt length (tokens).
+        num_generated_tokens: tokens emitted (EOS included when it ended generation).
+        cycles: draft + verify cycles run (plain decoding: one per token).
+        drafted_tokens: tokens proposed by the drafter.
+        accepted_tokens: drafted tokens accepted and emitted.
+        drafted_per_position: ``[k]`` how often draft position i (0-based) was drafted.
+        accepted_per_position: ``[k]`` how often draft position i was accepted.
+        committed_per_cycle: tokens committed by each cycle, in order.
+        prefill_seconds: time to fill the target's cache with the prompt.
+        ttft_seconds: time to first token (prefill and first cycle).
+        total_seconds: wall time of the whole generation.
+        draft_seconds: time spent in the proposer.
+        verify_seconds: time spent in the target forward pass and verification.
+    """
+
+    num_speculative_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    cycles: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    committed_per_cycle: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    ttft_seconds: float = 0.0
+    total_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        self.drafted_per_position = self.drafted_per_position or [0] * k
+        self.accepted_per_position = self.accepted_per_position or [0] * k
+
+    def record_cycle(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
+        """Add one cycle: ``num_drafted`` proposed, ``num_accepted`` accepted by verification,
+        ``num_emitted`` tokens emitted (≤ num_accepted + 1; fewer when a stop cut the cycle).
+        """
+        accepted = min(num_accepted, num_emitted)
+        self.cycles += 1
+        self.drafted_tokens += num_drafted
+        self.accepted_tokens += accepted
+        self.num_generated_tokens += num_emitted
+        self.committed_per_cycle.append(num_emitted)
+        for i in range(num_drafted):
+            self.drafted_per_position[i] += 1
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / drafted tokens, in [0, 1]; None when nothing was drafted."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Committed tokens per cycle, in [1, k+1]; None before the first cycle."""
+        return self.num_generated_tokens / self.cycles if self.cycles else None
+
+    @property
+    def per_position_acceptance(self) -> list[float | None]:
+        """``[k]``: P(position i accepted | drafted); None where never drafted."""
+        return [a / d if d else None
+                for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def committed_histogram(self) -> list[int]:
+        """``[k+2]``: entry n = number of cycles that committed n tokens."""
+        histogram = [0] * (self.num_speculative_tokens + 2)
+        for n in self.committed_per_cycle:
+            histogram[n] += 1
+        return histogram
+
+    @property
+    def tpot_seconds(self) -> float | None:
+        """Time per output token after the first (seconds); None with < 2 tokens."""
+        if self.num_generated_tokens < 2:
+            return None
+        return (self.total_seconds - self.ttft_seconds) / (self.num_generated_tokens - 1)
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        """Generated tokens / total time, prefill included (tokens per second)."""
+        return self.num_generated_tokens / self.total_seconds if self.total_seconds else None
+
+    @property
+    def other_seconds(self) -> float:
+        """Time outside prefill, drafting and verification (bookkeeping, stop checks)."""
+        return max(0.0, self.total_seconds - self.prefill_seconds - self.draft_seconds
+                   - self.verify_seconds)
+
+    def to_dict(self) -> dict:
+        """Every field and derived figure, JSON-serialisable."""
+        derived = ("acceptance_rate", "mean_acceptance_length", "per_position_acceptance",
+                   "committed_histogram", "tpot_seconds", "tokens_per_second", "other_seconds")
+        return asdict(self) | {name: getattr(self, name) for name in derived}
+
+    def summary(self) -> str:
+        """One line for people: tokens, tokens/s, acceptance rate, mean acceptance length."""
+        parts = [f"{self.num_generated_tokens} tokens in {self.total_seconds:.2f} s",
+                 f"{self.tokens_per_second or 0:.1f} tokens/s"]
+        if self.num_speculative_tokens == 0:
+            parts.append("plain decoding")
+        else:
+            rate = self.acceptance_rate
+            parts.append("acceptance rate " + ("n/a" if rate is None else f"{rate:.1%}"))
+            parts.append(f"mean acceptance length {self.mean_acceptance_length or 0:.2f}"
+                         f" (k={self.num_speculative_tokens})")
+        parts.append(f"TTFT {self.ttft_seconds * 1000:.0f} ms")
+        return " · ".join(parts)

@@ -1,0 +1,55 @@
+"""The ``Proposer`` protocol: what drafts tokens for the target to verify.
+
+Modelled on transformers' ``CandidateGenerator`` (``get_candidates`` and the feedback hook
+``update_candidate_strategy``), reduced to two calls.
+
+Contract for ``propose(token_ids, k, params, generator)``:
+    requires  token_ids = prompt + committed tokens (the engine owns this list), k ≥ 1
+    returns   a :class:`Proposal` of at most k tokens (possibly none), and, unless the
+              proposer is a point mass (greedy or n-gram), the exact distributions q the
+              tokens were sampled from, over the *target's* vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from exactspec.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Drafted tokens for one cycle.
+
+    Attributes:
+        token_ids: ``[n]`` drafted ids, ``n ≤ k``, in the target's vocabulary.
+        probs: ``[n, target_vocab]`` the distribution each token was sampled from, or None
+            when each token was chosen deterministically (q is one-hot on it).
+    """
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+EMPTY_PROPOSAL = Proposal([])
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """Drafts up to k tokens per cycle; learns how many were accepted."""
+
+    def propose(self, token_ids: Sequence[int], k: int, params: SamplingParams,
+                generator: torch.Generator) -> Proposal:
+        """Draft at most ``k`` tokens continuing ``token_ids`` (prompt + committed)."""
+        ...
+
+    def observe(self, num_accepted: int) -> None:
+        """Feedback after verification: how many of the last proposal were accepted."""
+        ...

@@ -1,0 +1,95 @@
+"""Draft-model proposer: a smaller model on the same tokenizer drafts k tokens one by one.
+
+Source: Leviathan et al. 2022 (arXiv 2211.17192) and Chen et al. 2023 (arXiv 2302.01318):
+the draft samples x_i ~ q_i autoregressively; q_i is returned so that verification can use
+min(1, p/q) and the residual. With temperature 0 the draft is greedy and q is a point mass.
+
+Vocabularies: a draft whose logits are wider or narrower than the target's (padding rows
+of the LM head differ) is mapped onto the target's vocabulary; ids beyond the shared
+tokenizer's size are padding and never drafted. Genuinely different tokenizers are refused.
+
+The draft keeps its own KV cache; before each proposal it is rolled back to the longest
+common prefix with the engine's context, so rejected drafts never leak into the next cycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from exactspec.backends.base import Backend, UnsupportedModelError
+from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal
+from exactspec.sampling import (SamplingParams, check_finite, greedy_tokens, logits_to_probs,
+                                sample_from_probs)
+
+
+class DraftModelProposer:
+    """Drafts with a second model (see module docstring).
+
+    Args:
+        draft: the draft model's backend.
+        target: the target's backend (for its vocabulary and tokenizer).
+    Raises:
+        UnsupportedModelError: if the two tokenizers differ (a cross-tokenizer translator
+            is not implemented yet).
+    """
+
+    def __init__(self, draft: Backend, target: Backend) -> None:
+        target_vocab = target.tokenizer.get_vocab()
+        if draft.tokenizer.get_vocab() != target_vocab:
+            raise UnsupportedModelError(
+                "the draft model's tokenizer differs from the target's; drafting across "
+                "different tokenizers is not supported yet: choose a draft from the target's "
+                "model family (same tokenizer), or use prompt lookup")
+        self.draft = draft
+        self.target_vocab_size = target.vocab_size
+        self.num_real_tokens = max(target_vocab.values()) + 1
+        if self.num_real_tokens > min(draft.vocab_size, target.vocab_size):
+            raise UnsupportedModelError(
+                f"the tokenizer has {self.num_real_tokens} tokens but the draft's logits have "
+                f"{draft.vocab_size} and the target's {target.vocab_size}")
+        self._cached: list[int] = []  # the tokens in the draft's KV cache
+
+    def propose(self, token_ids: Sequence[int], k: int, params: SamplingParams,
+                generator: torch.Generator) -> Proposal:
+        if self.draft.max_context_length is not None:
+            k = min(k, self.draft.max_context_length - len(token_ids))
+        if k <= 0:
+            return EMPTY_PROPOSAL
+        pending = self._sync_cache(token_ids)
+        drafted: list[int] = []
+        probs: list[torch.Tensor] = []
+        for _ in range(k):
+            logits = self._to_target_vocab(self.draft.forward(pending, num_logits=1)[-1])
+            self._cached.extend(pending)
+            if params.greedy:
+                token = int(greedy_tokens(logits))
+            else:
+                q = logits_to_probs(logits, params)  # [target_vocab]
+                token = int(sample_from_probs(q.unsqueeze(0), generator)[0])
+                probs.append(q)
+            drafted.append(token)
+            pending = [token]
+        return Proposal(drafted, torch.stack(probs) if probs else None)
+
+    def observe(self, num_accepted: int) -> None:
+        """The draft cache is re-synchronised at the next ``propose``; nothing to do."""
+
+    def _sync_cache(self, token_ids: Sequence[int]) -> list[int]:
+        """Roll the draft cache back to its common prefix with ``token_ids`` (keeping at
+        least the last token out of it); return the tokens still to feed."""
+        common = 0
+        limit = min(len(self._cached), len(token_ids) - 1)
+        while common < limit and self._cached[common] == token_ids[common]:
+            common += 1
+        self.draft.rollback(len(self._cached) - common)
+        del self._cached[common:]
+        return list(token_ids[common:])
+
+    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[draft_vocab]`` → ``[target_vocab]``; padding ids get -inf so they are never drafted."""
+        check_finite(logits)
+        mapped = logits.new_full((self.target_vocab_size,), float("-inf"))
+        mapped[: self.num_real_tokens] = logits[: self.num_real_tokens]
+        return mapped

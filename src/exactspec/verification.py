@@ -1,0 +1,168 @@
+"""Verification: the rejection sampler that makes speculative decoding exact.
+
+Source: Leviathan, Kalman & Matias, "Fast Inference from Transformers via Speculative
+Decoding" (arXiv 2211.17192), Algorithm 1; Chen et al. (arXiv 2302.01318), Algorithm 2.
+
+Glossary (DESIGN.md):
+    p  target probability (``target_probs``), q  draft probability (``draft_probs``).
+    accepted token   a drafted token kept: drafted x_i is accepted with probability
+                     min(1, p_i(x_i) / q_i(x_i)), in order, until the first rejection.
+    recovered token  after the first rejection at position j, one token sampled from the
+                     residual distribution normalize(max(0, p_j − q_j)).
+    bonus token      when all k drafts are accepted, one token sampled from p_{k+1}.
+Each row commits ``num_accepted + 1`` tokens: the accepted drafts, then one recovered or
+bonus token. The committed tokens follow p exactly, whatever q is.
+
+Edge cases handled here (the exactness contract):
+    * q(x) = 0 for a drafted token: rejected, never a division (``u·q < p`` in float64).
+    * p(x) = 0: never accepted (strict inequality), whatever u is.
+    * residual mass 0 (p == q in floating point): sample from p instead.
+    * point-mass drafters (greedy draft, n-gram lookup) pass ``draft_probs=None``: q is
+      one-hot on the drafted token, so acceptance is ``u < p(x)`` and the residual is p with
+      the drafted token removed.
+    * k = 0: the bonus token is sampled from p_1, i.e. plain sampling.
+
+Random numbers: the stochastic sampler draws exactly ``batch × k`` float64 uniforms for
+acceptance, then ``batch`` float64 uniforms for the recovered/bonus tokens
+(``sampling.sample_from_probs``, inverse CDF in float64). This fixed consumption lets the
+tests replay it with a slow reference implementation and compare token for token.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from exactspec.sampling import sample_from_probs
+
+PADDING_TOKEN_ID = -1
+"""Fills the positions of ``output_token_ids`` after the last committed token."""
+
+
+class VerificationResult(NamedTuple):
+    """What one verification pass commits.
+
+    Attributes:
+        output_token_ids: ``[batch, k+1]`` int64: the accepted drafts, then the recovered or
+            bonus token, then ``PADDING_TOKEN_ID`` (-1).
+        num_accepted: ``[batch]`` int64: accepted drafted tokens per row, in 0..k.
+    """
+
+    output_token_ids: torch.Tensor
+    num_accepted: torch.Tensor
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,  # [batch, k] int64
+    draft_probs: torch.Tensor | None,  # [batch, k, vocab] or None (point-mass drafter)
+    target_probs: torch.Tensor,  # [batch, k+1, vocab]
+    generator: torch.Generator,
+) -> VerificationResult:
+    """Stochastic verification (Leviathan et al. Algorithm 1, vectorised over batch and k).
+
+    Args:
+        draft_token_ids: ``[batch, k]`` drafted token ids, each in ``[0, vocab)``.
+        draft_probs: ``[batch, k, vocab]`` the exact distributions the drafts were sampled
+            from, or None for a point-mass drafter (q is one-hot on the drafted token).
+        target_probs: ``[batch, k+1, vocab]`` the target's processed probabilities at the
+            k drafted positions and the bonus position.
+        generator: source of all randomness (on the tensors' device).
+    Returns:
+        :class:`VerificationResult`.
+    Raises:
+        ValueError: on inconsistent shapes. Drafted ids must lie in ``[0, vocab)``.
+    """
+    batch, k = _check_shapes(draft_token_ids, target_probs)
+    if draft_probs is not None and draft_probs.shape != (batch, k, target_probs.shape[-1]):
+        raise ValueError(
+            f"draft_probs has shape {tuple(draft_probs.shape)}; expected "
+            f"{(batch, k, target_probs.shape[-1])} (batch, k, vocab)"
+        )
+    device = target_probs.device
+    uniforms = torch.rand((batch, k), dtype=torch.float64, device=device, generator=generator)
+
+    positions = torch.arange(k + 1, device=device)
+    drafted = draft_token_ids.unsqueeze(-1)
+    p_drafted = target_probs[:, :k].gather(-1, drafted).squeeze(-1).double()  # [batch, k]
+    if draft_probs is None:
+        q_drafted = torch.ones_like(p_drafted)
+    else:
+        q_drafted = draft_probs.gather(-1, drafted).squeeze(-1).double()
+    # u < p/q without dividing; q = 0 is a rejection, p = 0 can never pass the strict test.
+    accepted = (q_drafted > 0) & (uniforms * q_drafted < p_drafted)  # [batch, k]
+    num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
+
+    # The distribution of the final token: p at the first rejected (or bonus) position,
+    # minus q there when it was a rejection, clamped at 0.
+    rows = torch.arange(batch, device=device)
+    final_probs = target_probs[rows, num_accepted].double()  # [batch, vocab]
+    rejected = num_accepted < k  # [batch]
+    if k > 0:
+        at = num_accepted.clamp(max=k - 1)
+        if draft_probs is None:
+            q_final = torch.zeros_like(final_probs)
+            q_final[rows, draft_token_ids[rows, at]] = 1.0
+        else:
+            q_final = draft_probs[rows, at].double()
+        residual = (final_probs - q_final).clamp(min=0)
+        has_mass = residual.sum(dim=-1, keepdim=True) > 0
+        use_residual = rejected.unsqueeze(-1) & has_mass
+        final_probs = torch.where(use_residual, residual, final_probs)
+    final_tokens = sample_from_probs(final_probs, generator)  # [batch]
+
+    drafted_padded = torch.cat([draft_token_ids, draft_token_ids.new_zeros(batch, 1)], dim=-1)
+    output = torch.where(positions < num_accepted.unsqueeze(-1), drafted_padded,
+                         torch.full_like(drafted_padded, PADDING_TOKEN_ID))
+    output[rows, num_accepted] = final_tokens
+    return VerificationResult(output, num_accepted)
+
+
+def greedy_verify(
+    draft_token_ids: torch.Tensor,  # [batch, k] int64
+    target_token_ids: torch.Tensor,  # [batch, k+1] int64: the target's argmax per position
+) -> VerificationResult:
+    """Exact greedy verification: a draft is accepted iff it equals the target's argmax.
+
+    The committed tokens are the target's argmax tokens up to and including the first
+    mismatch (the recovered token) or the bonus position, so the output equals plain greedy
+    decoding token for token (given batch-invariant kernels; see DESIGN.md on dtypes).
+
+    Args:
+        draft_token_ids: ``[batch, k]`` drafted token ids.
+        target_token_ids: ``[batch, k+1]`` greedy tokens of the target at each position.
+    Returns:
+        :class:`VerificationResult`.
+    Raises:
+        ValueError: on inconsistent shapes.
+    """
+    if target_token_ids.dim() != 2 or draft_token_ids.dim() != 2 or (
+        target_token_ids.shape != (draft_token_ids.shape[0], draft_token_ids.shape[1] + 1)
+    ):
+        raise ValueError(
+            f"greedy_verify needs draft_token_ids [batch, k] and target_token_ids "
+            f"[batch, k+1]; got {tuple(draft_token_ids.shape)} and "
+            f"{tuple(target_token_ids.shape)}"
+        )
+    k = draft_token_ids.shape[1]
+    matches = draft_token_ids == target_token_ids[:, :k]
+    num_accepted = matches.long().cumprod(dim=-1).sum(dim=-1)
+    positions = torch.arange(k + 1, device=target_token_ids.device)
+    output = target_token_ids.masked_fill(positions > num_accepted.unsqueeze(-1),
+                                          PADDING_TOKEN_ID)
+    return VerificationResult(output, num_accepted)
+
+
+def _check_shapes(draft_token_ids: torch.Tensor, target_probs: torch.Tensor) -> tuple[int, int]:
+    if draft_token_ids.dim() != 2 or target_probs.dim() != 3:
+        raise ValueError(
+            f"expected draft_token_ids [batch, k] and target_probs [batch, k+1, vocab]; got "
+            f"{tuple(draft_token_ids.shape)} and {tuple(target_probs.shape)}"
+        )
+    batch, k = draft_token_ids.shape
+    if target_probs.shape[:2] != (batch, k + 1):
+        raise ValueError(
+            f"target_probs has shape {tuple(target_probs.shape)}; expected "
+            f"({batch}, {k + 1}, vocab) for draft_token_ids of shape {(batch, k)}"
+        )
+    return batch, k
