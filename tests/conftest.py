@@ -1,0 +1,96 @@
+"""Shared fixtures: tiny randomly initialised models built from a config in code, a
+character tokenizer, and simple proposers used as drafters in the tests."""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from exactspec.backends.transformers_backend import TransformersBackend
+from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal
+from exactspec.sampling import SamplingParams
+
+ALPHABET = string.ascii_lowercase + string.digits + " ,.!?\n" + string.ascii_uppercase  # 68
+VOCAB = 64  # tokens 0..63 map to ALPHABET[:64]
+
+
+class CharTokenizer:
+    """One character per token; ``vocab`` tokens. Implements the Tokenizer protocol."""
+
+    def __init__(self, vocab: int = VOCAB) -> None:
+        self.chars = ALPHABET[:vocab]
+
+    def encode(self, text: str) -> list[int]:
+        return [self.chars.index(c) for c in text]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(self.chars[t] for t in token_ids)
+
+    def apply_chat_template(self, prompt: str) -> list[int]:
+        return self.encode("user " + prompt + "\nbot ")
+
+    def get_vocab(self) -> dict[str, int]:
+        return {c: i for i, c in enumerate(self.chars)}
+
+
+def tiny_model(seed: int = 0, vocab: int = VOCAB, max_context: int = 512,
+               dtype: torch.dtype = torch.float32):
+    """A 2-layer Llama with random weights; logits spread widely (init range 0.3) so that
+    greedy argmaxes are not near-ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_context, initializer_range=0.3,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                         pad_token_id=None)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def tiny_backend(seed: int = 0, *, eos: Sequence[int] = (), model=None, vocab: int = VOCAB,
+                 tokenizer_vocab: int | None = None, max_context: int = 512,
+                 dtype: torch.dtype = torch.float32) -> TransformersBackend:
+    """A backend over :func:`tiny_model` (or ``model``) with a :class:`CharTokenizer`."""
+    model = model if model is not None else tiny_model(seed, vocab, max_context, dtype)
+    return TransformersBackend(model, CharTokenizer(tokenizer_vocab or min(vocab, VOCAB)),
+                               eos_token_ids=eos)
+
+
+class RandomProposer:
+    """Drafts uniformly random tokens (point mass): almost always wrong."""
+
+    def __init__(self, vocab: int = VOCAB, seed: int = 0) -> None:
+        self.vocab = vocab
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def propose(self, token_ids, k, params, generator) -> Proposal:
+        return Proposal(torch.randint(self.vocab, (k,), generator=self.rng).tolist())
+
+    def observe(self, num_accepted: int) -> None:
+        pass
+
+
+class ScriptedProposer:
+    """Drafts the continuation of ``reference`` (token ids of a full sequence) when the
+    context is a prefix of it: an oracle that is right every time in greedy mode."""
+
+    def __init__(self, reference: Sequence[int]) -> None:
+        self.reference = list(reference)
+
+    def propose(self, token_ids, k, params, generator) -> Proposal:
+        n = len(token_ids)
+        if self.reference[:n] != list(token_ids):
+            return EMPTY_PROPOSAL
+        return Proposal(self.reference[n:n + k])
+
+    def observe(self, num_accepted: int) -> None:
+        pass
+
+
+@pytest.fixture
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0, max_new_tokens=24)

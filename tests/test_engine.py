@@ -1,0 +1,243 @@
+"""The engine on tiny random models: greedy identity with plain decoding, every stop
+condition, context limits, seeded determinism, metrics invariants, and an engine-level
+distribution test with a broken control."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from exactspec import (DraftModelProposer, PromptLookupProposer, SamplingParams,
+                       SpeculativeGenerator)
+from exactspec.proposers.base import Proposal
+
+from conftest import CharTokenizer, RandomProposer, ScriptedProposer, tiny_backend, tiny_model
+from gof import ALPHA, gof_pvalue
+
+REPEATED = "abc abc abd abc abcd, abc abc abd abc"
+COUNTING = ", ".join(str(i) for i in range(1, 41))
+
+
+def plain(target, prompt, params):
+    return SpeculativeGenerator(target, None).generate(prompt, params)
+
+
+def check_stats(result, k):
+    stats = result.stats
+    assert stats.num_generated_tokens == len(result.token_ids) == sum(stats.committed_per_cycle)
+    assert sum(stats.committed_histogram) == stats.cycles
+    assert stats.accepted_tokens <= stats.drafted_tokens <= k * stats.cycles
+    if stats.acceptance_rate is not None:
+        assert 0 <= stats.acceptance_rate <= 1
+    assert 1 <= stats.mean_acceptance_length <= k + 1
+    assert sum(stats.accepted_per_position) == stats.accepted_tokens
+    assert sum(stats.drafted_per_position) == stats.drafted_tokens
+    assert all(a <= d for a, d in zip(stats.accepted_per_position, stats.drafted_per_position))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("drafter", ["random", "prompt_lookup", "identical_model", "other_model"])
+@pytest.mark.parametrize("prompt", [REPEATED, "a"])
+def test_greedy_identity(seed, k, drafter, prompt):
+    target = tiny_backend(seed)
+    params = SamplingParams(max_new_tokens=40)
+    proposer = {
+        "random": lambda: RandomProposer(seed=seed),
+        "prompt_lookup": lambda: PromptLookupProposer(1, 3),
+        "identical_model": lambda: DraftModelProposer(tiny_backend(model=target.model), target),
+        "other_model": lambda: DraftModelProposer(tiny_backend(seed + 100), target),
+    }[drafter]()
+    expected = plain(target, prompt, params)
+    result = SpeculativeGenerator(target, proposer, k).generate(prompt, params)
+    assert result.token_ids == expected.token_ids
+    assert result.text == expected.text and result.finish_reason == expected.finish_reason
+    check_stats(result, k)
+    if drafter == "identical_model":
+        assert result.stats.acceptance_rate == 1.0
+    if drafter == "random":
+        assert result.stats.acceptance_rate < 0.5  # a drafter that is mostly wrong
+
+
+def test_rollback_counting_prompt_with_an_often_wrong_drafter():
+    target = tiny_backend(7)
+    params = SamplingParams(max_new_tokens=60)
+    expected = plain(target, COUNTING, params)
+    for proposer in (PromptLookupProposer(1, 2), RandomProposer(seed=3)):
+        result = SpeculativeGenerator(target, proposer, 4).generate(COUNTING, params)
+        assert result.token_ids == expected.token_ids
+        assert result.stats.acceptance_rate < 0.9  # rejections (and rollbacks) happened
+
+
+def test_eos_at_draft_position_2_of_4_all_accepted():
+    target = tiny_backend(1)
+    reference = plain(target, "abc", SamplingParams(max_new_tokens=12)).token_ids
+    eos = next(t for t in reference[1:4] if t != reference[0])
+    eos_index = reference.index(eos)
+    target_with_eos = tiny_backend(model=target.model, eos=[eos])
+    oracle = ScriptedProposer(target.tokenizer.encode("abc") + reference)
+    result = SpeculativeGenerator(target_with_eos, oracle, 4).generate(
+        "abc", SamplingParams(max_new_tokens=12))
+    assert result.token_ids == reference[: eos_index + 1]
+    assert result.finish_reason == "stop"
+    assert result.stats.num_generated_tokens == eos_index + 1
+    assert result.stats.cycles == 1 and result.stats.accepted_tokens == eos_index + 1
+    assert result.text == target.tokenizer.decode(reference[: eos_index + 1])
+    check_stats(result, 4)
+    # Plain decoding stops at the same place.
+    assert plain(target_with_eos, "abc", SamplingParams(max_new_tokens=12)).token_ids == \
+        result.token_ids
+
+
+def test_stop_string_completing_mid_block():
+    target = tiny_backend(2)
+    reference = plain(target, "abc", SamplingParams(max_new_tokens=12)).token_ids
+    text = target.tokenizer.decode(reference)
+    stop = text[2:4]  # completed by the 4th token, inside the first block of 6
+    first = text.find(stop)
+    oracle = ScriptedProposer(target.tokenizer.encode("abc") + reference)
+    params = SamplingParams(max_new_tokens=12, stop=(stop, "never-there"))
+    result = SpeculativeGenerator(target, oracle, 6).generate("abc", params)
+    assert result.finish_reason == "stop"
+    assert result.text == text[:first]
+    assert result.token_ids == reference[: first + len(stop)]
+    assert result.stats.num_generated_tokens == first + len(stop) and result.stats.cycles == 1
+    check_stats(result, 6)
+    baseline = plain(target, "abc", params)
+    assert (baseline.token_ids, baseline.text) == (result.token_ids, result.text)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3])
+def test_max_new_tokens_smaller_than_k(max_new_tokens):
+    target = tiny_backend(3)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    expected = plain(target, REPEATED, params)
+    oracle = ScriptedProposer(target.tokenizer.encode(REPEATED) + expected.token_ids + [0] * 9)
+    result = SpeculativeGenerator(target, oracle, 8).generate(REPEATED, params)
+    assert len(result.token_ids) == max_new_tokens and result.finish_reason == "length"
+    assert result.token_ids == expected.token_ids
+    check_stats(result, 8)
+
+
+def test_context_limit_clamps_k_and_ends_with_length():
+    target = tiny_backend(4, max_context=32)
+    prompt = REPEATED[:28]  # 4 positions left, fewer than k + 1 = 9
+    params = SamplingParams(max_new_tokens=50)
+    expected = plain(target, prompt, params)
+    assert len(expected.token_ids) == 4 and expected.finish_reason == "length"
+    for proposer in (PromptLookupProposer(), DraftModelProposer(tiny_backend(model=target.model), target)):
+        result = SpeculativeGenerator(target, proposer, 8).generate(prompt, params)
+        assert result.token_ids == expected.token_ids and result.finish_reason == "length"
+    full = SpeculativeGenerator(target, PromptLookupProposer(), 8).generate(REPEATED[:32], params)
+    assert full.token_ids == [] and full.finish_reason == "length"
+    with pytest.raises(ValueError, match="33 tokens; the model's context holds 32"):
+        SpeculativeGenerator(target, PromptLookupProposer(), 8).generate(REPEATED[:33], params)
+
+
+def test_no_eos_configured_runs_to_length():
+    target = tiny_backend(5, eos=())
+    result = SpeculativeGenerator(target, PromptLookupProposer(), 4).generate(
+        REPEATED, SamplingParams(max_new_tokens=30))
+    assert len(result.token_ids) == 30 and result.finish_reason == "length"
+
+
+def test_bad_inputs():
+    target = tiny_backend(0)
+    generator = SpeculativeGenerator(target, PromptLookupProposer(), 4)
+    with pytest.raises(ValueError, match="empty"):
+        generator.generate([])
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 64\)"):
+        generator.generate([1, 64])
+    with pytest.raises(ValueError, match="needs a text prompt"):
+        generator.generate([1, 2], chat=True)
+    for bad_k in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="num_speculative_tokens"):
+            SpeculativeGenerator(target, PromptLookupProposer(), bad_k)
+
+
+def test_chat_template_is_applied():
+    target = tiny_backend(0)
+    result = SpeculativeGenerator(target, None).generate("hi", SamplingParams(max_new_tokens=2),
+                                                         chat=True)
+    assert result.prompt_token_ids == target.tokenizer.encode("user hi\nbot ")
+
+
+# --- sampling ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_seeded_determinism(k):
+    target = tiny_backend(6)
+    params = SamplingParams(temperature=1.0, top_k=20, seed=11, max_new_tokens=30)
+    def run(p):
+        proposer = DraftModelProposer(tiny_backend(60), target)
+        return SpeculativeGenerator(target, proposer, k).generate(REPEATED, p)
+    first, second = run(params), run(params)
+    assert first.token_ids == second.token_ids
+    assert first.stats.committed_per_cycle == second.stats.committed_per_cycle
+    assert first.stats.accepted_per_position == second.stats.accepted_per_position
+    other = run(SamplingParams(temperature=1.0, top_k=20, seed=12, max_new_tokens=30))
+    assert other.token_ids != first.token_ids
+
+
+def exact_two_token_distribution(target, prompt_ids, params):
+    """P(x1, x2) of the target's processed distribution, by enumeration: [vocab, vocab]."""
+    from exactspec.sampling import logits_to_probs
+
+    target.prefill(prompt_ids[:-1])
+    p1 = logits_to_probs(target.forward([prompt_ids[-1]]), params)[0]
+    joint = torch.zeros(target.vocab_size, target.vocab_size, dtype=torch.float64)
+    for x1 in torch.nonzero(p1).flatten().tolist():
+        target.prefill(prompt_ids)
+        p2 = logits_to_probs(target.forward([x1]), params)[0]
+        joint[x1] = p1[x1].double() * p2.double()
+    return joint
+
+
+class LyingProposer:
+    """Samples drafts from a draft model but reports q as uniform: the broken control."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def propose(self, token_ids, k, params, generator):
+        proposal = self.inner.propose(token_ids, k, params, generator)
+        if proposal.probs is None:
+            return proposal
+        return Proposal(proposal.token_ids, torch.full_like(proposal.probs,
+                                                            1 / proposal.probs.shape[-1]))
+
+    def observe(self, num_accepted):
+        pass
+
+
+SAMPLES = 3000
+
+
+def two_token_counts(generator, prompt_ids, params_for_seed, vocab):
+    counts = np.zeros((vocab, vocab))
+    for seed in range(SAMPLES):
+        ids = generator.generate(prompt_ids, params_for_seed(seed)).token_ids
+        counts[ids[0], ids[1]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_engine_sampling_follows_the_target_two_tokens(broken):
+    """Joint distribution of the first two generated tokens (an outcome space of vocab²)
+    with a real draft model that disagrees often; the lying proposer must be caught."""
+    vocab = 16
+    target = tiny_backend(8, vocab=vocab)
+    draft = tiny_backend(9, vocab=vocab)
+    prompt_ids = [1, 2, 3, 1, 2]
+    params = lambda seed: SamplingParams(temperature=1.0, top_k=8, seed=seed, max_new_tokens=2)
+    proposer = DraftModelProposer(draft, target)
+    if broken:
+        proposer = LyingProposer(proposer)
+    counts = two_token_counts(SpeculativeGenerator(target, proposer, 3), prompt_ids, params, vocab)
+    joint = exact_two_token_distribution(target, prompt_ids, params(0))
+    pvalue = gof_pvalue(counts.ravel(), joint.ravel().numpy())
+    if broken:
+        assert pvalue < ALPHA
+    else:
+        assert pvalue > ALPHA
