@@ -11,6 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import contextlib
+import os
+import shutil
+import tempfile
+
 import torch
 
 from exactspec.backends.base import UnsupportedModelError
@@ -100,6 +105,8 @@ class TransformersBackend:
             dtype: one of :data:`DTYPES`; float32 keeps greedy output bit-identical to plain
                 decoding (other dtypes may flip near-tied argmaxes, see DESIGN.md).
             gguf_file: a GGUF file name inside folder ``path`` (alternative to a .gguf path).
+                A GGUF file is dequantised to float32 once and kept as a model folder in
+                the cache (see :func:`converted_gguf_folder`).
         Raises:
             FileNotFoundError: if ``path`` does not exist.
             ValueError: for an unknown dtype or device.
@@ -114,13 +121,14 @@ class TransformersBackend:
         path = Path(path).expanduser()
         if not path.exists():
             raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+        if gguf_file:
+            path = path / gguf_file
         if path.suffix == ".gguf":
-            path, gguf_file = path.parent, path.name
-        kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+            path = converted_gguf_folder(path)
         hf_logging.disable_progress_bar()  # callers show their own progress indicator
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
         finally:
             hf_logging.enable_progress_bar()
         return cls(model.to(resolved_device), HFTokenizer(tokenizer))
@@ -152,6 +160,76 @@ class TransformersBackend:
             output = self.model(input_ids=input_ids, cache=self._cache, use_cache=True,
                                 logits_to_keep=num_logits)
         return output.logits[0]
+
+
+def cache_root() -> Path:
+    """Where exactspec keeps converted models: ``$EXACTSPEC_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/exactspec``, else ``~/.cache/exactspec``."""
+    if os.environ.get("EXACTSPEC_CACHE_DIR"):
+        return Path(os.environ["EXACTSPEC_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "exactspec"
+
+
+def converted_gguf_folder(gguf_path: Path) -> Path:
+    """A Hugging Face model folder (float32 safetensors, tokenizer, chat template) holding
+    ``gguf_path`` as transformers dequantises it, converted on first use (≈ 40 s for the
+    embedded model on 2 CPU cores) and reused afterwards (≈ 1 s). The folder's name keys on
+    the file's name, size and modification time and on the transformers version, so a
+    changed file or converter gives a new folder. The weights are bit-identical to loading
+    the GGUF file directly. If the cache cannot be written, the GGUF file is converted in a
+    temporary folder each time.
+    """
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    stat = gguf_path.stat()
+    key = f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers{transformers.__version__}"
+    folder = cache_root() / "converted" / key
+    if (folder / "config.json").is_file():
+        return folder
+    with _quiet_gguf_reader():
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                     dtype=torch.float32)
+    # The weights are plain float32 tensors now; drop the GGUF marker so they can be saved.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".partial-"))
+    except OSError:  # cache not writable: convert into a temporary folder every time
+        staging = Path(tempfile.mkdtemp(prefix="exactspec-converted-"))
+    with _quiet_gguf_reader():
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+    if staging.parent != folder.parent:
+        return staging
+    try:
+        staging.rename(folder)  # atomic: a reader never sees a half-written folder
+    except OSError:  # another process converted it first
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+@contextlib.contextmanager
+def _quiet_gguf_reader():
+    """Silence the progress bar of transformers' GGUF reader (callers show their own)."""
+    from functools import partial
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is not None:
+        gguf_utils.tqdm = partial(original, disable=True)
+    try:
+        yield
+    finally:
+        if original is not None:
+            gguf_utils.tqdm = original
+        hf_logging.enable_progress_bar()
 
 
 def _check_rollback(model, cache) -> None:

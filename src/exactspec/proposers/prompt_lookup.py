@@ -32,7 +32,7 @@ class PromptLookupProposer:
         ValueError: naming the bad size.
     """
 
-    def __init__(self, min_ngram: int = 1, max_ngram: int = 3) -> None:
+    def __init__(self, min_ngram: int = 2, max_ngram: int = 3) -> None:
         if not isinstance(min_ngram, int) or min_ngram < 1:
             raise ValueError(f"min_ngram = {min_ngram!r} is invalid: it must be an integer ≥ 1")
         if not isinstance(max_ngram, int) or max_ngram < min_ngram:

@@ -1,0 +1,150 @@
+"""The ``exactspec`` command line. ``exactspec generate --help`` explains every option."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from exactspec import __version__
+from exactspec.models import DEFAULT_MODEL, EMBEDDED_MODELS
+
+DEFAULT_K = 4
+DEFAULT_NGRAM = (2, 3)
+
+
+def _ngram_range(text: str) -> tuple[int, int]:
+    """``MIN:MAX`` → (min, max) n-gram sizes."""
+    try:
+        low, high = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid: give MIN:MAX n-gram sizes, e.g. 1:3") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: need 1 ≤ MIN ≤ MAX")
+    return low, high
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="exactspec",
+        description="Exact speculative decoding: faster generation, the target model's output "
+                    "distribution unchanged.")
+    parser.add_argument("--version", action="version", version=f"exactspec {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = commands.add_parser(
+        "generate", help="generate text with speculative decoding",
+        description="Generate a continuation of PROMPT with exact speculative decoding and print "
+                    "the text, then a one-line summary (tokens, tokens/s, acceptance rate, mean "
+                    "acceptance length) on stderr. By default the drafter is prompt lookup "
+                    "(n-gram matching in the prompt and the generated text).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen.add_argument("prompt", metavar="PROMPT", help="the prompt text; '-' reads it from stdin")
+    model = gen.add_argument_group("models")
+    model.add_argument("--model", default=DEFAULT_MODEL,
+                       help="target model: an embedded model name "
+                            f"({', '.join(EMBEDDED_MODELS)}), a local Hugging Face model "
+                            "folder, or a .gguf file")
+    model.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    model.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                       help="weights' dtype; only float32 keeps greedy output bit-identical to "
+                            "plain decoding (others may flip near-tied tokens)")
+    spec = gen.add_argument_group("speculation")
+    how = spec.add_mutually_exclusive_group()
+    how.add_argument("--prompt-lookup", metavar="MIN:MAX", type=_ngram_range, nargs="?",
+                     const=DEFAULT_NGRAM, default=None,
+                     help="draft by prompt lookup with n-grams of MIN..MAX tokens "
+                          f"(the default drafter, with {DEFAULT_NGRAM[0]}:{DEFAULT_NGRAM[1]})")
+    how.add_argument("--draft-model", metavar="MODEL",
+                     help="draft with a smaller model on the same tokenizer (name, folder or .gguf)")
+    how.add_argument("--no-speculation", action="store_true",
+                     help="plain decoding on the same backend, for comparison")
+    spec.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K,
+                      metavar="K", help="most tokens drafted per cycle")
+    sampling = gen.add_argument_group("sampling")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    sampling.add_argument("--top-k", type=int, default=0, help="0 = disabled")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="1 = disabled")
+    sampling.add_argument("--min-p", type=float, default=0.0, help="0 = disabled")
+    sampling.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    sampling.add_argument("--max-new-tokens", type=int, default=128)
+    sampling.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                          help="stop before this text (repeatable)")
+    out = gen.add_argument_group("output")
+    out.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="wrap the prompt in the model's chat template (default: on when the "
+                          "model has one)")
+    out.add_argument("--json", action="store_true",
+                     help="print one JSON object: text, token_ids, finish_reason, every stats field")
+    gen.set_defaults(subparser=gen)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return _generate(args, args.subparser)
+
+
+def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from rich.console import Console
+
+    from exactspec import (DraftModelProposer, PromptLookupProposer, SamplingParams,
+                           SpeculativeGenerator, UnsupportedModelError, load_model)
+    from exactspec.models import ModelNotFoundError
+
+    try:
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                min_p=args.min_p, seed=args.seed,
+                                max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
+    except ValueError as error:
+        parser.error(str(error).replace("SamplingParams.", "--").replace("_", "-"))
+    if args.num_speculative_tokens < 0:
+        parser.error(f"-k {args.num_speculative_tokens} is invalid: it must be ≥ 0 "
+                     "(0 = plain decoding)")
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+
+    console = Console(stderr=True)
+    try:
+        with console.status(f"Loading {args.model} ({args.dtype}); the first use of a GGUF file "
+                            "converts it once (≈ 40 s) …"):
+            target = load_model(args.model, device=args.device, dtype=args.dtype)
+        if args.no_speculation or args.num_speculative_tokens == 0:
+            proposer, method = None, "none (plain decoding)"
+        elif args.draft_model:
+            with console.status(f"Loading draft {args.draft_model} …"):
+                draft = load_model(args.draft_model, device=args.device, dtype=args.dtype)
+            proposer, method = DraftModelProposer(draft, target), f"draft model {args.draft_model}"
+        else:
+            low, high = args.prompt_lookup or DEFAULT_NGRAM
+            proposer, method = PromptLookupProposer(low, high), f"prompt lookup {low}:{high}"
+        chat = args.chat if args.chat is not None else _has_chat_template(target)
+        generator = SpeculativeGenerator(target, proposer, args.num_speculative_tokens)
+        result = generator.generate(prompt, params, chat=chat)
+    except (ModelNotFoundError, UnsupportedModelError, ValueError) as error:
+        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        return 1
+
+    if args.json:
+        print(json.dumps(result.to_dict() | {
+            "model": args.model, "method": method, "dtype": args.dtype, "chat": chat,
+            "sampling_params": vars(params) | {"stop": list(params.stop)},
+        }, indent=2))
+    else:
+        print(result.text)
+    console.print(f"{result.stats.summary()} · finish: {result.finish_reason} · {method}",
+                  highlight=False, soft_wrap=True)
+    return 0
+
+
+def _has_chat_template(target) -> bool:
+    try:
+        target.tokenizer.apply_chat_template("")
+    except ValueError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())

