@@ -74,7 +74,8 @@ def test_stop_string_via_cli(model_folder, capsys):
     _, out, _ = run(capsys, "abc", "--model", model_folder, "--max-new-tokens", 12, "--json",
                     "--stop", stop)
     result = json.loads(out)
-    assert result["text"] == text[: text.find(stop)] and result["finish_reason"] == "stop"
+    assert result["text"] == text[: text.find(stop) + len(stop)]
+    assert result["finish_reason"] == "stop" and result["stop_reason"] == stop
 
 
 @pytest.mark.parametrize("args,message", [

@@ -80,7 +80,7 @@ def test_eos_at_draft_position_2_of_4_all_accepted():
     result = SpeculativeGenerator(target_with_eos, oracle, 4).generate(
         "abc", SamplingParams(max_new_tokens=12))
     assert result.token_ids == reference[: eos_index + 1]
-    assert result.finish_reason == "stop"
+    assert result.finish_reason == "stop" and result.stop_reason == eos
     assert result.stats.num_generated_tokens == eos_index + 1
     assert result.stats.cycles == 1 and result.stats.accepted_tokens == eos_index + 1
     assert result.text == target.tokenizer.decode(reference[: eos_index + 1])
@@ -99,8 +99,8 @@ def test_stop_string_completing_mid_block():
     oracle = ScriptedProposer(target.tokenizer.encode("abc") + reference)
     params = SamplingParams(max_new_tokens=12, stop=(stop, "never-there"))
     result = SpeculativeGenerator(target, oracle, 6).generate("abc", params)
-    assert result.finish_reason == "stop"
-    assert result.text == text[:first]
+    assert result.finish_reason == "stop" and result.stop_reason == stop
+    assert result.text == text[: first + len(stop)]  # one token per character here
     assert result.token_ids == reference[: first + len(stop)]
     assert result.stats.num_generated_tokens == first + len(stop) and result.stats.cycles == 1
     check_stats(result, 6)

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
     sampling.add_argument("--max-new-tokens", type=int, default=128)
     sampling.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                          help="stop before this text (repeatable)")
+                          help="end generation at the token that completes TEXT (repeatable)")
     out = gen.add_argument_group("output")
     out.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="wrap the prompt in the model's chat template (default: on when the "

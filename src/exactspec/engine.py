@@ -36,11 +36,13 @@ class GenerationResult:
     """The output of one generation.
 
     Attributes:
-        text: the generated text (special tokens left out, cut before a stop string).
+        text: ``decode(token_ids)``, special tokens left out. When a stop string ended
+            generation the text ends with it (``stop_reason`` names it).
         token_ids: ``[num_generated_tokens]`` generated ids, ending with the EOS or the
             token that completed a stop string when one ended generation.
         finish_reason: ``"stop"`` (EOS or stop string) or ``"length"`` (max_new_tokens or
             the model's context limit).
+        stop_reason: the EOS id or the stop string that ended generation, else None.
         prompt_token_ids: the prompt as the model saw it (chat template applied).
         stats: counts and timings, see :class:`~exactspec.metrics.GenerationStats`.
     """
@@ -48,6 +50,7 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     finish_reason: FinishReason
+    stop_reason: int | str | None
     prompt_token_ids: list[int]
     stats: GenerationStats
 
@@ -140,9 +143,10 @@ class SpeculativeGenerator:
         stats.total_seconds = time.perf_counter() - start
 
         output = tokens[num_prompt_tokens:]
-        return GenerationResult(text=stopper.text(output), token_ids=output,
-                                finish_reason=finish_reason, prompt_token_ids=tokens[:num_prompt_tokens],
-                                stats=stats)
+        return GenerationResult(
+            text=self.target.tokenizer.decode(output), token_ids=output,
+            finish_reason=finish_reason, stop_reason=stopper.stop_reason,
+            prompt_token_ids=tokens[:num_prompt_tokens], stats=stats)
 
     def _verify(self, last_token: int, proposal: Proposal, params: SamplingParams,
                 generator: torch.Generator) -> tuple[list[int], int]:

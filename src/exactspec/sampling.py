@@ -32,7 +32,7 @@ class SamplingParams:
         seed: Seed of the random generator (an int ≥ 0), or None for a fresh random seed.
             The same seed gives the same output on the same backend and device.
         max_new_tokens: Most tokens to generate (tokens). Must be ≥ 1.
-        stop: Strings that end generation; the text is cut before the first one found.
+        stop: Strings that end generation at the token that completes the first one found.
 
     Raises:
         ValueError: naming the field, for any value outside the ranges above.

@@ -1,9 +1,10 @@
 """Stop conditions, checked on committed tokens one at a time, in order.
 
 A token that ends generation (an EOS id, or the token that completes a stop string) is the
-last token emitted: nothing after it is returned or counted. The text is cut before the
-stop string (OpenAI's convention); the EOS token stays in ``token_ids`` but, being a
-special token, not in the text.
+last token emitted: nothing after it is returned or counted. Text, token ids and counts
+are all cut at that token, so the text is always ``decode(token_ids)``: it ends with the
+stop string (plus whatever else the completing token spells). ``stop_reason`` says which
+stop matched, so a caller can strip it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ class StopChecker:
         tokenizer: to decode the output when stop strings are set.
         eos_token_ids: ids that end generation (may be empty: no EOS).
         stop_strings: strings that end generation (may be empty).
+
+    Attributes:
+        stop_reason: the EOS id or stop string that ended generation, else None.
     """
 
     def __init__(self, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
@@ -27,22 +31,19 @@ class StopChecker:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_strings = tuple(stop_strings)
-        self._text_end: int | None = None  # where a stop string starts in the text
+        self.stop_reason: int | str | None = None
 
     def is_stop(self, output_token_ids: Sequence[int]) -> bool:
         """True if the last of ``output_token_ids`` (the generated tokens so far) ends
         generation. Decodes the whole output when stop strings are set (exact, and cheap
         next to a forward pass)."""
         if output_token_ids[-1] in self.eos_token_ids:
+            self.stop_reason = output_token_ids[-1]
             return True
         if self.stop_strings:
             text = self.tokenizer.decode(output_token_ids)
-            found = [i for i in (text.find(s) for s in self.stop_strings) if i >= 0]
+            found = [(text.find(s), s) for s in self.stop_strings if s in text]
             if found:
-                self._text_end = min(found)
+                self.stop_reason = min(found)[1]
                 return True
         return False
-
-    def text(self, output_token_ids: Sequence[int]) -> str:
-        """The output's text, cut before the stop string if one ended generation."""
-        return self.tokenizer.decode(output_token_ids)[: self._text_end]
