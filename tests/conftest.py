@@ -23,7 +23,7 @@ class CharTokenizer:
     def __init__(self, vocab: int = VOCAB) -> None:
         self.chars = ALPHABET[:vocab]
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [self.chars.index(c) for c in text]
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -60,6 +60,20 @@ def tiny_backend(seed: int = 0, *, eos: Sequence[int] = (), model=None, vocab: i
                                eos_token_ids=eos)
 
 
+def perturbed_backend(target: TransformersBackend, noise: float = 0.05,
+                      seed: int = 0) -> TransformersBackend:
+    """A draft close to ``target``: a copy of its model with Gaussian noise on the weights,
+    so it agrees often (high acceptance) but not always (p ≠ q)."""
+    import copy
+
+    model = copy.deepcopy(target.model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * noise)
+    return TransformersBackend(model, target.tokenizer, eos_token_ids=target.eos_token_ids)
+
+
 class RandomProposer:
     """Drafts uniformly random tokens (point mass): almost always wrong."""
 
@@ -67,7 +81,7 @@ class RandomProposer:
         self.vocab = vocab
         self.rng = torch.Generator().manual_seed(seed)
 
-    def propose(self, token_ids, k, params, generator) -> Proposal:
+    def propose(self, token_ids, k, pipeline, generator) -> Proposal:
         return Proposal(torch.randint(self.vocab, (k,), generator=self.rng).tolist())
 
     def observe(self, num_accepted: int) -> None:
@@ -81,7 +95,7 @@ class ScriptedProposer:
     def __init__(self, reference: Sequence[int]) -> None:
         self.reference = list(reference)
 
-    def propose(self, token_ids, k, params, generator) -> Proposal:
+    def propose(self, token_ids, k, pipeline, generator) -> Proposal:
         n = len(token_ids)
         if self.reference[:n] != list(token_ids):
             return EMPTY_PROPOSAL

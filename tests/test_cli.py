@@ -112,3 +112,43 @@ def test_help_explains(capsys):
     for option in ("--draft-model", "--prompt-lookup", "--num-speculative-tokens",
                    "--no-speculation", "--min-p", "--stop", "--chat", "--device", "--json"):
         assert option in out
+
+
+def test_sampling_features_and_logprobs_identical_with_and_without_speculation(model_folder,
+                                                                                capsys):
+    args = ["abc abc abd abc abcd, abc abc", "--model", model_folder, "--json", "--logprobs", 3,
+            "--frequency-penalty", 0.5, "--min-new-tokens", 10, "--max-new-tokens", 16,
+            "--logit-bias", "5=1.5", "--bad-word", "q", "--ban-token-id", 7,
+            "--repetition-penalty", 1.1, "--presence-penalty", 0.2]
+    _, out, _ = run(capsys, *args, "--prompt-lookup", "1:3")
+    spec = json.loads(out)
+    _, out, _ = run(capsys, *args, "--no-speculation")
+    plain = json.loads(out)
+    assert spec["token_ids"] == plain["token_ids"] and len(spec["token_ids"]) >= 10
+    assert len(spec["logprobs"]) == len(spec["token_ids"]) == spec["usage"]["completion_tokens"]
+    for a, b in zip(spec["logprobs"], plain["logprobs"]):
+        assert a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < 1e-5
+        assert len(a["top_logprobs"]) == 3
+    assert 7 not in spec["token_ids"] and "q" not in spec["text"]
+    assert spec["sampling_params"]["frequency_penalty"] == 0.5
+
+
+def test_n_samples_json(model_folder, capsys):
+    _, out, err = run(capsys, "abc", "--model", model_folder, "--json", "-n", 3,
+                      "--temperature", 1.0, "--seed", 2, "--max-new-tokens", 6)
+    samples = json.loads(out)["samples"]
+    assert len(samples) == 3 and err.count("tokens/s") == 3
+    assert len({tuple(s["token_ids"]) for s in samples}) > 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--logit-bias", "x"], "'x' is invalid: give TOKEN_ID=BIAS"),
+    (["--presence-penalty", "3"], "--presence-penalty = 3.0 is invalid"),
+    (["--min-new-tokens", "300"], "--min-new-tokens = 300 is invalid"),
+    (["-n", "0"], "-n 0 is invalid"),
+    (["--logprobs", "50"], "--logprobs = 50 is invalid"),
+])
+def test_bad_sampling_arguments(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "hi", *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

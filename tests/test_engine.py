@@ -200,8 +200,8 @@ class LyingProposer:
     def __init__(self, inner):
         self.inner = inner
 
-    def propose(self, token_ids, k, params, generator):
-        proposal = self.inner.propose(token_ids, k, params, generator)
+    def propose(self, token_ids, k, pipeline, generator):
+        proposal = self.inner.propose(token_ids, k, pipeline, generator)
         if proposal.probs is None:
             return proposal
         return Proposal(proposal.token_ids, torch.full_like(proposal.probs,

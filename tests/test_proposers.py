@@ -5,6 +5,7 @@ import torch
 
 from exactspec import (DraftModelProposer, PromptLookupProposer, SamplingParams,
                        SpeculativeGenerator, UnsupportedModelError)
+from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.sampling import make_generator
 
 from conftest import CharTokenizer, tiny_backend, tiny_model
@@ -13,8 +14,12 @@ GREEDY = SamplingParams()
 G = make_generator(0)
 
 
+def pipe(params, vocab=64):
+    return LogitsPipeline(params, [0], vocab)
+
+
 def lookup(context, k, low=1, high=3):
-    return PromptLookupProposer(low, high).propose(context, k, GREEDY, G).token_ids
+    return PromptLookupProposer(low, high).propose(context, k, pipe(GREEDY), G).token_ids
 
 
 def test_prompt_lookup_prefers_the_longest_ngram_then_the_most_recent_match():
@@ -54,7 +59,7 @@ def test_draft_with_padded_vocabulary(draft_vocab):
     draft = tiny_backend(model=tiny_model(5, vocab=draft_vocab), tokenizer_vocab=60)
     proposer = DraftModelProposer(draft, target)
     for params in (GREEDY, SamplingParams(temperature=1.0, seed=0)):
-        proposal = proposer.propose([1, 2, 3], 6, params, make_generator(0))
+        proposal = proposer.propose([1, 2, 3], 6, pipe(params), make_generator(0))
         assert len(proposal.token_ids) == 6 and max(proposal.token_ids) < 60
         if proposal.probs is not None:
             assert proposal.probs.shape == (6, 64)
@@ -70,10 +75,10 @@ def test_draft_cache_follows_the_context():
     target = tiny_backend(0)
     draft = tiny_backend(1)
     proposer = DraftModelProposer(draft, target)
-    proposer.propose([1, 2, 3], 4, GREEDY, G)
+    proposer.propose([1, 2, 3], 4, pipe(GREEDY), G)
     assert draft.num_cached_tokens == 3 + 3  # context + all drafts but the last
-    proposer.propose([1, 2, 3, 9, 9], 2, GREEDY, G)  # a diverging context
+    proposer.propose([1, 2, 3, 9, 9], 2, pipe(GREEDY), G)  # a diverging context
     assert draft.num_cached_tokens == 5 + 1
     fresh = DraftModelProposer(tiny_backend(model=draft.model), target)
-    assert proposer.propose([1, 2, 3, 9, 9, 4], 3, GREEDY, G).token_ids == \
-        fresh.propose([1, 2, 3, 9, 9, 4], 3, GREEDY, G).token_ids
+    assert proposer.propose([1, 2, 3, 9, 9, 4], 3, pipe(GREEDY), G).token_ids == \
+        fresh.propose([1, 2, 3, 9, 9, 4], 3, pipe(GREEDY), G).token_ids

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from exactspec import __version__
@@ -25,6 +26,16 @@ def _ngram_range(text: str) -> tuple[int, int]:
     return low, high
 
 
+def _logit_bias(text: str) -> tuple[int, float]:
+    """``ID=BIAS`` → (token id, bias)."""
+    try:
+        token, bias = text.split("=")
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid: give TOKEN_ID=BIAS, e.g. 1234=-100") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="exactspec",
@@ -38,18 +49,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate a continuation of PROMPT with exact speculative decoding and print "
                     "the text, then a one-line summary (tokens, tokens/s, acceptance rate, mean "
                     "acceptance length) on stderr. By default the drafter is prompt lookup "
-                    "(n-gram matching in the prompt and the generated text).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "(n-gram matching in the prompt and the generated text).")
     gen.add_argument("prompt", metavar="PROMPT", help="the prompt text; '-' reads it from stdin")
     model = gen.add_argument_group("models")
     model.add_argument("--model", default=DEFAULT_MODEL,
                        help="target model: an embedded model name "
-                            f"({', '.join(EMBEDDED_MODELS)}), a local Hugging Face model "
-                            "folder, or a .gguf file")
-    model.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+                            f"({', '.join(EMBEDDED_MODELS)}; the default), a local Hugging Face "
+                            "model folder, or a .gguf file")
+    model.add_argument("--device", default="auto", help="auto (the default: cuda if available), cpu, cuda, cuda:N")
     model.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                       help="weights' dtype; only float32 keeps greedy output bit-identical to "
-                            "plain decoding (others may flip near-tied tokens)")
+                       help="weights' dtype (default float32); only float32 keeps greedy output "
+                            "bit-identical to plain decoding (others may flip near-tied tokens)")
     spec = gen.add_argument_group("speculation")
     how = spec.add_mutually_exclusive_group()
     how.add_argument("--prompt-lookup", metavar="MIN:MAX", type=_ngram_range, nargs="?",
@@ -61,22 +71,49 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--no-speculation", action="store_true",
                      help="plain decoding on the same backend, for comparison")
     spec.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K,
-                      metavar="K", help="most tokens drafted per cycle")
+                      metavar="K", help=f"most tokens drafted per cycle (default {DEFAULT_K})")
     sampling = gen.add_argument_group("sampling")
-    sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    sampling.add_argument("--top-k", type=int, default=0, help="0 = disabled")
-    sampling.add_argument("--top-p", type=float, default=1.0, help="1 = disabled")
-    sampling.add_argument("--min-p", type=float, default=0.0, help="0 = disabled")
-    sampling.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
-    sampling.add_argument("--max-new-tokens", type=int, default=128)
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    sampling.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (0 = off, the default)")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off, the default)")
+    sampling.add_argument("--min-p", type=float, default=0.0,
+                          help="drop tokens below MIN_P × the top probability (0 = off, the default)")
+    sampling.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh random one)")
+    sampling.add_argument("--max-new-tokens", type=int, default=128,
+                          help="most tokens to generate (default 128)")
+    sampling.add_argument("--min-new-tokens", type=int, default=0,
+                          help="suppress EOS, stop token ids and stop strings until this many "
+                               "tokens were generated")
     sampling.add_argument("--stop", action="append", default=[], metavar="TEXT",
                           help="end generation at the token that completes TEXT (repeatable)")
+    sampling.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
+                          help="end generation at this token id, besides EOS (repeatable)")
+    sampling.add_argument("--ignore-eos", action="store_true",
+                          help="keep generating after the model's EOS token")
+    sampling.add_argument("--repetition-penalty", type=float, default=1.0,
+                          help="transformers' repetition penalty over prompt and output (1 = off)")
+    sampling.add_argument("--presence-penalty", type=float, default=0.0,
+                          help="OpenAI's presence penalty over the output, in [-2, 2]")
+    sampling.add_argument("--frequency-penalty", type=float, default=0.0,
+                          help="OpenAI's frequency penalty over the output, in [-2, 2]")
+    sampling.add_argument("--logit-bias", action="append", type=_logit_bias, default=[],
+                          metavar="ID=BIAS", help="add BIAS to token ID's logit (repeatable)")
+    sampling.add_argument("--bad-word", action="append", default=[], metavar="TEXT",
+                          help="never generate TEXT (repeatable)")
+    sampling.add_argument("--ban-token-id", action="append", type=int, default=[], metavar="ID",
+                          help="never generate token ID (repeatable)")
+    sampling.add_argument("-n", "--num-samples", type=int, default=1, metavar="N",
+                          help="independent samples of the same prompt (sharing its prefill)")
     out = gen.add_argument_group("output")
     out.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="wrap the prompt in the model's chat template (default: on when the "
                           "model has one)")
     out.add_argument("--json", action="store_true",
-                     help="print one JSON object: text, token_ids, finish_reason, every stats field")
+                     help="print one JSON object: text, token_ids, finish_reason, usage, "
+                          "logprobs, every stats field (with -n > 1: a list under 'samples')")
+    out.add_argument("--logprobs", type=int, default=None, metavar="N",
+                     help="with --json: each token's logprob under the target's processed "
+                          "distribution and the top N alternatives (0..20)")
     gen.set_defaults(subparser=gen)
     return parser
 
@@ -95,20 +132,33 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from exactspec.models import ModelNotFoundError
 
     try:
-        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                min_p=args.min_p, seed=args.seed,
-                                max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
+        params = SamplingParams(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+            seed=args.seed, max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
+            stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id),
+            ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+            logit_bias=dict(args.logit_bias), bad_words=tuple(args.bad_word),
+            banned_token_ids=tuple(args.ban_token_id), logprobs=args.logprobs)
     except ValueError as error:
         parser.error(str(error).replace("SamplingParams.", "--").replace("_", "-"))
+    if args.num_samples < 1:
+        parser.error(f"-n {args.num_samples} is invalid: it must be ≥ 1")
     if args.num_speculative_tokens < 0:
         parser.error(f"-k {args.num_speculative_tokens} is invalid: it must be ≥ 0 "
                      "(0 = plain decoding)")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt:
+        parser.error("PROMPT is empty: give some text")
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("exactspec").setLevel(logging.INFO)
+    if args.dtype != "float32":
+        console.print(f"note: with {args.dtype} weights greedy output is not promised to be "
+                      "bit-identical to plain decoding (near-tied tokens can flip)", highlight=False)
     try:
-        with console.status(f"Loading {args.model} ({args.dtype}); the first use of a GGUF file "
-                            "converts it once (≈ 40 s) …"):
+        with console.status(f"Loading {args.model} ({args.dtype}) …"):
             target = load_model(args.model, device=args.device, dtype=args.dtype)
         if args.no_speculation or args.num_speculative_tokens == 0:
             proposer, method = None, "none (plain decoding)"
@@ -121,20 +171,24 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             proposer, method = PromptLookupProposer(low, high), f"prompt lookup {low}:{high}"
         chat = args.chat if args.chat is not None else _has_chat_template(target)
         generator = SpeculativeGenerator(target, proposer, args.num_speculative_tokens)
-        result = generator.generate(prompt, params, chat=chat)
+        results = generator.generate_samples(prompt, params, n=args.num_samples, chat=chat)
     except (ModelNotFoundError, UnsupportedModelError, ValueError) as error:
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        console.print(f"[bold red]error:[/] {error}", highlight=False, markup=True)
         return 1
 
     if args.json:
-        print(json.dumps(result.to_dict() | {
-            "model": args.model, "method": method, "dtype": args.dtype, "chat": chat,
-            "sampling_params": vars(params) | {"stop": list(params.stop)},
-        }, indent=2))
-    else:
-        print(result.text)
-    console.print(f"{result.stats.summary()} · finish: {result.finish_reason} · {method}",
-                  highlight=False, soft_wrap=True)
+        config = {"model": args.model, "method": method, "dtype": args.dtype, "chat": chat,
+                  "sampling_params": vars(params)}
+        samples = [result.to_dict() for result in results]
+        print(json.dumps((samples[0] if len(samples) == 1 else {"samples": samples}) | config,
+                         indent=2))
+    for i, result in enumerate(results):
+        if not args.json:
+            if len(results) > 1:
+                console.rule(f"sample {i + 1} of {len(results)}")
+            print(result.text, flush=True)
+        console.print(f"{result.stats.summary()} · finish: {result.finish_reason} · {method}",
+                      highlight=False, soft_wrap=True)
     return 0
 
 

@@ -16,19 +16,34 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
 from exactspec.backends.base import Backend
+from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.metrics import GenerationStats
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
-from exactspec.sampling import (SamplingParams, check_finite, greedy_tokens, logits_to_probs,
-                                make_generator)
+from exactspec.sampling import SamplingParams, check_finite, make_generator
 from exactspec.stopping import StopChecker
 from exactspec.verification import greedy_verify, rejection_sample
 
 FinishReason = Literal["stop", "length"]
+
+
+class TokenLogprob(NamedTuple):
+    """One emitted token's log-probability under the target's processed distribution.
+
+    Attributes:
+        token_id: the emitted token.
+        logprob: its natural-log probability (≤ 0; -inf cannot occur for a sampled token).
+        top: the ``logprobs`` most likely tokens at that position as (token_id, logprob),
+            most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -43,6 +58,8 @@ class GenerationResult:
         finish_reason: ``"stop"`` (EOS or stop string) or ``"length"`` (max_new_tokens or
             the model's context limit).
         stop_reason: the EOS id or the stop string that ended generation, else None.
+        logprobs: ``[num_generated_tokens]`` one :class:`TokenLogprob` per token (accepted,
+            recovered and bonus alike), when ``SamplingParams.logprobs`` is set; else None.
         prompt_token_ids: the prompt as the model saw it (chat template applied).
         stats: counts and timings, see :class:`~exactspec.metrics.GenerationStats`.
     """
@@ -53,10 +70,23 @@ class GenerationResult:
     stop_reason: int | str | None
     prompt_token_ids: list[int]
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def usage(self) -> dict[str, int]:
+        """OpenAI-style token counts: prompt_tokens, completion_tokens, total_tokens."""
+        return {"prompt_tokens": len(self.prompt_token_ids),
+                "completion_tokens": len(self.token_ids),
+                "total_tokens": len(self.prompt_token_ids) + len(self.token_ids)}
 
     def to_dict(self) -> dict:
         """Every field, with ``stats`` expanded to all its figures (JSON-serialisable)."""
-        return asdict(self) | {"stats": self.stats.to_dict()}
+        logprobs = None if self.logprobs is None else [
+            {"token_id": lp.token_id, "logprob": lp.logprob,
+             "top_logprobs": [{"token_id": t, "logprob": v} for t, v in lp.top]}
+            for lp in self.logprobs]
+        return asdict(self) | {"stats": self.stats.to_dict(), "logprobs": logprobs,
+                               "usage": self.usage}
 
 
 class SpeculativeGenerator:
@@ -95,20 +125,55 @@ class SpeculativeGenerator:
             :class:`GenerationResult`.
         Raises:
             ValueError: for an empty prompt, token ids outside the vocabulary, a prompt
-                longer than the model's context, or ``chat`` with token ids.
+                longer than the model's context, ``chat`` with token ids, or sampling
+                parameters naming token ids outside the vocabulary.
         """
+        return self.generate_samples(prompt, params, n=1, chat=chat)[0]
+
+    def generate_samples(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                         *, n: int = 1, chat: bool = False) -> list[GenerationResult]:
+        """``n`` independent continuations of one prompt, each exact, sharing the prompt's
+        prefill (the KV cache is rolled back to the prompt between samples). With a seed,
+        the list is reproducible; greedy samples are all equal.
+
+        Args and errors as :meth:`generate`; ``n`` must be an integer ≥ 1.
+        Returns:
+            ``[n]`` :class:`GenerationResult`; the first one's stats include the prefill.
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n = {n!r} is invalid: it must be an integer ≥ 1")
         params = params or SamplingParams()
         start = time.perf_counter()
-        tokens = self._prompt_token_ids(prompt, chat)  # prompt + committed tokens
+        prompt_token_ids = self._prompt_token_ids(prompt, chat)
+        pipeline = LogitsPipeline(params, prompt_token_ids, self.target.vocab_size,
+                                  self.target.eos_token_ids, self._bad_words_ids(params.bad_words),
+                                  self.target.device)
+        generator = make_generator(params.seed, self.target.device)
+        self.target.prefill(prompt_token_ids[:-1])
+        prefill_seconds = time.perf_counter() - start
+        results = []
+        for _ in range(n):
+            self.target.rollback(self.target.num_cached_tokens - (len(prompt_token_ids) - 1))
+            results.append(self._decode(prompt_token_ids, pipeline, generator, start,
+                                        prefill_seconds))
+            start, prefill_seconds = time.perf_counter(), 0.0
+        return results
+
+    def _decode(self, prompt_token_ids: list[int], pipeline: LogitsPipeline,
+                generator: torch.Generator, start: float, prefill_seconds: float) -> GenerationResult:
+        """The speculative loop for one sample; the target's cache holds the prompt but its
+        last token."""
+        params = pipeline.params
+        tokens = list(prompt_token_ids)  # prompt + committed tokens: the one record
         num_prompt_tokens = len(tokens)
         stats = GenerationStats(num_speculative_tokens=self.num_speculative_tokens,
-                                num_prompt_tokens=num_prompt_tokens)
-        generator = make_generator(params.seed, self.target.device)
-        stopper = StopChecker(self.target.tokenizer, self.target.eos_token_ids, params.stop)
+                                num_prompt_tokens=num_prompt_tokens, prefill_seconds=prefill_seconds)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos
+                                                 else set(self.target.eos_token_ids))
+        stopper = StopChecker(self.target.tokenizer, stop_ids, params.stop, params.min_new_tokens)
         context_limit = self.target.max_context_length or float("inf")
+        logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
 
-        self.target.prefill(tokens[:-1])
-        stats.prefill_seconds = time.perf_counter() - start
         finish_reason: FinishReason | None = None
         while finish_reason is None:
             generated = len(tokens) - num_prompt_tokens
@@ -119,14 +184,18 @@ class SpeculativeGenerator:
             k = min(self.num_speculative_tokens, room - 1)
 
             t0 = time.perf_counter()
-            proposal = self.proposer.propose(tokens, k, params, generator) if k else EMPTY_PROPOSAL
+            proposal = (self.proposer.propose(tokens, k, pipeline, generator) if k
+                        else EMPTY_PROPOSAL)
             t1 = time.perf_counter()
-            committed, num_accepted = self._verify(tokens[-1], proposal, params, generator)
+            committed, num_accepted, committed_logprobs = self._verify(tokens, proposal, pipeline,
+                                                                       generator)
             t2 = time.perf_counter()
 
             num_emitted = 0
             for token in committed:
                 tokens.append(token)
+                if logprobs is not None:
+                    logprobs.append(committed_logprobs[num_emitted])
                 num_emitted += 1
                 if stopper.is_stop(tokens[num_prompt_tokens:]):
                     finish_reason = "stop"
@@ -146,24 +215,47 @@ class SpeculativeGenerator:
         return GenerationResult(
             text=self.target.tokenizer.decode(output), token_ids=output,
             finish_reason=finish_reason, stop_reason=stopper.stop_reason,
-            prompt_token_ids=tokens[:num_prompt_tokens], stats=stats)
+            prompt_token_ids=tokens[:num_prompt_tokens], stats=stats, logprobs=logprobs)
 
-    def _verify(self, last_token: int, proposal: Proposal, params: SamplingParams,
-                generator: torch.Generator) -> tuple[list[int], int]:
-        """Score ``[last_token, *drafts]`` in one target forward pass and run the rejection
-        sampler. Returns the committed tokens and the number of accepted drafts."""
-        logits = self.target.forward([last_token, *proposal.token_ids])  # [k+1, vocab]
+    def _verify(self, tokens: list[int], proposal: Proposal, pipeline: LogitsPipeline,
+                generator: torch.Generator) -> tuple[list[int], int, list[TokenLogprob] | None]:
+        """Score ``[tokens[-1], *drafts]`` in one target forward pass, process every row
+        with its true history, and run the rejection sampler. Returns the committed tokens,
+        the number of accepted drafts, and the committed tokens' logprobs (if asked)."""
+        logits = self.target.forward([tokens[-1], *proposal.token_ids])  # [k+1, vocab]
         check_finite(logits)
+        processed = pipeline.process(logits, tokens, proposal.token_ids)  # [k+1, vocab]
         draft_token_ids = torch.tensor([proposal.token_ids], dtype=torch.long,
                                        device=logits.device)  # [1, k]
-        if params.greedy:
-            result = greedy_verify(draft_token_ids, greedy_tokens(logits).unsqueeze(0))
+        if pipeline.params.greedy:
+            result = greedy_verify(draft_token_ids, pipeline.greedy_tokens(processed).unsqueeze(0))
         else:
-            target_probs = logits_to_probs(logits, params).unsqueeze(0)  # [1, k+1, vocab]
+            target_probs = pipeline.probs(processed).unsqueeze(0)  # [1, k+1, vocab]
             draft_probs = None if proposal.probs is None else proposal.probs.unsqueeze(0)
             result = rejection_sample(draft_token_ids, draft_probs, target_probs, generator)
         committed = [t for t in result.output_token_ids[0].tolist() if t >= 0]  # one host sync
-        return committed, len(committed) - 1
+        committed_logprobs = None
+        if pipeline.params.logprobs is not None:
+            committed_logprobs = self._token_logprobs(pipeline, processed[: len(committed)],
+                                                      committed)
+        return committed, len(committed) - 1, committed_logprobs
+
+    def _token_logprobs(self, pipeline: LogitsPipeline, processed: torch.Tensor,
+                        token_ids: list[int]) -> list[TokenLogprob]:
+        """Logprob of each committed token (row i ↔ token i) and the top alternatives."""
+        logprobs = pipeline.logprobs(processed)  # [n, vocab]
+        chosen = logprobs[torch.arange(len(token_ids)), torch.tensor(token_ids)].tolist()
+        top_values, top_ids = logprobs.topk(pipeline.params.logprobs, dim=-1)
+        return [TokenLogprob(token, value, list(zip(ids, values)))
+                for token, value, ids, values in zip(token_ids, chosen, top_ids.tolist(),
+                                                     top_values.tolist())]
+
+    def _bad_words_ids(self, bad_words: Sequence[str]) -> list[list[int]]:
+        """Each bad word as tokenised alone and after a space (no special tokens)."""
+        encode = self.target.tokenizer.encode
+        variants = {tuple(encode(text, add_special_tokens=False))
+                    for word in bad_words for text in (word, " " + word)}
+        return [list(ids) for ids in variants if ids]
 
     def _prompt_token_ids(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
         tokenizer = self.target.tokenizer

@@ -1,12 +1,14 @@
 """Sampling parameters and the logits → probabilities pipeline.
 
 The exactness contract (DESIGN.md) says committed tokens follow the target's *processed*
-distribution. This module defines that processing once, so the engine applies it
-identically to the target at every verified position and to a draft model's logits.
+distribution. This module defines the history-free part of that processing (the warpers)
+and the sampling primitives; :mod:`exactspec.logits_pipeline` adds the history-dependent
+processors (penalties, bias, bans, min_new_tokens) and applies the whole chain identically
+to the target at every verified position and to a draft model's logits.
 
-Order of the steps (the order of Hugging Face transformers' logits warpers):
+Order of the warpers (the order of Hugging Face transformers' logits warpers):
 temperature → top-k → top-p → min-p → softmax.
-Temperature 0 means greedy decoding: the token is ``argmax`` of the logits and no
+Temperature 0 means greedy decoding: the token is ``argmax`` of the processed logits and no
 probabilities are computed.
 """
 
@@ -32,7 +34,25 @@ class SamplingParams:
         seed: Seed of the random generator (an int ≥ 0), or None for a fresh random seed.
             The same seed gives the same output on the same backend and device.
         max_new_tokens: Most tokens to generate (tokens). Must be ≥ 1.
+        min_new_tokens: EOS, stop token ids and stop strings are suppressed until this many
+            tokens were generated. Must be ≥ 0 and ≤ max_new_tokens.
         stop: Strings that end generation at the token that completes the first one found.
+        stop_token_ids: Token ids that end generation, besides the model's EOS.
+        ignore_eos: Keep generating after the model's EOS token (it is not suppressed).
+        repetition_penalty: transformers' definition: the logit of every token already in
+            the prompt or the output is divided by it when positive, multiplied when
+            negative. 1 disables; must be > 0.
+        presence_penalty: OpenAI's definition: subtracted once from the logit of every
+            token that occurs in the output so far. In [-2, 2]; 0 disables.
+        frequency_penalty: OpenAI's definition: subtracted from a token's logit once per
+            occurrence in the output so far. In [-2, 2]; 0 disables.
+        logit_bias: token id → bias added to its logit (OpenAI's ``logit_bias``); biases
+            in [-100, 100].
+        bad_words: Strings never generated: each is banned as tokenised with and without a
+            leading space (its last token is masked whenever the history ends with the rest).
+        banned_token_ids: Token ids never generated.
+        logprobs: Return, per generated token, its log-probability under the target's
+            processed distribution and the top ``logprobs`` alternatives (0..20); None: off.
 
     Raises:
         ValueError: naming the field, for any value outside the ranges above.
@@ -44,12 +64,25 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_new_tokens: int = 128
-    stop: tuple[str, ...] = field(default_factory=tuple)
+    min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    bad_words: tuple[str, ...] = ()
+    banned_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
+        for name in ("stop", "bad_words"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+        for name in ("stop_token_ids", "banned_token_ids"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "logit_bias", dict(self.logit_bias))
         _check(
             isinstance(self.temperature, (int, float))
             and math.isfinite(self.temperature)
@@ -66,8 +99,27 @@ class SamplingParams:
                self.seed, "an integer ≥ 0 or None")
         _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
                "max_new_tokens", self.max_new_tokens, "an integer ≥ 1")
-        for s in self.stop:
-            _check(isinstance(s, str) and s != "", "stop", s, "non-empty strings")
+        _check(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+               "min_new_tokens", self.min_new_tokens,
+               f"an integer in [0, max_new_tokens = {self.max_new_tokens}]")
+        for name in ("stop", "bad_words"):
+            for s in getattr(self, name):
+                _check(isinstance(s, str) and s != "", name, s, "a list of non-empty strings")
+        for name in ("stop_token_ids", "banned_token_ids"):
+            for t in getattr(self, name):
+                _check(_is_int(t) and t >= 0, name, t, "a list of token ids ≥ 0")
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "True or False")
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+               "repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, name, value,
+                   "a number in [-2, 2] (0 = off)")
+        for token, bias in self.logit_bias.items():
+            _check(_is_int(token) and token >= 0 and _is_number(bias) and -100 <= bias <= 100,
+                   "logit_bias", {token: bias}, "token id (≥ 0) → bias in [-100, 100]")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+               "logprobs", self.logprobs, "None or an integer in [0, 20]")
 
     @property
     def greedy(self) -> bool:
@@ -77,6 +129,10 @@ class SamplingParams:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
@@ -114,22 +170,22 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Apply the sampling pipeline: temperature → top-k → top-p → min-p → softmax.
+def warp_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature → top-k → top-p → min-p: scaled logits with filtered tokens at -inf.
 
     The input is never modified in place.
 
     Args:
-        logits: ``[..., vocab]`` raw logits (any float dtype).
+        logits: ``[..., vocab]`` logits (any float dtype).
         params: sampling parameters with ``temperature > 0``.
     Returns:
-        ``[..., vocab]`` float32 probabilities; filtered tokens have probability exactly 0.
+        ``[..., vocab]`` float32 scores; ``softmax`` of them is the sampling distribution.
         Each row keeps at least its most likely token.
     Raises:
         ValueError: if ``params`` is greedy (use :func:`greedy_tokens`).
     """
     if params.greedy:
-        raise ValueError("logits_to_probs needs temperature > 0; greedy uses greedy_tokens")
+        raise ValueError("warping needs temperature > 0; greedy uses greedy_tokens")
     scores = logits.float() / params.temperature
     vocab = scores.shape[-1]
     if 0 < params.top_k < vocab:
@@ -147,7 +203,21 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         probs = scores.softmax(dim=-1)
         threshold = params.min_p * probs.amax(dim=-1, keepdim=True)
         scores = scores.masked_fill(probs < threshold, -math.inf)
-    return scores.softmax(dim=-1)
+    return scores
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The sampling distribution: ``softmax(warp_scores(logits, params))``.
+
+    Args:
+        logits: ``[..., vocab]`` logits (after any history-dependent processing).
+        params: sampling parameters with ``temperature > 0``.
+    Returns:
+        ``[..., vocab]`` float32 probabilities; filtered tokens have probability exactly 0.
+    Raises:
+        ValueError: if ``params`` is greedy.
+    """
+    return warp_scores(logits, params).softmax(dim=-1)
 
 
 def sample_from_probs(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

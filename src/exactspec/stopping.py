@@ -9,7 +9,7 @@ stop matched, so a caller can strip it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from exactspec.backends.base import Tokenizer
 
@@ -19,31 +19,39 @@ class StopChecker:
 
     Args:
         tokenizer: to decode the output when stop strings are set.
-        eos_token_ids: ids that end generation (may be empty: no EOS).
+        stop_token_ids: ids that end generation (EOS, stop token ids; may be empty).
         stop_strings: strings that end generation (may be empty).
+        min_new_tokens: no stop applies while fewer tokens were generated; a stop string
+            must then be completed by a token at or after that point.
 
     Attributes:
         stop_reason: the EOS id or stop string that ended generation, else None.
     """
 
-    def __init__(self, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
-                 stop_strings: Sequence[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop_token_ids: Iterable[int],
+                 stop_strings: Sequence[str], min_new_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_token_ids = frozenset(stop_token_ids)
         self.stop_strings = tuple(stop_strings)
+        self.min_new_tokens = min_new_tokens
         self.stop_reason: int | str | None = None
+        self._checked_chars = 0  # text length already searched for stop strings
 
     def is_stop(self, output_token_ids: Sequence[int]) -> bool:
         """True if the last of ``output_token_ids`` (the generated tokens so far) ends
         generation. Decodes the whole output when stop strings are set (exact, and cheap
         next to a forward pass)."""
-        if output_token_ids[-1] in self.eos_token_ids:
+        allowed = len(output_token_ids) >= self.min_new_tokens
+        if allowed and output_token_ids[-1] in self.stop_token_ids:
             self.stop_reason = output_token_ids[-1]
             return True
         if self.stop_strings:
             text = self.tokenizer.decode(output_token_ids)
-            found = [(text.find(s), s) for s in self.stop_strings if s in text]
-            if found:
+            # Only occurrences that end in the newest token's text are new.
+            found = [(i, s) for s in self.stop_strings
+                     if (i := text.find(s, max(0, self._checked_chars - len(s) + 1))) >= 0]
+            self._checked_chars = len(text)
+            if allowed and found:
                 self.stop_reason = min(found)[1]
                 return True
         return False

@@ -27,8 +27,9 @@ class UnsupportedModelError(ValueError):
 class Tokenizer(Protocol):
     """Text ↔ token ids for one model."""
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` with the model's usual special tokens (e.g. BOS)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, with the model's usual special tokens (e.g. BOS) unless
+        ``add_special_tokens`` is False."""
         ...
 
     def decode(self, token_ids: Sequence[int]) -> str:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
@@ -19,6 +20,8 @@ import tempfile
 import torch
 
 from exactspec.backends.base import UnsupportedModelError
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """dtype names accepted by :meth:`TransformersBackend.load`."""
@@ -48,8 +51,8 @@ class HFTokenizer:
     def __init__(self, tokenizer) -> None:
         self.hf_tokenizer = tokenizer
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.hf_tokenizer(text)["input_ids"])
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf_tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.hf_tokenizer.decode(list(token_ids), skip_special_tokens=True)
@@ -188,6 +191,8 @@ def converted_gguf_folder(gguf_path: Path) -> Path:
     folder = cache_root() / "converted" / key
     if (folder / "config.json").is_file():
         return folder
+    logger.info("Converting %s to a float32 model folder, once (≈ 40 s for the embedded model); "
+                "kept in %s", gguf_path.name, folder)
     with _quiet_gguf_reader():
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,

@@ -3,8 +3,11 @@
 Modelled on transformers' ``CandidateGenerator`` (``get_candidates`` and the feedback hook
 ``update_candidate_strategy``), reduced to two calls.
 
-Contract for ``propose(token_ids, k, params, generator)``:
-    requires  token_ids = prompt + committed tokens (the engine owns this list), k ≥ 1
+Contract for ``propose(token_ids, k, pipeline, generator)``:
+    requires  token_ids = prompt + committed tokens (the engine owns this list), k ≥ 1;
+              pipeline = the sequence's :class:`~exactspec.logits_pipeline.LogitsPipeline`
+              (a model drafter applies it to its own logits, so its q sees the same
+              penalties, bans and filters as the target's p: better acceptance)
     returns   a :class:`Proposal` of at most k tokens (possibly none), and, unless the
               proposer is a point mass (greedy or n-gram), the exact distributions q the
               tokens were sampled from, over the *target's* vocabulary.
@@ -18,7 +21,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from exactspec.sampling import SamplingParams
+from exactspec.logits_pipeline import LogitsPipeline
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ EMPTY_PROPOSAL = Proposal([])
 class Proposer(Protocol):
     """Drafts up to k tokens per cycle; learns how many were accepted."""
 
-    def propose(self, token_ids: Sequence[int], k: int, params: SamplingParams,
+    def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
                 generator: torch.Generator) -> Proposal:
         """Draft at most ``k`` tokens continuing ``token_ids`` (prompt + committed)."""
         ...

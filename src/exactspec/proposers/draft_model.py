@@ -20,8 +20,8 @@ import torch
 
 from exactspec.backends.base import Backend, UnsupportedModelError
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal
-from exactspec.sampling import (SamplingParams, check_finite, greedy_tokens, logits_to_probs,
-                                sample_from_probs)
+from exactspec.logits_pipeline import LogitsPipeline
+from exactspec.sampling import check_finite, sample_from_probs
 
 
 class DraftModelProposer:
@@ -51,7 +51,7 @@ class DraftModelProposer:
                 f"{draft.vocab_size} and the target's {target.vocab_size}")
         self._cached: list[int] = []  # the tokens in the draft's KV cache
 
-    def propose(self, token_ids: Sequence[int], k: int, params: SamplingParams,
+    def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
                 generator: torch.Generator) -> Proposal:
         if self.draft.max_context_length is not None:
             k = min(k, self.draft.max_context_length - len(token_ids))
@@ -61,14 +61,15 @@ class DraftModelProposer:
         drafted: list[int] = []
         probs: list[torch.Tensor] = []
         for _ in range(k):
-            logits = self._to_target_vocab(self.draft.forward(pending, num_logits=1)[-1])
+            logits = self._to_target_vocab(self.draft.forward(pending, num_logits=1))  # [1, V]
             self._cached.extend(pending)
-            if params.greedy:
-                token = int(greedy_tokens(logits))
+            processed = pipeline.process(logits, [*token_ids, *drafted])  # same history rules
+            if pipeline.params.greedy:
+                token = int(pipeline.greedy_tokens(processed)[0])
             else:
-                q = logits_to_probs(logits, params)  # [target_vocab]
-                token = int(sample_from_probs(q.unsqueeze(0), generator)[0])
-                probs.append(q)
+                q = pipeline.probs(processed)  # [1, target_vocab]
+                token = int(sample_from_probs(q, generator)[0])
+                probs.append(q[0])
             drafted.append(token)
             pending = [token]
         return Proposal(drafted, torch.stack(probs) if probs else None)
@@ -88,8 +89,9 @@ class DraftModelProposer:
         return list(token_ids[common:])
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[draft_vocab]`` → ``[target_vocab]``; padding ids get -inf so they are never drafted."""
+        """``[n, draft_vocab]`` → ``[n, target_vocab]``; padding ids get -inf so they are
+        never drafted."""
         check_finite(logits)
-        mapped = logits.new_full((self.target_vocab_size,), float("-inf"))
-        mapped[: self.num_real_tokens] = logits[: self.num_real_tokens]
+        mapped = logits.new_full((logits.shape[0], self.target_vocab_size), float("-inf"))
+        mapped[:, : self.num_real_tokens] = logits[:, : self.num_real_tokens]
         return mapped

@@ -15,7 +15,7 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal
-from exactspec.sampling import SamplingParams
+from exactspec.logits_pipeline import LogitsPipeline
 
 
 class PromptLookupProposer:
@@ -41,7 +41,7 @@ class PromptLookupProposer:
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
 
-    def propose(self, token_ids: Sequence[int], k: int, params: SamplingParams,
+    def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
                 generator: torch.Generator) -> Proposal:
         context = np.asarray(token_ids, dtype=np.int64)
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):

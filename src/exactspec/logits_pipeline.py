@@ -1,0 +1,155 @@
+"""The full logits pipeline of one sequence, applied identically at every verified position.
+
+Speculation scores k+1 positions in one pass; the exactness contract (DESIGN.md) requires
+each row to be processed exactly as plain decoding would process it at that position:
+with the *true history* = prompt + committed tokens + the drafted tokens before it. (A
+penalty that sees only the last accepted token is the classic bug this avoids.)
+
+Order, for each row (plain decoding uses the same order, the same code):
+    1. repetition_penalty      transformers' ``RepetitionPenaltyLogitsProcessor``: tokens
+                               in prompt + output are divided (logit > 0) or multiplied
+                               (logit ≤ 0) by the penalty.
+    2. frequency / presence    OpenAI's definitions, over the output tokens only:
+                               logit -= frequency × count + presence × (count > 0).
+    3. logit_bias              added.
+    4. bans                    banned_token_ids, bad words (the last token of a bad word is
+                               masked when the history ends with the rest of it), and,
+                               until min_new_tokens tokens exist, EOS and stop_token_ids.
+    5. warpers                 temperature → top-k → top-p → min-p (:mod:`exactspec.sampling`).
+Greedy decoding takes the argmax after step 4. Raw logits are never modified in place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from exactspec.sampling import SamplingParams, greedy_tokens, logits_to_probs, warp_scores
+
+
+class LogitsPipeline:
+    """History-aware logits processing for one sequence (see module docstring).
+
+    Args:
+        params: the sampling parameters.
+        prompt_token_ids: ``[prompt_len]`` the prompt (for repetition_penalty and to tell
+            output tokens from prompt tokens).
+        vocab_size: width of the logits.
+        eos_token_ids: suppressed with stop_token_ids until min_new_tokens (unless ignore_eos).
+        bad_words_ids: token sequences never to generate (from ``params.bad_words``).
+        device: where the logits live.
+    Raises:
+        ValueError: if a token id in logit_bias, banned_token_ids or stop_token_ids is
+            outside the vocabulary.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_token_ids: Sequence[int], vocab_size: int,
+                 eos_token_ids: Sequence[int] = (), bad_words_ids: Sequence[Sequence[int]] = (),
+                 device: torch.device | str = "cpu") -> None:
+        self.params = params
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        for name, ids in (("logit_bias", params.logit_bias), ("banned_token_ids",
+                          params.banned_token_ids), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary "
+                                 f"[0, {vocab_size})")
+        self._penalised = (params.repetition_penalty != 1 or params.presence_penalty != 0
+                           or params.frequency_penalty != 0)
+        self._prompt_seen = None
+        if params.repetition_penalty != 1:
+            self._prompt_seen = self._counts(prompt_token_ids) > 0  # [vocab]
+        self._bias = None
+        if params.logit_bias:
+            self._bias = torch.zeros(vocab_size, device=self.device)
+            for token, bias in params.logit_bias.items():
+                self._bias[token] = bias
+        single = [seq[0] for seq in bad_words_ids if len(seq) == 1]
+        self._banned = sorted(set(params.banned_token_ids) | set(single))
+        self._bad_sequences = [list(seq) for seq in bad_words_ids if len(seq) > 1]
+        suppressed = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self._suppressed_until_min = sorted(suppressed) if params.min_new_tokens else []
+        self.is_identity = not (self._penalised or self._bias is not None or self._banned
+                                or self._bad_sequences or self._suppressed_until_min)
+
+    def process(self, logits: torch.Tensor, context: Sequence[int],
+                drafted: Sequence[int] = ()) -> torch.Tensor:
+        """Steps 1-4 for ``n`` consecutive positions.
+
+        Args:
+            logits: ``[n, vocab]`` raw logits; row i predicts the token after
+                ``context + drafted[:i]``.
+            context: prompt + committed tokens.
+            drafted: ``[≥ n-1]`` drafted tokens (only the first n-1 are used).
+        Returns:
+            ``[n, vocab]`` processed logits (a new tensor unless nothing applies).
+        Raises:
+            ValueError: if every token of a row is banned.
+        """
+        if self.is_identity:
+            return logits
+        n = logits.shape[0]
+        drafted = list(drafted[: n - 1])
+        scores = logits.float().clone()
+        num_generated = len(context) - self.num_prompt_tokens
+        if self._penalised:
+            scores = self._apply_penalties(scores, context[self.num_prompt_tokens:], drafted)
+        if self._bias is not None:
+            scores += self._bias
+        if self._banned:
+            scores[:, self._banned] = -math.inf
+        for i in range(n):
+            for seq in self._bad_sequences:
+                history_tail = (list(context[-len(seq):]) + drafted[:i])[-(len(seq) - 1):]
+                if history_tail == seq[:-1]:
+                    scores[i, seq[-1]] = -math.inf
+        if self._suppressed_until_min:
+            rows = [i for i in range(n) if num_generated + i < self.params.min_new_tokens]
+            if rows:
+                scores[torch.tensor(rows)[:, None], torch.tensor(self._suppressed_until_min)] = -math.inf
+        if bool(torch.isneginf(scores).all(dim=-1).any()):
+            raise ValueError("every token is banned at some position (logit_bias, bad_words, "
+                             "banned_token_ids and min_new_tokens together leave nothing)")
+        return scores
+
+    def greedy_tokens(self, processed: torch.Tensor) -> torch.Tensor:
+        """``[n, vocab]`` processed logits → ``[n]`` argmax tokens."""
+        return greedy_tokens(processed)
+
+    def probs(self, processed: torch.Tensor) -> torch.Tensor:
+        """``[n, vocab]`` processed logits → ``[n, vocab]`` sampling distribution (step 5)."""
+        return logits_to_probs(processed, self.params)
+
+    def logprobs(self, processed: torch.Tensor) -> torch.Tensor:
+        """``[n, vocab]`` log-probabilities of the processed distribution: after the warpers
+        when sampling (filtered tokens at -inf), of the step-4 logits when greedy."""
+        scores = processed.float() if self.params.greedy else warp_scores(processed, self.params)
+        return torch.log_softmax(scores, dim=-1)
+
+    def _apply_penalties(self, scores: torch.Tensor, output: Sequence[int],
+                         drafted: list[int]) -> torch.Tensor:
+        n, vocab = scores.shape
+        counts = self._counts(output).expand(n, vocab).clone()  # [n, vocab]
+        if drafted:
+            # Row i also counts drafted[:i]: an exclusive cumulative sum of one-hot drafts.
+            one_hot = torch.nn.functional.one_hot(
+                torch.tensor(drafted, device=self.device), vocab).to(counts.dtype)
+            counts[1:] += one_hot.cumsum(dim=0)
+        params = self.params
+        if params.repetition_penalty != 1:
+            seen = (counts > 0) | self._prompt_seen
+            penalised = torch.where(scores > 0, scores / params.repetition_penalty,
+                                    scores * params.repetition_penalty)
+            scores = torch.where(seen, penalised, scores)
+        if params.frequency_penalty or params.presence_penalty:
+            scores = (scores - params.frequency_penalty * counts
+                      - params.presence_penalty * (counts > 0).float())
+        return scores
+
+    def _counts(self, token_ids: Sequence[int]) -> torch.Tensor:
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
+        return torch.bincount(ids, minlength=self.vocab_size).float()
