@@ -64,3 +64,16 @@ def test_sampling_is_seeded(target):
     first = generator.generate(PROMPTS[0], params, chat=True)
     second = generator.generate(PROMPTS[0], params, chat=True)
     assert first.token_ids == second.token_ids
+
+
+def test_cli_sampling_features_and_logprobs_equal_plain(capsys):
+    """The issue's acceptance command: same tokens and logprobs with and without speculation."""
+    args = [PROMPTS[0], "--logprobs", "3", "--frequency-penalty", "0.5", "--min-new-tokens", "20"]
+    spec = cli_json(capsys, *args)
+    plain = cli_json(capsys, *args, "--no-speculation")
+    assert spec["token_ids"] == plain["token_ids"] and len(spec["token_ids"]) >= 20
+    assert len(spec["logprobs"]) == len(spec["token_ids"]) == spec["usage"]["completion_tokens"]
+    differences = [abs(a["logprob"] - b["logprob"]) for a, b in zip(spec["logprobs"], plain["logprobs"])]
+    # A forward over k+1 tokens rounds differently from single-token forwards (float32).
+    assert max(differences) < 1e-4, max(differences)
+    assert spec["stats"]["accepted_tokens"] > 0
