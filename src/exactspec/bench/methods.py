@@ -1,0 +1,116 @@
+"""Decoding methods the benchmark compares: exactspec's own, and peers on the same model.
+
+A method is written ``KIND[:ARG][:key=value...]``:
+    plain                        exactspec, plain decoding (the baseline)
+    prompt-lookup:k=4[:ngram=2-3]  exactspec with prompt lookup
+    draft:MODEL:k=4              exactspec with a draft model (name, folder or .gguf)
+    hf-plain                     transformers ``generate()``, greedy/sampling, no speculation
+    hf-prompt-lookup:k=10        transformers ``generate(prompt_lookup_num_tokens=k)``
+    hf-assistant:MODEL[:k=N]     transformers ``generate(assistant_model=MODEL)``
+Peers (``hf-*``) run on the same model object, prompts, dtype and max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from exactspec.backends.base import Backend
+from exactspec.engine import SpeculativeGenerator
+from exactspec.proposers import DraftModelProposer, PromptLookupProposer
+from exactspec.sampling import SamplingParams
+
+KINDS = ("plain", "prompt-lookup", "draft", "hf-plain", "hf-prompt-lookup", "hf-assistant")
+
+
+@dataclass
+class Outcome:
+    """One generation: tokens, wall seconds, and exactspec's stats (None for peers)."""
+
+    token_ids: list[int]
+    seconds: float
+    stats: dict | None
+
+
+@dataclass
+class Method:
+    """A named way to decode; ``run(prompt_ids, params)`` → :class:`Outcome`."""
+
+    name: str
+    kind: str
+    k: int
+    run: Callable[[list[int], SamplingParams], Outcome]
+
+    @property
+    def is_peer(self) -> bool:
+        return self.kind.startswith("hf-")
+
+
+def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend]) -> Method:
+    """Build a :class:`Method` from its spec string (see module docstring).
+
+    Raises:
+        ValueError: naming the bad spec and the allowed forms.
+    """
+    kind, *parts = spec.split(":")
+    options = dict(part.split("=", 1) for part in parts if "=" in part)
+    positional = [part for part in parts if "=" not in part]
+    allowed = "plain, prompt-lookup:k=4[:ngram=2-3], draft:MODEL:k=4, hf-plain, " \
+              "hf-prompt-lookup:k=10, hf-assistant:MODEL"
+    if kind not in KINDS or (kind in ("draft", "hf-assistant")) != bool(positional) \
+            or len(positional) > 1 or set(options) - {"k", "ngram"}:
+        raise ValueError(f"method {spec!r} is invalid: use one of {allowed}")
+    try:
+        k = int(options.get("k", 10 if kind == "hf-prompt-lookup" else 4))
+        low, high = (int(n) for n in options.get("ngram", "2-3").split("-"))
+    except ValueError:
+        raise ValueError(f"method {spec!r} is invalid: k and ngram (MIN-MAX) take integers") from None
+    if kind == "plain":
+        return _ours(spec, kind, 0, SpeculativeGenerator(target, None))
+    if kind == "prompt-lookup":
+        return _ours(spec, kind, k, SpeculativeGenerator(target, PromptLookupProposer(low, high), k))
+    if kind == "draft":
+        draft = load_model(positional[0])
+        return _ours(spec, kind, k, SpeculativeGenerator(target, DraftModelProposer(draft, target), k))
+    model = getattr(target, "model", None)
+    if model is None:
+        raise ValueError(f"method {spec!r} needs the transformers backend")
+    extra: dict = {}
+    if kind == "hf-prompt-lookup":
+        extra = {"prompt_lookup_num_tokens": k}
+    elif kind == "hf-assistant":
+        assistant = load_model(positional[0]).model
+        assistant.generation_config.num_assistant_tokens = k
+        extra = {"assistant_model": assistant}
+    return Method(spec, kind, k if kind != "hf-plain" else 0,
+                  lambda prompt_ids, params: _hf_generate(target, prompt_ids, params, extra))
+
+
+def _ours(name: str, kind: str, k: int, generator: SpeculativeGenerator) -> Method:
+    def run(prompt_ids: list[int], params: SamplingParams) -> Outcome:
+        result = generator.generate(prompt_ids, params)
+        return Outcome(result.token_ids, result.stats.total_seconds, result.stats.to_dict())
+    return Method(name, kind, k, run)
+
+
+def _hf_generate(target: Backend, prompt_ids: list[int], params: SamplingParams,
+                 extra: dict) -> Outcome:
+    """transformers ``generate()`` on the target's own model object."""
+    model = target.model
+    input_ids = torch.tensor([prompt_ids], device=target.device)
+    eos = list(target.eos_token_ids) or None
+    sampling = {"do_sample": False} if params.greedy else {
+        "do_sample": True, "temperature": params.temperature, "top_k": params.top_k or None,
+        "top_p": params.top_p}
+    if params.seed is not None:
+        torch.manual_seed(params.seed)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                max_new_tokens=params.max_new_tokens, eos_token_id=eos,
+                                pad_token_id=eos[0] if eos else 0, **sampling, **extra)
+    seconds = time.perf_counter() - start
+    return Outcome(output[0, len(prompt_ids):].tolist(), seconds, None)

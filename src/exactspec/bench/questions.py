@@ -1,0 +1,82 @@
+"""Spec-Bench questions: loading, grouping into Spec-Bench's six task groups, sampling.
+
+Spec-Bench (Xia et al. 2024, "Unlocking Efficiency in Large Language Model Inference: A
+Comprehensive Survey of Speculative Decoding", arXiv 2401.07851) reports six groups: the 80
+MT-Bench questions (8 categories, 10 each) form "multi-turn conversation"; translation,
+summarization, QA, math reasoning and RAG have 80 questions each. Only the first turn is
+used, through the model's chat template.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+MT_BENCH_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "coding",
+                                 "extraction", "stem", "humanities"})
+GROUPS = ("multi-turn conversation", "translation", "summarization", "qa", "math_reasoning",
+          "rag")
+
+
+@dataclass(frozen=True)
+class Question:
+    """One benchmark prompt: ``group`` is one of :data:`GROUPS`."""
+
+    question_id: int
+    group: str
+    category: str
+    prompt: str
+
+
+def group_of(category: str) -> str:
+    """Spec-Bench's task group of a question category (MT-Bench's 8 → multi-turn)."""
+    return "multi-turn conversation" if category in MT_BENCH_CATEGORIES else category
+
+
+def load_questions(path: str | Path, groups: list[str] | None = None,
+                   per_group: int | None = None) -> list[Question]:
+    """Read Spec-Bench-format JSONL and keep ``per_group`` questions of each group.
+
+    MT-Bench questions are taken round-robin over its 8 categories so a small sample still
+    spans them. Order: by group (in :data:`GROUPS` order), then file order.
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        ValueError: for a malformed line or an unknown group name.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"questions file {str(path)!r} does not exist")
+    wanted = list(groups or GROUPS)
+    unknown = [g for g in wanted if g not in GROUPS]
+    if unknown:
+        raise ValueError(f"unknown categories {unknown}: choose from {', '.join(GROUPS)}")
+    by_group: dict[str, list[Question]] = {g: [] for g in wanted}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            question = Question(int(record["question_id"]), group_of(record["category"]),
+                                record["category"], record["turns"][0])
+        except (ValueError, KeyError, IndexError, TypeError) as error:
+            raise ValueError(f"{path}:{number}: not a Spec-Bench question ({error})") from None
+        if question.group in by_group:
+            by_group[question.group].append(question)
+    picked = []
+    for group in wanted:
+        questions = by_group[group]
+        if group == "multi-turn conversation":
+            questions = _round_robin(questions)
+        picked.extend(questions[:per_group] if per_group else questions)
+    return picked
+
+
+def _round_robin(questions: list[Question]) -> list[Question]:
+    by_category: dict[str, list[Question]] = {}
+    for question in questions:
+        by_category.setdefault(question.category, []).append(question)
+    columns = list(by_category.values())
+    return [column[i] for i in range(max(map(len, columns), default=0))
+            for column in columns if i < len(column)]

@@ -1,0 +1,202 @@
+"""Turns benchmark records into figures, ``report.md``, ``results.json`` and PNG plots.
+
+Speedup (Spec-Bench's measure): for each repetition, a method's tokens/s over a group's
+questions (total tokens / total seconds) divided by plain decoding's; reported as the
+ratio of the medians over repetitions, with the min–max of the per-repetition ratios.
+
+Theoretical bound (Leviathan et al. 2022, §3.1, eq. 1): with acceptance rate α and k
+drafts, a cycle commits on average (1 − α^(k+1)) / (1 − α) tokens; one cycle costs one
+target forward over k+1 tokens, c(k+1), plus drafting; plain decoding costs c(1) a token.
+So a perfect implementation of the same method reaches
+    speedup_bound = (1 − α^(k+1)) / (1 − α) × c(1) / (c(k+1) + draft seconds per cycle),
+and the gap to the measured speedup is the implementation's overhead.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from exactspec.bench.questions import GROUPS
+from exactspec.bench.runner import BenchResults
+
+OVERALL = "overall"
+
+
+def summarize(results: BenchResults) -> dict:
+    """Per group (and overall) and per method: tokens/s, speedup (+ min–max), acceptance
+    figures, draft/verify share, the bound, and identity failures."""
+    methods = list(dict.fromkeys(r.method for r in results.records))
+    groups = [g for g in GROUPS if any(r.group == g for r in results.records)] + [OVERALL]
+    plain = next(r.method for r in results.records if r.method == "plain")
+    summary: dict = {}
+    for group in groups:
+        rows = [r for r in results.records if group == OVERALL or r.group == group]
+        reps = sorted({r.repetition for r in rows})
+        tps = {m: [_tokens_per_second([r for r in rows if r.method == m and r.repetition == rep])
+                   for rep in reps] for m in methods}
+        summary[group] = {}
+        for method in methods:
+            mine = [r for r in rows if r.method == method]
+            ratios = [a / b for a, b in zip(tps[method], tps[plain]) if b]
+            entry = {
+                "tokens_per_second": statistics.median(tps[method]),
+                "speedup": statistics.median(tps[method]) / statistics.median(tps[plain]),
+                "speedup_min": min(ratios), "speedup_max": max(ratios),
+                "runs": len(mine),
+                "mismatches": sum(r.matches_plain is False for r in mine),
+            }
+            entry |= _acceptance([r.stats for r in mine if r.stats], results.forward_seconds)
+            summary[group][method] = entry
+    return summary
+
+
+def _tokens_per_second(records) -> float:
+    seconds = sum(r.seconds for r in records)
+    return sum(r.num_tokens for r in records) / seconds if seconds else 0.0
+
+
+def _acceptance(stats: list[dict], forward_seconds: dict) -> dict:
+    k = max((s["num_speculative_tokens"] for s in stats), default=0)
+    if not stats or k == 0:
+        return {}
+    drafted = sum(s["drafted_tokens"] for s in stats)
+    accepted = sum(s["accepted_tokens"] for s in stats)
+    cycles = sum(s["cycles"] for s in stats)
+    committed = sum(s["num_generated_tokens"] for s in stats)
+    total = sum(s["total_seconds"] for s in stats)
+    per_drafted = [sum(s["drafted_per_position"][i] for s in stats) for i in range(k)]
+    per_accepted = [sum(s["accepted_per_position"][i] for s in stats) for i in range(k)]
+    alpha = accepted / drafted if drafted else 0.0
+    expected = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
+    draft_per_cycle = sum(s["draft_seconds"] for s in stats) / cycles
+    cost = forward_seconds.get(k + 1) or forward_seconds.get(str(k + 1))
+    cost_one = forward_seconds.get(1) or forward_seconds.get("1")
+    return {
+        "k": k, "acceptance_rate": alpha, "mean_acceptance_length": committed / cycles,
+        "per_position_acceptance": [a / d if d else None for a, d in zip(per_accepted, per_drafted)],
+        "draft_share": sum(s["draft_seconds"] for s in stats) / total,
+        "verify_share": sum(s["verify_seconds"] for s in stats) / total,
+        "speedup_bound": expected * cost_one / (cost + draft_per_cycle) if cost else None,
+    }
+
+
+def write_report(results: BenchResults, out_dir: str | Path) -> dict:
+    """Write ``results.json``, ``report.md`` and the PNG plots into ``out_dir``.
+
+    Returns:
+        the summary (as :func:`summarize`), with the written paths under ``"files"``.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarize(results)
+    (out / "results.json").write_text(json.dumps(results.to_dict() | {"summary": summary},
+                                                 indent=1))
+    (out / "report.md").write_text(markdown(results, summary))
+    files = [out / "results.json", out / "report.md"] + plot(results, summary, out)
+    return summary | {"files": [str(f) for f in files]}
+
+
+def markdown(results: BenchResults, summary: dict) -> str:
+    """The tables of ``report.md``."""
+    methods = list(next(iter(summary.values())))
+    failures = [r for r in results.records if r.matches_plain is False
+                and not r.method.startswith("hf-")]
+    cost = results.forward_seconds
+    lines = ["# exactspec bench", "",
+             f"Config: `{json.dumps(results.config)}`", "",
+             f"Machine: `{json.dumps(results.machine)}`", "",
+             "Target forward cost by tokens scored (ms): "
+             + ", ".join(f"{n}: {s * 1000:.1f}" for n, s in cost.items()), "",
+             f"**Greedy identity failures: {len(failures)}**"
+             + "".join(f"\n- question {r.question_id} ({r.group}) {r.method}, repetition "
+                       f"{r.repetition}" for r in failures), "",
+             "## Speedup over plain decoding (tokens/s ratio; min–max over repetitions)", "",
+             "| group | " + " | ".join(methods) + " |",
+             "|---|" + "---|" * len(methods)]
+    for group, row in summary.items():
+        cells = [f"{e['speedup']:.2f}× ({e['speedup_min']:.2f}–{e['speedup_max']:.2f}); "
+                 f"{e['tokens_per_second']:.1f} tok/s" for e in row.values()]
+        lines.append(f"| {group} | " + " | ".join(cells) + " |")
+    lines += ["", "## Acceptance and where the time goes (exactspec's speculative methods)", "",
+              "| group | method | k | acceptance rate | mean acceptance length | per-position "
+              "acceptance | draft share | verify share | measured speedup | bound |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for group, row in summary.items():
+        for method, e in row.items():
+            if "k" not in e:
+                continue
+            positions = ", ".join("–" if a is None else f"{a:.2f}"
+                                  for a in e["per_position_acceptance"])
+            bound = "–" if e["speedup_bound"] is None else f"{e['speedup_bound']:.2f}×"
+            lines.append(f"| {group} | {method} | {e['k']} | {e['acceptance_rate']:.3f} | "
+                         f"{e['mean_acceptance_length']:.2f} | {positions} | "
+                         f"{e['draft_share']:.1%} | {e['verify_share']:.1%} | "
+                         f"{e['speedup']:.2f}× | {bound} |")
+    peers = [r for r in results.records if r.method.startswith("hf-") and r.matches_plain is False]
+    lines += ["", f"Peers' greedy outputs differing from exactspec's plain decoding: {len(peers)} "
+              f"of {sum(r.method.startswith('hf-') for r in results.records)} runs "
+              "(transformers prefills the whole prompt at once, so near-tied tokens can flip).", ""]
+    return "\n".join(lines)
+
+
+def plot(results: BenchResults, summary: dict, out: Path) -> list[Path]:
+    """speedup_by_group.png, committed_per_cycle.png, acceptance_by_position.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    groups = list(summary)
+    methods = [m for m in summary[groups[0]] if m != "plain"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
+    width = 0.8 / max(len(methods), 1)
+    for i, method in enumerate(methods):
+        values = [summary[g][method]["speedup"] for g in groups]
+        ax.bar([x + i * width for x in range(len(groups))], values, width, label=method)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(groups))], groups,
+                  rotation=20)
+    ax.set_ylabel("speedup over plain decoding (×)")
+    ax.set_title("Speedup by task group")
+    ax.legend(fontsize=8)
+    files.append(_save(fig, out / "speedup_by_group.png"))
+
+    runs = [r for r in results.records if r.stats and r.stats["committed_per_cycle"]
+            and r.stats["num_speculative_tokens"] > 0]
+    if runs:
+        run = max(runs, key=lambda r: r.stats["mean_acceptance_length"] or 0)
+        cycles = run.stats["committed_per_cycle"][:60]
+        fig, ax = plt.subplots(figsize=(9, 3))
+        ax.bar(range(1, len(cycles) + 1), cycles, color="tab:green")
+        ax.set_xlabel("cycle")
+        ax.set_ylabel("tokens committed")
+        ax.set_title(f"Committed tokens per cycle: {run.method}, question {run.question_id} "
+                     f"({run.group})")
+        files.append(_save(fig, out / "committed_per_cycle.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in methods:
+        entry = summary[OVERALL][method]
+        if "per_position_acceptance" in entry:
+            values = entry["per_position_acceptance"]
+            ax.plot(range(1, len(values) + 1), [v if v is not None else float("nan")
+                                                for v in values], marker="o", label=method)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accepted | drafted)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Acceptance by draft position (all groups)")
+    ax.legend(fontsize=8)
+    files.append(_save(fig, out / "acceptance_by_position.png"))
+    return files
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

@@ -1,0 +1,132 @@
+"""Runs the benchmark: every method on every question, interleaved, plus the cost model.
+
+Interleaving (for each question and repetition: method A, B, C, then again) spreads drift
+on a shared machine evenly over the methods. A warm-up generation per method comes first.
+Greedy runs of exactspec's speculative methods must equal plain decoding token for token;
+any difference is recorded as a failure (peers' differences are recorded too, as facts).
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from rich.progress import Progress
+
+from exactspec.backends.base import Backend
+from exactspec.bench.methods import Method
+from exactspec.bench.questions import Question
+from exactspec.sampling import SamplingParams
+
+
+@dataclass
+class Record:
+    """One generation of one method on one question."""
+
+    question_id: int
+    group: str
+    method: str
+    repetition: int
+    num_tokens: int
+    seconds: float
+    token_ids: list[int]
+    stats: dict | None
+    matches_plain: bool | None = None  # greedy only: token-identical to plain decoding
+
+
+@dataclass
+class BenchResults:
+    """Everything measured: raw records, the forward-cost model, config, machine."""
+
+    config: dict
+    machine: dict
+    forward_seconds: dict[int, float]  # tokens scored in one target forward → seconds
+    records: list[Record] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def machine_info() -> dict:
+    """Machine, library versions, CPU model and PyTorch's CPU capability."""
+    import transformers
+
+    from exactspec import __version__
+
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
+            "cpu_count": torch.get_num_threads(), "torch": torch.__version__,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "transformers": transformers.__version__, "exactspec": __version__,
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def measure_forward_cost(target: Backend, context_length: int, max_tokens: int,
+                         trials: int = 3) -> dict[int, float]:
+    """Median seconds of one target forward over n = 1..max_tokens tokens after a cache of
+    ``context_length`` tokens: the cost model behind the theoretical speedup bound."""
+    vocab = min(target.vocab_size, 1000)
+    context = [(7 * i) % vocab for i in range(max(context_length, 1))]
+    target.prefill(context)
+    cost = {}
+    for n in range(1, max_tokens + 1):
+        times = []
+        for _ in range(trials):
+            start = time.perf_counter()
+            target.forward(context[:n])
+            times.append(time.perf_counter() - start)
+            target.rollback(n)
+        cost[n] = statistics.median(times)
+    return cost
+
+
+def run_bench(target: Backend, questions: list[Question], methods: list[Method], *,
+              params: SamplingParams, repetitions: int, chat: bool, config: dict,
+              show_progress: bool = True) -> BenchResults:
+    """Run every method on every question ``repetitions`` times, interleaved.
+
+    Raises:
+        ValueError: if no method is ``plain`` (the baseline every speedup is relative to).
+    """
+    if not any(m.kind == "plain" for m in methods):
+        raise ValueError("the methods must include 'plain' (the baseline)")
+    tokenizer = target.tokenizer
+    prompts = {q.question_id: tokenizer.apply_chat_template(q.prompt) if chat
+               else tokenizer.encode(q.prompt) for q in questions}
+    max_k = max(m.k for m in methods)
+    median_prompt = int(statistics.median(len(p) for p in prompts.values()))
+    results = BenchResults(config, machine_info(),
+                           measure_forward_cost(target, median_prompt, max_k + 1))
+    warm_up = SamplingParams(**{**asdict(params), "max_new_tokens": 4, "min_new_tokens": 0})
+    for method in methods:
+        method.run(prompts[questions[0].question_id], warm_up)
+
+    total = len(questions) * repetitions * len(methods)
+    with Progress(disable=not show_progress, transient=False) as progress:
+        task = progress.add_task("benchmark", total=total)
+        for question in questions:
+            for repetition in range(repetitions):
+                plain_ids = None
+                for method in methods:
+                    progress.update(task, description=f"{question.group} #{question.question_id} "
+                                                      f"{method.name}")
+                    outcome = method.run(prompts[question.question_id], params)
+                    record = Record(question.question_id, question.group, method.name, repetition,
+                                    len(outcome.token_ids), outcome.seconds, outcome.token_ids,
+                                    outcome.stats)
+                    if method.kind == "plain":
+                        plain_ids = outcome.token_ids
+                    results.records.append(record)
+                    progress.advance(task)
+                if params.greedy:
+                    for record in results.records[-len(methods):]:
+                        record.matches_plain = record.token_ids == plain_ids
+    return results
