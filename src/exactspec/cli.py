@@ -12,7 +12,7 @@ from exactspec import __version__
 from exactspec.models import DEFAULT_MODEL, EMBEDDED_MODELS
 
 DEFAULT_K = 4
-DEFAULT_BENCH_METHODS = ("plain", "prompt-lookup:k=4", "hf-plain", "hf-prompt-lookup:k=10")
+DEFAULT_BENCH_METHODS = ("plain", "prompt-lookup:k=4", "hf-plain", "hf-prompt-lookup:k=4")
 DEFAULT_NGRAM = (2, 3)
 
 
