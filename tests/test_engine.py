@@ -241,3 +241,16 @@ def test_engine_sampling_follows_the_target_two_tokens(broken):
         assert pvalue < ALPHA
     else:
         assert pvalue > ALPHA
+
+
+def test_api_misuse_is_refused():
+    target = tiny_backend(0)
+    with pytest.raises(ValueError, match="separate backend"):
+        DraftModelProposer(target, target)
+    generator = SpeculativeGenerator(target, PromptLookupProposer(), 4)
+    with pytest.raises(ValueError, match="must be integers"):
+        generator.generate([1.7, 2.2])
+    with pytest.raises(TypeError, match="must be a SamplingParams"):
+        generator.generate("abc", {"max_new_tokens": 3})
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookupProposer(True, 3)

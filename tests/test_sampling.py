@@ -105,3 +105,15 @@ def test_seeded_generators_repeat():
     b = torch.rand(4, generator=make_generator(7))
     c = torch.rand(4, generator=make_generator(8))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"temperature": 1e-45}, "temperature"), ({"temperature": True}, "temperature"),
+    ({"top_p": True}, "top_p"), ({"repetition_penalty": 1e-45}, "repetition_penalty"),
+    ({"seed": 2**64}, "seed"), ({"stop": 5}, "stop"), ({"stop": None}, "stop"),
+    ({"stop_token_ids": 5}, "stop_token_ids"), ({"stop_token_ids": "12"}, "stop_token_ids"),
+    ({"logit_bias": [1, 2]}, "logit_bias"), ({"logit_bias": None}, "logit_bias"),
+])
+def test_wrong_types_raise_value_error_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} = "):
+        SamplingParams(**kwargs)

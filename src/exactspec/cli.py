@@ -14,6 +14,8 @@ from exactspec.models import DEFAULT_MODEL, EMBEDDED_MODELS
 DEFAULT_K = 4
 DEFAULT_BENCH_METHODS = ("plain", "prompt-lookup:k=4", "hf-plain", "hf-prompt-lookup:k=4")
 DEFAULT_NGRAM = (2, 3)
+FIELD_FLAGS = {"stop_token_ids": "--stop-token-id", "banned_token_ids": "--ban-token-id",
+               "bad_words": "--bad-word"}  # SamplingParams fields whose flag is singular
 
 
 def _ngram_range(text: str) -> tuple[int, int]:
@@ -225,7 +227,10 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             logit_bias=dict(args.logit_bias), bad_words=tuple(args.bad_word),
             banned_token_ids=tuple(args.ban_token_id), logprobs=args.logprobs)
     except ValueError as error:
-        parser.error(str(error).replace("SamplingParams.", "--").replace("_", "-"))
+        message = str(error)
+        for field, flag in FIELD_FLAGS.items():
+            message = message.replace(f"SamplingParams.{field} ", f"{flag} ")
+        parser.error(message.replace("SamplingParams.", "--").replace("_", "-"))
     if args.num_samples < 1:
         parser.error(f"-n {args.num_samples} is invalid: it must be ≥ 1")
     if args.num_speculative_tokens < 0:

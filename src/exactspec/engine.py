@@ -13,6 +13,7 @@ the only record of the sequence; proposers and backends follow it.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -142,7 +143,9 @@ class SpeculativeGenerator:
         """
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"n = {n!r} is invalid: it must be an integer ≥ 1")
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
         start = time.perf_counter()
         prompt_token_ids = self._prompt_token_ids(prompt, chat)
         pipeline = LogitsPipeline(params, prompt_token_ids, self.target.vocab_size,
@@ -264,7 +267,10 @@ class SpeculativeGenerator:
         else:
             if chat:
                 raise ValueError("chat=True needs a text prompt, not token ids")
-            token_ids = [int(t) for t in prompt]
+            try:
+                token_ids = [operator.index(t) for t in prompt]
+            except TypeError:
+                raise ValueError("prompt token ids must be integers") from None
         if not token_ids:
             raise ValueError("the prompt is empty: give at least one token")
         vocab = self.target.vocab_size

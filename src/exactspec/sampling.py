@@ -20,12 +20,17 @@ from dataclasses import dataclass, field
 import torch
 
 
+MIN_TEMPERATURE = 1e-4
+"""Smallest positive temperature: logits / temperature must stay finite in float32."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How tokens are chosen. Every field is validated on construction.
 
     Attributes:
-        temperature: Softmax temperature; 0 means greedy (argmax). Must be ≥ 0 and finite.
+        temperature: Softmax temperature; 0 means greedy (argmax). Otherwise at least
+            ``MIN_TEMPERATURE`` (1e-4: smaller ones overflow float32 logits) and finite.
         top_k: Keep the k most likely tokens; 0 disables. Must be ≥ 0.
         top_p: Nucleus sampling: keep the smallest set of most likely tokens whose
             probability reaches top_p; 1.0 disables. Must lie in (0, 1].
@@ -41,7 +46,7 @@ class SamplingParams:
         ignore_eos: Keep generating after the model's EOS token (it is not suppressed).
         repetition_penalty: transformers' definition: the logit of every token already in
             the prompt or the output is divided by it when positive, multiplied when
-            negative. 1 disables; must be > 0.
+            negative. 1 disables; must lie in [0.01, 100].
         presence_penalty: OpenAI's definition: subtracted once from the logit of every
             token that occurs in the output so far. In [-2, 2]; 0 disables.
         frequency_penalty: OpenAI's definition: subtracted from a token's logit once per
@@ -77,26 +82,28 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("stop", "bad_words"):
+        for name in ("stop", "bad_words", "stop_token_ids", "banned_token_ids"):
             value = getattr(self, name)
-            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
-        for name in ("stop_token_ids", "banned_token_ids"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
+            if isinstance(value, str) and name in ("stop", "bad_words"):
+                value = (value,)
+            _check(isinstance(value, (list, tuple, set, frozenset)), name, value,
+                   "a list" + (" of strings" if name in ("stop", "bad_words") else " of token ids"))
+            object.__setattr__(self, name, tuple(value))
+        _check(isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias,
+               "a dict of token id → bias")
         object.__setattr__(self, "logit_bias", dict(self.logit_bias))
-        _check(
-            isinstance(self.temperature, (int, float))
-            and math.isfinite(self.temperature)
-            and self.temperature >= 0,
-            "temperature", self.temperature, "a finite number ≥ 0 (0 = greedy)",
-        )
+        _check(_is_number(self.temperature) and (self.temperature == 0
+                                                 or self.temperature >= MIN_TEMPERATURE),
+               "temperature", self.temperature,
+               f"0 (greedy) or a finite number ≥ {MIN_TEMPERATURE} (smaller ones overflow float32)")
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k,
                "an integer ≥ 0 (0 = disabled)")
-        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p",
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
                self.top_p, "a number in (0, 1] (1 = disabled)")
-        _check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1, "min_p",
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p",
                self.min_p, "a number in [0, 1] (0 = disabled)")
-        _check(self.seed is None or (_is_int(self.seed) and self.seed >= 0), "seed",
-               self.seed, "an integer ≥ 0 or None")
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), "seed",
+               self.seed, "an integer in [0, 2**63) or None")
         _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
                "max_new_tokens", self.max_new_tokens, "an integer ≥ 1")
         _check(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
@@ -109,8 +116,8 @@ class SamplingParams:
             for t in getattr(self, name):
                 _check(_is_int(t) and t >= 0, name, t, "a list of token ids ≥ 0")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "True or False")
-        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-               "repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 = off)")
+        _check(_is_number(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100,
+               "repetition_penalty", self.repetition_penalty, "a number in [0.01, 100] (1 = off)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, name, value,

@@ -50,7 +50,9 @@ class StopChecker:
             # Only occurrences that end in the newest token's text are new.
             found = [(i, s) for s in self.stop_strings
                      if (i := text.find(s, max(0, self._checked_chars - len(s) + 1))) >= 0]
-            self._checked_chars = len(text)
+            # A character split over several tokens decodes as U+FFFD until complete:
+            # search it again next time.
+            self._checked_chars = len(text.rstrip("\ufffd"))
             if allowed and found:
                 self.stop_reason = min(found)[1]
                 return True

@@ -31,11 +31,16 @@ class DraftModelProposer:
         draft: the draft model's backend.
         target: the target's backend (for its vocabulary and tokenizer).
     Raises:
+        ValueError: if ``draft`` is ``target`` (they would share one KV cache).
         UnsupportedModelError: if the two tokenizers differ (a cross-tokenizer translator
             is not implemented yet).
     """
 
     def __init__(self, draft: Backend, target: Backend) -> None:
+        if draft is target:
+            raise ValueError("the draft must be a separate backend with its own KV cache; to "
+                             "draft with the target's own weights, wrap its model in a second "
+                             "backend")
         target_vocab = target.tokenizer.get_vocab()
         if draft.tokenizer.get_vocab() != target_vocab:
             raise UnsupportedModelError(

@@ -33,9 +33,9 @@ class PromptLookupProposer:
     """
 
     def __init__(self, min_ngram: int = 2, max_ngram: int = 3) -> None:
-        if not isinstance(min_ngram, int) or min_ngram < 1:
+        if not isinstance(min_ngram, int) or isinstance(min_ngram, bool) or min_ngram < 1:
             raise ValueError(f"min_ngram = {min_ngram!r} is invalid: it must be an integer ≥ 1")
-        if not isinstance(max_ngram, int) or max_ngram < min_ngram:
+        if not isinstance(max_ngram, int) or isinstance(max_ngram, bool) or max_ngram < min_ngram:
             raise ValueError(f"max_ngram = {max_ngram!r} is invalid: it must be an integer ≥ "
                              f"min_ngram ({min_ngram})")
         self.min_ngram = min_ngram
