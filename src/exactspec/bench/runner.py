@@ -70,7 +70,7 @@ def machine_info() -> dict:
 
 
 def measure_forward_cost(target: Backend, context_length: int, max_tokens: int,
-                         trials: int = 3) -> dict[int, float]:
+                         trials: int = 5) -> dict[int, float]:
     """Median seconds of one target forward over n = 1..max_tokens tokens after a cache of
     ``context_length`` tokens: the cost model behind the theoretical speedup bound."""
     vocab = min(target.vocab_size, 1000)
@@ -101,13 +101,13 @@ def run_bench(target: Backend, questions: list[Question], methods: list[Method],
     tokenizer = target.tokenizer
     prompts = {q.question_id: tokenizer.apply_chat_template(q.prompt) if chat
                else tokenizer.encode(q.prompt) for q in questions}
+    warm_up = SamplingParams(**{**asdict(params), "max_new_tokens": 4, "min_new_tokens": 0})
+    for method in methods:
+        method.run(prompts[questions[0].question_id], warm_up)
     max_k = max(m.k for m in methods)
     median_prompt = int(statistics.median(len(p) for p in prompts.values()))
     results = BenchResults(config, machine_info(),
                            measure_forward_cost(target, median_prompt, max_k + 1))
-    warm_up = SamplingParams(**{**asdict(params), "max_new_tokens": 4, "min_new_tokens": 0})
-    for method in methods:
-        method.run(prompts[questions[0].question_id], warm_up)
 
     total = len(questions) * repetitions * len(methods)
     with Progress(disable=not show_progress, transient=False) as progress:
