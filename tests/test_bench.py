@@ -87,7 +87,7 @@ def test_bench_end_to_end_flags_mismatches_and_writes_report(questions_file, tmp
     assert 0 <= lookup["acceptance_rate"] <= 1 and 1 <= lookup["mean_acceptance_length"] <= 4
     assert lookup["speedup_min"] <= lookup["speedup"] <= lookup["speedup_max"] or \
         lookup["speedup_min"] == lookup["speedup_max"]
-    assert lookup["speedup_bound"] > 0 and overall["draft:same:k=2"]["acceptance_rate"] == 1.0
+    assert lookup["speedup_bound"] > 0 and lookup["speedup_leviathan"] > 0 and overall["draft:same:k=2"]["acceptance_rate"] == 1.0
     assert overall["hf-plain"]["tokens_per_second"] > 0
     report = (tmp_path / "out" / "report.md").read_text()
     assert "Greedy identity failures: 8" in report and "broken" in report
