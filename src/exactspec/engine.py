@@ -200,7 +200,7 @@ class SpeculativeGenerator:
                 if logprobs is not None:
                     logprobs.append(committed_logprobs[num_emitted])
                 num_emitted += 1
-                if stopper.is_stop(tokens[num_prompt_tokens:]):
+                if stopper.is_stop(tokens, num_prompt_tokens):
                     finish_reason = "stop"
                     break
             self.target.rollback(len(proposal) - num_accepted)

@@ -37,16 +37,16 @@ class StopChecker:
         self.stop_reason: int | str | None = None
         self._checked_chars = 0  # text length already searched for stop strings
 
-    def is_stop(self, output_token_ids: Sequence[int]) -> bool:
-        """True if the last of ``output_token_ids`` (the generated tokens so far) ends
-        generation. Decodes the whole output when stop strings are set (exact, and cheap
-        next to a forward pass)."""
-        allowed = len(output_token_ids) >= self.min_new_tokens
-        if allowed and output_token_ids[-1] in self.stop_token_ids:
-            self.stop_reason = output_token_ids[-1]
+    def is_stop(self, token_ids: Sequence[int], start: int = 0) -> bool:
+        """True if the last of ``token_ids`` ends generation; the generated tokens are
+        ``token_ids[start:]`` (no copy unless stop strings are set: then the output is
+        decoded whole, exact and cheap next to a forward pass)."""
+        allowed = len(token_ids) - start >= self.min_new_tokens
+        if allowed and token_ids[-1] in self.stop_token_ids:
+            self.stop_reason = token_ids[-1]
             return True
         if self.stop_strings:
-            text = self.tokenizer.decode(output_token_ids)
+            text = self.tokenizer.decode(token_ids[start:])
             # Only occurrences that end in the newest token's text are new.
             found = [(i, s) for s in self.stop_strings
                      if (i := text.find(s, max(0, self._checked_chars - len(s) + 1))) >= 0]
