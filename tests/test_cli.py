@@ -145,3 +145,35 @@ def test_n_samples_json(model_folder, capsys):
     assert len(samples) == 3 and err.count("tokens/s") == 3
     assert len({tuple(s["token_ids"]) for s in samples}) > 1
 
+
+
+def test_audit_command_writes_its_report(model_folder, tmp_path, capsys):
+    out = tmp_path / "audit"
+    code = cli.main(["audit", "--model", str(model_folder), "--prompt", "abcdabcdab",
+                     "--prompt", "hello hello hel", "--samples", "300", "--tokens", "2",
+                     "--greedy-tokens", "8", "--proposer", "prompt-lookup:ngram=1-3",
+                     "--output", str(out)])
+    report = capsys.readouterr().out
+    assert "2 of 2 prompts token-for-token identical" in report
+    assert "Power check" in report
+    assert {p.name for p in out.iterdir()} == {"audit.json", "report.md", "prompt-0.png",
+                                               "prompt-1.png"}
+    verdict = json.loads((out / "audit.json").read_text())["verdict"]
+    assert (code == 0) == (verdict == "exact") and verdict != "NOT exact"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tokens", "1"], "--tokens 1 is invalid"),
+    (["--temperature", "0"], "--temperature 0 is greedy"),
+    (["--alpha", "2"], "--alpha 2.0 is invalid"),
+    (["--top-p", "1.5"], "--top-p"),
+])
+def test_audit_bad_arguments(args, message, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["audit", *args])
+    assert message in capsys.readouterr().err
+
+
+def test_audit_bad_proposer_is_named(model_folder, capsys):
+    assert cli.main(["audit", "--model", str(model_folder), "--proposer", "magic"]) == 1
+    assert "proposer 'magic' is invalid" in capsys.readouterr().err

@@ -14,13 +14,14 @@ from exactspec.backends import Backend, TransformersBackend, UnsupportedModelErr
 from exactspec.engine import GenerationResult, SpeculativeGenerator
 from exactspec.metrics import GenerationStats
 from exactspec.models import DEFAULT_MODEL, ModelNotFoundError, load_model
-from exactspec.proposers import DraftModelProposer, PromptLookupProposer, Proposal, Proposer
+from exactspec.proposers import (DraftModelProposer, EarlyExitProposer, PromptLookupProposer,
+                                 Proposal, Proposer)
 from exactspec.sampling import SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_MODEL", "Backend", "DraftModelProposer", "GenerationResult", "GenerationStats",
+    "DEFAULT_MODEL", "Backend", "DraftModelProposer", "EarlyExitProposer", "GenerationResult", "GenerationStats",
     "ModelNotFoundError", "PromptLookupProposer", "Proposal", "Proposer", "SamplingParams",
     "SpeculativeGenerator", "TransformersBackend", "UnsupportedModelError", "load_model",
 ]

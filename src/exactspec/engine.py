@@ -103,6 +103,9 @@ class SpeculativeGenerator:
         ValueError: if num_speculative_tokens is not an integer ≥ 0.
     """
 
+    rejection_sampler = staticmethod(rejection_sample)
+    """The stochastic verifier (the audit's broken controls replace it)."""
+
     def __init__(self, target: Backend, proposer: Proposer | None = None,
                  num_speculative_tokens: int = 4) -> None:
         if (not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool)
@@ -235,7 +238,7 @@ class SpeculativeGenerator:
         else:
             target_probs = pipeline.probs(processed).unsqueeze(0)  # [1, k+1, vocab]
             draft_probs = None if proposal.probs is None else proposal.probs.unsqueeze(0)
-            result = rejection_sample(draft_token_ids, draft_probs, target_probs, generator)
+            result = self.rejection_sampler(draft_token_ids, draft_probs, target_probs, generator)
         committed = [t for t in result.output_token_ids[0].tolist() if t >= 0]  # one host sync
         committed_logprobs = None
         if pipeline.params.logprobs is not None:

@@ -20,6 +20,7 @@ import tempfile
 import torch
 
 from exactspec.backends.base import UnsupportedModelError
+from exactspec.backends.skinny_linear import use_skinny_linear
 
 logger = logging.getLogger(__name__)
 
@@ -78,12 +79,17 @@ class TransformersBackend:
         eos_token_ids: ids that end generation; by default the model's generation config's.
     Raises:
         UnsupportedModelError: if the model's cache cannot be rolled back.
+
+    On a CPU in float32 the model's linear layers become
+    :class:`~exactspec.backends.skinny_linear.SkinnyLinear` (same weights, faster for the
+    few rows a verification scores); peers given the same model object use them too.
     """
 
     def __init__(self, model, tokenizer, eos_token_ids: Sequence[int] | None = None) -> None:
         from transformers import DynamicCache
 
         self.model = model.eval()
+        use_skinny_linear(model)
         self.tokenizer = tokenizer
         config = model.config.get_text_config(decoder=True)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])

@@ -1,4 +1,4 @@
-"""The ``exactspec`` command line. ``exactspec generate --help`` explains every option."""
+"""``exactspec generate``: one prompt, exact speculative decoding, text and figures out."""
 
 from __future__ import annotations
 
@@ -6,94 +6,15 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 
-from exactspec import __version__
-from exactspec.models import DEFAULT_MODEL, EMBEDDED_MODELS
+from exactspec.cli.common import (DEFAULT_K, DEFAULT_NGRAM, add_model_options, has_chat_template,
+                                  logit_bias, ngram_range)
 
-DEFAULT_K = 4
-DEFAULT_BENCH_METHODS = ("plain", "prompt-lookup:k=4", "hf-plain", "hf-prompt-lookup:k=4")
-DEFAULT_NGRAM = (2, 3)
 FIELD_FLAGS = {"stop_token_ids": "--stop-token-id", "banned_token_ids": "--ban-token-id",
                "bad_words": "--bad-word"}  # SamplingParams fields whose flag is singular
 
 
-def _ngram_range(text: str) -> tuple[int, int]:
-    """``MIN:MAX`` → (min, max) n-gram sizes."""
-    try:
-        low, high = (int(part) for part in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is invalid: give MIN:MAX n-gram sizes, e.g. 1:3") from None
-    if not 1 <= low <= high:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid: need 1 ≤ MIN ≤ MAX")
-    return low, high
-
-
-def _logit_bias(text: str) -> tuple[int, float]:
-    """``ID=BIAS`` → (token id, bias)."""
-    try:
-        token, bias = text.split("=")
-        return int(token), float(bias)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is invalid: give TOKEN_ID=BIAS, e.g. 1234=-100") from None
-
-
-def _add_model_options(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("models")
-    model.add_argument("--model", default=DEFAULT_MODEL,
-                       help="target model: an embedded model name "
-                            f"({', '.join(EMBEDDED_MODELS)}; the default), a local Hugging Face "
-                            "model folder, or a .gguf file")
-    model.add_argument("--device", default="auto",
-                       help="auto (the default: cuda if available), cpu, cuda, cuda:N")
-    model.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                       help="weights' dtype (default float32); only float32 keeps greedy output "
-                            "bit-identical to plain decoding (others may flip near-tied tokens)")
-
-
-def _add_bench_parser(commands) -> None:
-    bench = commands.add_parser(
-        "bench", help="measure speedup per task group, side by side with transformers",
-        description="Benchmark plain decoding, exactspec's speculative methods and peers "
-                    "(transformers generate() with its own prompt lookup / assistant model) on "
-                    "Spec-Bench-format questions, interleaved, on one model. Writes results.json, "
-                    "report.md and PNG plots to --output.")
-    bench.add_argument("--questions", metavar="PATH", default=None,
-                       help="Spec-Bench-format JSONL (e.g. ../shared/data/spec_bench/question.jsonl);"
-                            " default: exactspec's own 12-prompt set")
-    bench.add_argument("--category", action="append", default=None, metavar="GROUP",
-                       help="task group to run (repeatable; default all): multi-turn "
-                            "conversation, translation, summarization, qa, math_reasoning, rag")
-    bench.add_argument("--per-category", type=int, default=5, metavar="N",
-                       help="questions per group (default 5)")
-    bench.add_argument("--method", action="append", default=None, metavar="SPEC",
-                       help="method to compare (repeatable): plain, prompt-lookup:k=4[:ngram=2-3], "
-                            "draft:MODEL:k=4, hf-plain, hf-prompt-lookup:k=10, hf-assistant:MODEL. "
-                            f"Default: {' '.join(DEFAULT_BENCH_METHODS)}")
-    bench.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
-    bench.add_argument("--temperature", type=float, default=0.0,
-                       help="0 = greedy (the default; identity with plain decoding is checked)")
-    bench.add_argument("--repetitions", type=int, default=2, help="default 2")
-    bench.add_argument("--seed", type=int, default=0, help="default 0")
-    bench.add_argument("--output", default="bench-results", metavar="DIR",
-                       help="where results.json, report.md and the plots go (default bench-results)")
-    bench.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    bench.add_argument("--quick", action="store_true",
-                       help="smoke run: 2 questions per group, 64 new tokens, 1 repetition")
-    _add_model_options(bench)
-    bench.set_defaults(subparser=bench)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="exactspec",
-        description="Exact speculative decoding: faster generation, the target model's output "
-                    "distribution unchanged.")
-    parser.add_argument("--version", action="version", version=f"exactspec {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def add_parser(commands) -> None:
     gen = commands.add_parser(
         "generate", help="generate text with speculative decoding",
         description="Generate a continuation of PROMPT with exact speculative decoding and print "
@@ -101,15 +22,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "acceptance length) on stderr. By default the drafter is prompt lookup "
                     "(n-gram matching in the prompt and the generated text).")
     gen.add_argument("prompt", metavar="PROMPT", help="the prompt text; '-' reads it from stdin")
-    _add_model_options(gen)
+    add_model_options(gen)
     spec = gen.add_argument_group("speculation")
     how = spec.add_mutually_exclusive_group()
-    how.add_argument("--prompt-lookup", metavar="MIN:MAX", type=_ngram_range, nargs="?",
+    how.add_argument("--prompt-lookup", metavar="MIN:MAX", type=ngram_range, nargs="?",
                      const=DEFAULT_NGRAM, default=None,
                      help="draft by prompt lookup with n-grams of MIN..MAX tokens "
                           f"(the default drafter, with {DEFAULT_NGRAM[0]}:{DEFAULT_NGRAM[1]})")
     how.add_argument("--draft-model", metavar="MODEL",
                      help="draft with a smaller model on the same tokenizer (name, folder or .gguf)")
+    how.add_argument("--early-exit", type=int, metavar="L",
+                     help="self-draft with the target's first L layers (shares its weights; "
+                          "transformers' assistant_early_exit)")
     how.add_argument("--no-speculation", action="store_true",
                      help="plain decoding on the same backend, for comparison")
     spec.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K,
@@ -138,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="OpenAI's presence penalty over the output, in [-2, 2]")
     sampling.add_argument("--frequency-penalty", type=float, default=0.0,
                           help="OpenAI's frequency penalty over the output, in [-2, 2]")
-    sampling.add_argument("--logit-bias", action="append", type=_logit_bias, default=[],
+    sampling.add_argument("--logit-bias", action="append", type=logit_bias, default=[],
                           metavar="ID=BIAS", help="add BIAS to token ID's logit (repeatable)")
     sampling.add_argument("--bad-word", action="append", default=[], metavar="TEXT",
                           help="never generate TEXT (repeatable)")
@@ -157,64 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --json: each token's logprob under the target's processed "
                           "distribution and the top N alternatives (0..20)")
     gen.set_defaults(subparser=gen)
-    _add_bench_parser(commands)
-    return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "bench":
-        return _bench(args, args.subparser)
-    return _generate(args, args.subparser)
-
-
-def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from importlib.resources import files
-
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from rich.console import Console
 
-    from exactspec import SamplingParams, load_model
-    from exactspec.bench import load_questions, parse_method, run_bench, write_report
-
-    if args.quick:
-        args.per_category, args.max_new_tokens, args.repetitions = 2, 64, 1
-    for name in ("per_category", "repetitions"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: it must be ≥ 1")
-    console = Console(stderr=True, soft_wrap=True)
-    try:
-        params = SamplingParams(temperature=args.temperature, seed=args.seed,
-                                max_new_tokens=args.max_new_tokens)
-        questions = load_questions(args.questions or files("exactspec.bench") / "prompts.jsonl",
-                                   args.category, args.per_category)
-        with console.status(f"Loading {args.model} ({args.dtype}) …"):
-            target = load_model(args.model, device=args.device, dtype=args.dtype)
-            load = lambda name: load_model(name, device=args.device, dtype=args.dtype)
-            methods = [parse_method(spec, target, load) for spec in args.method or DEFAULT_BENCH_METHODS]
-        config = {"model": args.model, "dtype": args.dtype, "device": str(target.device),
-                  "questions": str(args.questions or "exactspec prompts.jsonl"),
-                  "groups": args.category or "all", "per_category": args.per_category,
-                  "methods": [m.name for m in methods], "max_new_tokens": args.max_new_tokens,
-                  "temperature": args.temperature, "repetitions": args.repetitions,
-                  "seed": args.seed, "chat": not args.no_chat}
-        results = run_bench(target, questions, methods, params=params,
-                            repetitions=args.repetitions, chat=not args.no_chat, config=config)
-    except (ValueError, FileNotFoundError) as error:
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
-        return 1
-    summary = write_report(results, args.output)
-    console.print(f"wrote {', '.join(summary['files'])}", highlight=False)
-    print((Path(args.output) / "report.md").read_text())
-    failures = sum(e["mismatches"] for m, e in summary["overall"].items() if not m.startswith("hf-"))
-    return 1 if failures else 0
-
-
-def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from rich.console import Console
-
-    from exactspec import (DraftModelProposer, PromptLookupProposer, SamplingParams,
-                           SpeculativeGenerator, UnsupportedModelError, load_model)
+    from exactspec import (DraftModelProposer, EarlyExitProposer, PromptLookupProposer,
+                           SamplingParams, SpeculativeGenerator, UnsupportedModelError, load_model)
     from exactspec.models import ModelNotFoundError
 
     try:
@@ -255,10 +128,13 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             with console.status(f"Loading draft {args.draft_model} …"):
                 draft = load_model(args.draft_model, device=args.device, dtype=args.dtype)
             proposer, method = DraftModelProposer(draft, target), f"draft model {args.draft_model}"
+        elif args.early_exit is not None:
+            proposer = EarlyExitProposer(target, args.early_exit)
+            method = f"early-exit self-draft, {args.early_exit} layers"
         else:
             low, high = args.prompt_lookup or DEFAULT_NGRAM
             proposer, method = PromptLookupProposer(low, high), f"prompt lookup {low}:{high}"
-        chat = args.chat if args.chat is not None else _has_chat_template(target)
+        chat = args.chat if args.chat is not None else has_chat_template(target)
         generator = SpeculativeGenerator(target, proposer, args.num_speculative_tokens)
         results = generator.generate_samples(prompt, params, n=args.num_samples, chat=chat)
     except (ModelNotFoundError, UnsupportedModelError, ValueError) as error:
@@ -279,15 +155,3 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         console.print(f"{result.stats.summary()} · finish: {result.finish_reason} · {method}",
                       highlight=False, soft_wrap=True)
     return 0
-
-
-def _has_chat_template(target) -> bool:
-    try:
-        target.tokenizer.apply_chat_template("")
-    except ValueError:
-        return False
-    return True
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,22 @@
+"""The exactness audit: does speculative decoding reproduce the target's distribution on a
+real model? See :mod:`exactspec.audit.runner` for the procedure."""
+
+from exactspec.audit.broken import BROKEN_VERIFIERS, BrokenGenerator
+from exactspec.audit.engines import EngineUnderTest, ExactspecEngine, TransformersGenerateEngine
+from exactspec.audit.reference import Reference, exact_reference
+from exactspec.audit.report import write_audit_report
+from exactspec.audit.runner import AuditResult, audit_distribution, check_greedy, verdict
+
+AUDIT_PROMPTS = (
+    "red green blue red green blue red green blue red green",
+    "The cat sat on the mat. The dog sat on the mat. The cat sat on the",
+    "Paris is the capital of France. Berlin is the capital of Germany. Rome is the capital of",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a",
+    "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,",
+)
+"""Default prompts: repetitive enough that prompt lookup drafts from the first token."""
+
+__all__ = ["AUDIT_PROMPTS", "AuditResult", "BROKEN_VERIFIERS", "BrokenGenerator",
+           "EngineUnderTest", "ExactspecEngine", "Reference", "TransformersGenerateEngine",
+           "audit_distribution", "check_greedy", "exact_reference", "verdict",
+           "write_audit_report"]

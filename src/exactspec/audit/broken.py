@@ -1,0 +1,55 @@
+"""Deliberately broken verifiers: the audit's power check runs the same test on them and
+must reject. Each mimics a real mistake found in speculative decoding implementations.
+
+Never use these to generate text: they change the output distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from exactspec.engine import SpeculativeGenerator
+from exactspec.sampling import sample_from_probs
+from exactspec.verification import VerificationResult, rejection_sample
+
+
+def accept_every_draft(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+                       target_probs: torch.Tensor, generator: torch.Generator) -> VerificationResult:
+    """Broken: keeps every drafted token (no acceptance test), then a bonus token from p.
+    Shapes as :func:`~exactspec.verification.rejection_sample`."""
+    batch, k = draft_token_ids.shape
+    bonus = sample_from_probs(target_probs[:, k].double(), generator)  # [batch]
+    output = torch.cat([draft_token_ids, bonus.unsqueeze(-1)], dim=-1)
+    return VerificationResult(output, torch.full((batch,), k, dtype=torch.long))
+
+
+def resample_without_residual(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+                              target_probs: torch.Tensor,
+                              generator: torch.Generator) -> VerificationResult:
+    """Broken: the right acceptance test, but after a rejection the token is drawn from p
+    instead of the residual normalize(max(0, p − q)), so drafted tokens are over-produced.
+    Shapes as :func:`~exactspec.verification.rejection_sample`."""
+    result = rejection_sample(draft_token_ids, draft_probs, target_probs, generator)
+    k = draft_token_ids.shape[1]
+    rows = torch.nonzero(result.num_accepted < k).flatten()
+    if len(rows):
+        at = result.num_accepted[rows]
+        result.output_token_ids[rows, at] = sample_from_probs(target_probs[rows, at].double(),
+                                                              generator)
+    return result
+
+
+BROKEN_VERIFIERS = {"accept-all": accept_every_draft, "no-residual": resample_without_residual}
+"""The broken controls by name (``exactspec audit --broken NAME``)."""
+
+
+class BrokenGenerator(SpeculativeGenerator):
+    """A :class:`~exactspec.engine.SpeculativeGenerator` whose stochastic verification is
+    one of :data:`BROKEN_VERIFIERS` (greedy verification is left correct)."""
+
+    def __init__(self, *args, broken: str, **kwargs) -> None:
+        if broken not in BROKEN_VERIFIERS:
+            raise ValueError(f"broken control {broken!r} is unknown: choose one of "
+                             f"{', '.join(BROKEN_VERIFIERS)}")
+        super().__init__(*args, **kwargs)
+        self.rejection_sampler = BROKEN_VERIFIERS[broken]

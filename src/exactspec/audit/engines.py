@@ -1,0 +1,99 @@
+"""Engines under test: anything that can sample the first m tokens of a continuation.
+
+The audit compares an engine's samples with the target's exact probabilities, so any engine
+that decodes the same target model can be audited: exactspec itself (with any proposer, or
+a broken control), and transformers ``generate()`` with its own speculative modes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from exactspec.backends.base import Backend
+from exactspec.engine import SpeculativeGenerator
+from exactspec.sampling import SamplingParams
+
+HF_SUPPORTED_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_new_tokens")
+"""SamplingParams fields the transformers adapter translates; others are refused."""
+
+
+class EngineUnderTest(Protocol):
+    """An engine the audit samples from.
+
+    Attributes:
+        name: how reports call it.
+        drafted, accepted: draft tokens proposed and accepted so far, when the engine
+            reports them (None otherwise), to show that speculation really happened.
+    """
+
+    name: str
+    drafted: int | None
+    accepted: int | None
+
+    def sample(self, prompt_ids: Sequence[int], params: SamplingParams,
+               num_samples: int) -> list[tuple[int, ...]]:
+        """``num_samples`` independent continuations of ``prompt_ids`` (each at most
+        ``params.max_new_tokens`` tokens, ending early at EOS), reproducible for a seed."""
+        ...
+
+
+class ExactspecEngine:
+    """exactspec's :class:`~exactspec.engine.SpeculativeGenerator` (shared prefill per
+    prompt: the KV cache is rolled back between samples, never re-encoded)."""
+
+    def __init__(self, generator: SpeculativeGenerator, name: str) -> None:
+        self.generator, self.name = generator, name
+        self.drafted = self.accepted = 0
+
+    def sample(self, prompt_ids: Sequence[int], params: SamplingParams,
+               num_samples: int) -> list[tuple[int, ...]]:
+        results = self.generator.generate_samples(list(prompt_ids), params, n=num_samples)
+        for result in results:
+            self.drafted += result.stats.drafted_tokens
+            self.accepted += result.stats.accepted_tokens
+        return [tuple(result.token_ids) for result in results]
+
+
+class TransformersGenerateEngine:
+    """transformers ``generate()`` on the target's own model object, ``do_sample=True``.
+
+    Args:
+        target: the target's transformers backend.
+        name: e.g. ``hf-prompt-lookup:k=4``.
+        generate_kwargs: what selects the mode, e.g. ``{"prompt_lookup_num_tokens": 4}``,
+            ``{"assistant_model": model}`` or ``{"assistant_early_exit": 16}``.
+    """
+
+    def __init__(self, target: Backend, name: str, generate_kwargs: dict) -> None:
+        if getattr(target, "model", None) is None:
+            raise ValueError(f"engine {name!r} needs the transformers backend")
+        self.target, self.name, self.generate_kwargs = target, name, generate_kwargs
+        self.drafted = self.accepted = None
+
+    def sample(self, prompt_ids: Sequence[int], params: SamplingParams,
+               num_samples: int) -> list[tuple[int, ...]]:
+        changed = [f for f, value in vars(params).items()
+                   if f not in HF_SUPPORTED_FIELDS and value != getattr(SamplingParams(), f)]
+        if changed:
+            raise ValueError(f"the transformers adapter does not translate {', '.join(changed)}; "
+                             f"it supports {', '.join(HF_SUPPORTED_FIELDS)}")
+        model = self.target.model
+        input_ids = torch.tensor([list(prompt_ids)], device=self.target.device)
+        eos = list(self.target.eos_token_ids)
+        sampling = {"do_sample": False} if params.greedy else {
+            "do_sample": True, "temperature": params.temperature, "top_k": params.top_k,
+            "top_p": params.top_p, "min_p": params.min_p or None}
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        samples = []
+        with torch.inference_mode():
+            for _ in range(num_samples):
+                output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                        max_new_tokens=params.max_new_tokens,
+                                        eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0,
+                                        **sampling, **self.generate_kwargs)
+                samples.append(tuple(output[0, input_ids.shape[1]:].tolist()))
+        return samples

@@ -1,0 +1,171 @@
+"""``exactspec audit``: test statistically that speculative decoding leaves the target's
+distribution unchanged, on exactspec or on transformers' own assisted generation."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from exactspec.cli.common import DEFAULT_K, add_model_options
+
+QUICK = {"samples": 200, "greedy_tokens": 24, "num_prompts": 3}
+
+
+def add_parser(commands) -> None:
+    audit = commands.add_parser(
+        "audit", help="test that speculative decoding keeps the target's distribution exactly",
+        description="Audit exactness on a real model: (1) greedy output token for token equal to "
+                    "plain decoding; (2) samples of the first --tokens tokens of each prompt "
+                    "against the target's exact processed probabilities (G-test, Holm's "
+                    "correction over prompts, total-variation distance); (3) a power check: the "
+                    "same test on a deliberately broken verifier must fail. Writes audit.json, "
+                    "report.md and one plot per prompt to --output. Exit status 0 only for the "
+                    "verdict 'exact'.")
+    add_model_options(audit)
+    what = audit.add_argument_group("what to audit")
+    what.add_argument("--engine", choices=["exactspec", "transformers"], default="exactspec",
+                      help="exactspec (the default), or transformers generate() in the matching "
+                           "mode: prompt_lookup_num_tokens, assistant_early_exit or "
+                           "assistant_model")
+    what.add_argument("--proposer", default="prompt-lookup", metavar="SPEC",
+                      help="none, prompt-lookup[:ngram=2-3] (the default), early-exit:L, "
+                           "draft:MODEL")
+    what.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K, metavar="K",
+                      help=f"most tokens drafted per cycle (default {DEFAULT_K})")
+    what.add_argument("--broken", choices=["accept-all", "no-residual", "none"],
+                      default="accept-all",
+                      help="broken control for the power check: accept every draft (the "
+                           "default), or resample from p instead of the residual after a "
+                           "rejection; none skips it (the verdict is then inconclusive)")
+    sampling = audit.add_argument_group("sampling")
+    sampling.add_argument("--temperature", type=float, default=0.8, help="default 0.8")
+    sampling.add_argument("--top-k", type=int, default=0, help="default 0 (off)")
+    sampling.add_argument("--top-p", type=float, default=0.9, help="default 0.9")
+    sampling.add_argument("--min-p", type=float, default=0.0, help="default 0 (off)")
+    sampling.add_argument("--seed", type=int, default=0, help="default 0")
+    test = audit.add_argument_group("test size")
+    test.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                      help="a prompt to test (repeatable); default: 5 built-in prompts on which "
+                           "prompt lookup drafts from the first token")
+    test.add_argument("--prompts", metavar="FILE", default=None,
+                      help="a text file with one prompt per line")
+    test.add_argument("--samples", type=int, default=1000,
+                      help="samples per prompt for the distribution test (default 1000)")
+    test.add_argument("--tokens", type=int, default=3, metavar="M",
+                      help="new tokens per sample (default 3; ≥ 2 so that drafts are verified)")
+    test.add_argument("--greedy-tokens", type=int, default=64,
+                      help="tokens per prompt for the greedy identity check (default 64; 0 skips)")
+    test.add_argument("--alpha", type=float, default=0.01,
+                      help="false-alarm rate of the whole audit (default 0.01)")
+    test.add_argument("--chat", action="store_true",
+                      help="wrap prompts in the model's chat template (default: raw text)")
+    test.add_argument("--quick", action="store_true",
+                      help=f"{QUICK['num_prompts']} prompts, {QUICK['samples']} samples, "
+                           f"{QUICK['greedy_tokens']} greedy tokens: a few minutes on the "
+                           "embedded model")
+    audit.add_argument("--output", default="audit-results", metavar="DIR",
+                       help="where audit.json, report.md and the plots go (default audit-results)")
+    audit.set_defaults(subparser=audit)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from exactspec import SamplingParams, SpeculativeGenerator, load_model
+    from exactspec.audit import (AUDIT_PROMPTS, AuditResult, BrokenGenerator, ExactspecEngine,
+                                 TransformersGenerateEngine, audit_distribution, check_greedy,
+                                 verdict, write_audit_report)
+    from exactspec.backends.base import UnsupportedModelError
+    from exactspec.models import ModelNotFoundError
+    from exactspec.proposers import parse_proposer
+
+    if args.quick:
+        args.samples, args.greedy_tokens = QUICK["samples"], QUICK["greedy_tokens"]
+    for flag, value, low in (("--samples", args.samples, 1), ("--tokens", args.tokens, 2),
+                             ("--greedy-tokens", args.greedy_tokens, 0),
+                             ("-k", args.num_speculative_tokens, 1)):
+        if value < low:
+            parser.error(f"{flag} {value} is invalid: it must be ≥ {low}")
+    if not 0 < args.alpha < 1:
+        parser.error(f"--alpha {args.alpha} is invalid: it must be in (0, 1)")
+    if args.temperature == 0:
+        parser.error("--temperature 0 is greedy: the distribution test needs sampling "
+                     "(greedy identity is checked in every audit)")
+    prompts = list(args.prompt or [])
+    if args.prompts:
+        try:
+            prompts += [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+        except OSError as error:
+            parser.error(f"--prompts {args.prompts!r} cannot be read: {error.strerror}")
+    prompts = prompts or list(AUDIT_PROMPTS[: QUICK["num_prompts"] if args.quick else None])
+    try:
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                                max_new_tokens=args.tokens)
+    except ValueError as error:
+        parser.error(str(error).replace("SamplingParams.", "--").replace("_", "-"))
+
+    console = Console(stderr=True, soft_wrap=True)
+    try:
+        with console.status(f"Loading {args.model} ({args.dtype}) …"):
+            target = load_model(args.model, device=args.device, dtype=args.dtype)
+            load = lambda name: load_model(name, device=args.device, dtype=args.dtype)
+            proposer = parse_proposer(args.proposer, target, load)
+        k = args.num_speculative_tokens
+        tokenizer = target.tokenizer
+        prompt_ids = [tokenizer.apply_chat_template(p) if args.chat else tokenizer.encode(p)
+                      for p in prompts]
+        if args.engine == "exactspec":
+            engine = ExactspecEngine(SpeculativeGenerator(target, proposer, k),
+                                     f"exactspec {args.proposer} k={k}")
+        else:
+            engine = TransformersGenerateEngine(target, f"transformers generate() {args.proposer} "
+                                                f"k={k}", _hf_mode(proposer, k))
+        control = None
+        if args.broken != "none" and proposer is not None:
+            control = ExactspecEngine(BrokenGenerator(target, proposer, k, broken=args.broken),
+                                      f"broken control: {args.broken}, {args.proposer} k={k}")
+        config = {"model": args.model, "dtype": args.dtype, "engine": engine.name,
+                  "proposer": args.proposer, "k": k, "sampling": vars(params),
+                  "samples_per_prompt": args.samples, "tokens_per_sample": args.tokens,
+                  "alpha": args.alpha, "greedy_tokens": args.greedy_tokens, "chat": args.chat,
+                  "prompts": prompts}
+        start = time.perf_counter()
+        with Progress(console=console, transient=True) as progress:
+            greedy = []
+            if args.greedy_tokens:
+                task = progress.add_task("greedy identity", total=None)
+                greedy = check_greedy(target, engine, prompt_ids, args.greedy_tokens)
+                progress.remove_task(task)
+            tests = []
+            for tested in [engine] + ([control] if control else []):
+                task = progress.add_task(tested.name[:60], total=args.samples * len(prompts))
+                tests.append(audit_distribution(target, tested, prompt_ids, params, args.samples,
+                                                args.alpha, lambda n: progress.advance(task, n)))
+        config["seconds"] = round(time.perf_counter() - start, 1)
+    except (ModelNotFoundError, UnsupportedModelError, ValueError) as error:
+        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        return 1
+    result = verdict(AuditResult(config, greedy, tests[0], tests[1] if control else None))
+    files = write_audit_report(result, args.output, tokenizer.decode)
+    print(files[1].read_text())
+    console.print(f"wrote {', '.join(str(f) for f in files)}", highlight=False)
+    return 0 if result.verdict == "exact" else 1
+
+
+def _hf_mode(proposer, k: int) -> dict:
+    """transformers ``generate()`` keyword arguments for the same speculative method."""
+    from exactspec.proposers import DraftModelProposer, EarlyExitProposer, PromptLookupProposer
+
+    if proposer is None:
+        return {}
+    if isinstance(proposer, PromptLookupProposer):
+        return {"prompt_lookup_num_tokens": k}
+    if isinstance(proposer, EarlyExitProposer):
+        return {"assistant_early_exit": proposer.num_layers, "num_assistant_tokens": k}
+    if isinstance(proposer, DraftModelProposer):
+        return {"assistant_model": proposer.draft.model, "num_assistant_tokens": k}
+    raise ValueError(f"no transformers equivalent for proposer {type(proposer).__name__}")

@@ -1,0 +1,84 @@
+"""``exactspec bench``: speedup per task group, side by side with the peers."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from exactspec.cli.common import add_model_options
+
+DEFAULT_BENCH_METHODS = ("plain", "prompt-lookup:k=4", "hf-plain", "hf-prompt-lookup:k=4")
+
+
+def add_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench", help="measure speedup per task group, side by side with transformers",
+        description="Benchmark plain decoding, exactspec's speculative methods and peers "
+                    "(transformers generate() with its own prompt lookup / assistant model) on "
+                    "Spec-Bench-format questions, interleaved, on one model. Writes results.json, "
+                    "report.md and PNG plots to --output.")
+    bench.add_argument("--questions", metavar="PATH", default=None,
+                       help="Spec-Bench-format JSONL (e.g. ../shared/data/spec_bench/question.jsonl);"
+                            " default: exactspec's own 12-prompt set")
+    bench.add_argument("--category", action="append", default=None, metavar="GROUP",
+                       help="task group to run (repeatable; default all): multi-turn "
+                            "conversation, translation, summarization, qa, math_reasoning, rag")
+    bench.add_argument("--per-category", type=int, default=5, metavar="N",
+                       help="questions per group (default 5)")
+    bench.add_argument("--method", action="append", default=None, metavar="SPEC",
+                       help="method to compare (repeatable): plain, prompt-lookup:k=4[:ngram=2-3], "
+                            "draft:MODEL:k=4, hf-plain, hf-prompt-lookup:k=10, hf-assistant:MODEL. "
+                            f"Default: {' '.join(DEFAULT_BENCH_METHODS)}")
+    bench.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    bench.add_argument("--temperature", type=float, default=0.0,
+                       help="0 = greedy (the default; identity with plain decoding is checked)")
+    bench.add_argument("--repetitions", type=int, default=2, help="default 2")
+    bench.add_argument("--seed", type=int, default=0, help="default 0")
+    bench.add_argument("--output", default="bench-results", metavar="DIR",
+                       help="where results.json, report.md and the plots go (default bench-results)")
+    bench.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    bench.add_argument("--quick", action="store_true",
+                       help="smoke run: 2 questions per group, 64 new tokens, 1 repetition")
+    add_model_options(bench)
+    bench.set_defaults(subparser=bench)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from importlib.resources import files
+
+    from rich.console import Console
+
+    from exactspec import SamplingParams, load_model
+    from exactspec.bench import load_questions, parse_method, run_bench, write_report
+
+    if args.quick:
+        args.per_category, args.max_new_tokens, args.repetitions = 2, 64, 1
+    for name in ("per_category", "repetitions"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: it must be ≥ 1")
+    console = Console(stderr=True, soft_wrap=True)
+    try:
+        params = SamplingParams(temperature=args.temperature, seed=args.seed,
+                                max_new_tokens=args.max_new_tokens)
+        questions = load_questions(args.questions or files("exactspec.bench") / "prompts.jsonl",
+                                   args.category, args.per_category)
+        with console.status(f"Loading {args.model} ({args.dtype}) …"):
+            target = load_model(args.model, device=args.device, dtype=args.dtype)
+            load = lambda name: load_model(name, device=args.device, dtype=args.dtype)
+            methods = [parse_method(spec, target, load) for spec in args.method or DEFAULT_BENCH_METHODS]
+        config = {"model": args.model, "dtype": args.dtype, "device": str(target.device),
+                  "questions": str(args.questions or "exactspec prompts.jsonl"),
+                  "groups": args.category or "all", "per_category": args.per_category,
+                  "methods": [m.name for m in methods], "max_new_tokens": args.max_new_tokens,
+                  "temperature": args.temperature, "repetitions": args.repetitions,
+                  "seed": args.seed, "chat": not args.no_chat}
+        results = run_bench(target, questions, methods, params=params,
+                            repetitions=args.repetitions, chat=not args.no_chat, config=config)
+    except (ValueError, FileNotFoundError) as error:
+        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        return 1
+    summary = write_report(results, args.output)
+    console.print(f"wrote {', '.join(summary['files'])}", highlight=False)
+    print((Path(args.output) / "report.md").read_text())
+    failures = sum(e["mismatches"] for m, e in summary["overall"].items() if not m.startswith("hf-"))
+    return 1 if failures else 0

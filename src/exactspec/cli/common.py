@@ -1,0 +1,54 @@
+"""Pieces the ``exactspec`` subcommands share: model options and argument types."""
+
+from __future__ import annotations
+
+import argparse
+
+from exactspec.models import DEFAULT_MODEL, EMBEDDED_MODELS
+
+DEFAULT_K = 4
+DEFAULT_NGRAM = (2, 3)
+
+
+def ngram_range(text: str) -> tuple[int, int]:
+    """``MIN:MAX`` → (min, max) n-gram sizes."""
+    try:
+        low, high = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid: give MIN:MAX n-gram sizes, e.g. 1:3") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: need 1 ≤ MIN ≤ MAX")
+    return low, high
+
+
+def logit_bias(text: str) -> tuple[int, float]:
+    """``ID=BIAS`` → (token id, bias)."""
+    try:
+        token, bias = text.split("=")
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid: give TOKEN_ID=BIAS, e.g. 1234=-100") from None
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("models")
+    model.add_argument("--model", default=DEFAULT_MODEL,
+                       help="target model: an embedded model name "
+                            f"({', '.join(EMBEDDED_MODELS)}; the default), a local Hugging Face "
+                            "model folder, or a .gguf file")
+    model.add_argument("--device", default="auto",
+                       help="auto (the default: cuda if available), cpu, cuda, cuda:N")
+    model.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                       help="weights' dtype (default float32); only float32 keeps greedy output "
+                            "bit-identical to plain decoding (others may flip near-tied tokens)")
+
+
+def has_chat_template(target) -> bool:
+    """Whether the target's tokenizer has a chat template."""
+    try:
+        target.tokenizer.apply_chat_template("")
+    except ValueError:
+        return False
+    return True
