@@ -137,13 +137,16 @@ PROPOSERS = {
 @pytest.mark.parametrize("proposer", PROPOSERS)
 def test_audit_passes_exactspec_and_catches_each_broken_control(proposer, target, prompts):
     make = PROPOSERS[proposer]
-    good = audit_distribution(target, ExactspecEngine(SpeculativeGenerator(target, make(target), 3),
-                                                      "exactspec"),
-                              prompts, PARAMS, SAMPLES, ALPHA)
+    # constant k: this test is about the verifier; exactness under "auto" is tested in
+    # test_speculation_length.py
+    good = audit_distribution(
+        target, ExactspecEngine(SpeculativeGenerator(target, make(target), 3, "constant"), "ok"),
+        prompts, PARAMS, SAMPLES, ALPHA)
     assert good.drafted > 500 and good.accepted > 50, (good.drafted, good.accepted)
     assert not good.rejected, [p.fit for p in good.prompts]
     for broken in BROKEN_VERIFIERS:
-        engine = ExactspecEngine(BrokenGenerator(target, make(target), 3, broken=broken), broken)
+        engine = ExactspecEngine(BrokenGenerator(target, make(target), 3, "constant",
+                                                 broken=broken), broken)
         bad = audit_distribution(target, engine, prompts, PARAMS, SAMPLES, ALPHA)
         assert bad.rejected, (broken, [p.fit for p in bad.prompts])
 
@@ -189,7 +192,8 @@ def test_verdict_and_report(tmp_path, target, prompts):
     good = audit_distribution(target, ExactspecEngine(SpeculativeGenerator(target, proposer, 3),
                                                       "exactspec"), prompts, PARAMS, 300, ALPHA)
     control = audit_distribution(
-        target, ExactspecEngine(BrokenGenerator(target, proposer, 3, broken="accept-all"), "c"),
+        target, ExactspecEngine(BrokenGenerator(target, proposer, 3, "constant",
+                                                broken="accept-all"), "c"),
         prompts, PARAMS, 300, ALPHA)
     result = verdict(AuditResult({"prompts": ["a", "b"]}, [], good, control))
     assert result.verdict == "exact"

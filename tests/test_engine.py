@@ -98,7 +98,7 @@ def test_stop_string_completing_mid_block():
     first = text.find(stop)
     oracle = ScriptedProposer(target.tokenizer.encode("abc") + reference)
     params = SamplingParams(max_new_tokens=12, stop=(stop, "never-there"))
-    result = SpeculativeGenerator(target, oracle, 6).generate("abc", params)
+    result = SpeculativeGenerator(target, oracle, 6, "constant").generate("abc", params)
     assert result.finish_reason == "stop" and result.stop_reason == stop
     assert result.text == text[: first + len(stop)]  # one token per character here
     assert result.token_ids == reference[: first + len(stop)]

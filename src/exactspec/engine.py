@@ -26,6 +26,8 @@ from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.metrics import GenerationStats
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
 from exactspec.sampling import SamplingParams, check_finite, make_generator
+from exactspec.speculation_length import (DEFAULT_POLICY, ConfidencePolicy,
+                                          SpeculationLengthPolicy, make_policy)
 from exactspec.stopping import StopChecker
 from exactspec.verification import greedy_verify, rejection_sample
 
@@ -96,18 +98,24 @@ class SpeculativeGenerator:
     Args:
         target: the target model's backend.
         proposer: what drafts tokens; None means plain decoding (k = 0).
-        num_speculative_tokens: k, the most tokens drafted per cycle (≥ 0; 0 = plain
+        num_speculative_tokens: k_max, the most tokens drafted per cycle (≥ 0; 0 = plain
             decoding). Clamped per cycle so that neither max_new_tokens nor the context
             limit is exceeded.
+        policy: how k is chosen each cycle, a name from
+            :data:`~exactspec.speculation_length.POLICIES` (``auto``, the default, picks the
+            k that maximises expected tokens per second from measured costs and acceptance)
+            or a policy object. It never changes the output distribution.
     Raises:
-        ValueError: if num_speculative_tokens is not an integer ≥ 0.
+        ValueError: if num_speculative_tokens is not an integer ≥ 0, the policy is
+            unknown, or ``confidence`` is asked for a proposer without probabilities.
     """
 
     rejection_sampler = staticmethod(rejection_sample)
     """The stochastic verifier (the audit's broken controls replace it)."""
 
     def __init__(self, target: Backend, proposer: Proposer | None = None,
-                 num_speculative_tokens: int = 4) -> None:
+                 num_speculative_tokens: int = 4,
+                 policy: str | SpeculationLengthPolicy = DEFAULT_POLICY) -> None:
         if (not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool)
                 or num_speculative_tokens < 0):
             raise ValueError(f"num_speculative_tokens = {num_speculative_tokens!r} is invalid: "
@@ -115,6 +123,13 @@ class SpeculativeGenerator:
         self.target = target
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
+        self.policy = (make_policy(policy, self.num_speculative_tokens) if isinstance(policy, str)
+                       else policy)
+        if isinstance(self.policy, ConfidencePolicy) and proposer is not None:
+            if not hasattr(proposer, "min_confidence"):
+                raise ValueError("the confidence policy needs a draft-model proposer (prompt "
+                                 "lookup has no probabilities): use auto or heuristic")
+            proposer.min_confidence = self.policy.min_confidence
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                  chat: bool = False) -> GenerationResult:
@@ -156,6 +171,8 @@ class SpeculativeGenerator:
                                   self.target.device)
         generator = make_generator(params.seed, self.target.device)
         self.target.prefill(prompt_token_ids[:-1])
+        if hasattr(self.policy, "reset_acceptance"):
+            self.policy.reset_acceptance()
         prefill_seconds = time.perf_counter() - start
         results = []
         for _ in range(n):
@@ -173,6 +190,7 @@ class SpeculativeGenerator:
         tokens = list(prompt_token_ids)  # prompt + committed tokens: the one record
         num_prompt_tokens = len(tokens)
         stats = GenerationStats(num_speculative_tokens=self.num_speculative_tokens,
+                                policy=self.policy.name if self.num_speculative_tokens else "none",
                                 num_prompt_tokens=num_prompt_tokens, prefill_seconds=prefill_seconds)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos
                                                  else set(self.target.eos_token_ids))
@@ -187,7 +205,7 @@ class SpeculativeGenerator:
             if room <= 0:
                 finish_reason = "length"
                 break
-            k = min(self.num_speculative_tokens, room - 1)
+            k = min(self.policy.choose(), room - 1) if self.num_speculative_tokens else 0
 
             t0 = time.perf_counter()
             proposal = (self.proposer.propose(tokens, k, pipeline, generator) if k
@@ -209,10 +227,13 @@ class SpeculativeGenerator:
             self.target.rollback(len(proposal) - num_accepted)
             if self.proposer is not None:
                 self.proposer.observe(num_accepted)
+                timed = params.greedy or params.seed is None  # see SpeculationLengthPolicy
+                self.policy.observe(len(proposal), num_accepted, (t1 - t0) if timed else None,
+                                    (t2 - t1) if timed else None)
 
             stats.draft_seconds += t1 - t0
             stats.verify_seconds += t2 - t1
-            stats.record_cycle(len(proposal), num_accepted, num_emitted)
+            stats.record_cycle(len(proposal), num_accepted, num_emitted, k)
             if stats.cycles == 1:
                 stats.ttft_seconds = time.perf_counter() - start
         stats.total_seconds = time.perf_counter() - start

@@ -20,7 +20,8 @@ class GenerationStats:
     """Counts and timings of one generation. Times in seconds, counts in tokens.
 
     Attributes:
-        num_speculative_tokens: k, the most tokens drafted per cycle.
+        num_speculative_tokens: k_max, the most tokens drafted per cycle.
+        policy: the speculation-length policy that chose k each cycle ("none" for plain).
         num_prompt_tokens: prompt length (tokens).
         num_generated_tokens: tokens emitted (EOS included when it ended generation).
         cycles: draft + verify cycles run (plain decoding: one per token).
@@ -28,6 +29,8 @@ class GenerationStats:
         accepted_tokens: drafted tokens accepted and emitted.
         drafted_per_position: ``[k]`` how often draft position i (0-based) was drafted.
         accepted_per_position: ``[k]`` how often draft position i was accepted.
+        chosen_k_histogram: ``[k+1]`` entry k = cycles for which the policy chose k drafts
+            (a drafter may then propose fewer, e.g. prompt lookup without a match).
         committed_per_cycle: tokens committed by each cycle, in order.
         prefill_seconds: time to fill the target's cache with the prompt.
         ttft_seconds: time to first token (prefill and first cycle).
@@ -37,6 +40,7 @@ class GenerationStats:
     """
 
     num_speculative_tokens: int = 0
+    policy: str = "none"
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     cycles: int = 0
@@ -44,6 +48,7 @@ class GenerationStats:
     accepted_tokens: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    chosen_k_histogram: list[int] = field(default_factory=list)
     committed_per_cycle: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
     ttft_seconds: float = 0.0
@@ -55,12 +60,16 @@ class GenerationStats:
         k = self.num_speculative_tokens
         self.drafted_per_position = self.drafted_per_position or [0] * k
         self.accepted_per_position = self.accepted_per_position or [0] * k
+        self.chosen_k_histogram = self.chosen_k_histogram or [0] * (k + 1)
 
-    def record_cycle(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
+    def record_cycle(self, num_drafted: int, num_accepted: int, num_emitted: int,
+                     chosen_k: int | None = None) -> None:
         """Add one cycle: ``num_drafted`` proposed, ``num_accepted`` accepted by verification,
-        ``num_emitted`` tokens emitted (≤ num_accepted + 1; fewer when a stop cut the cycle).
+        ``num_emitted`` tokens emitted (≤ num_accepted + 1; fewer when a stop cut the cycle),
+        ``chosen_k`` the policy's k (default: num_drafted).
         """
         accepted = min(num_accepted, num_emitted)
+        self.chosen_k_histogram[num_drafted if chosen_k is None else chosen_k] += 1
         self.cycles += 1
         self.drafted_tokens += num_drafted
         self.accepted_tokens += accepted
@@ -129,6 +138,6 @@ class GenerationStats:
             rate = self.acceptance_rate
             parts.append("acceptance rate " + ("n/a" if rate is None else f"{rate:.1%}"))
             parts.append(f"mean acceptance length {self.mean_acceptance_length or 0:.2f}"
-                         f" (k={self.num_speculative_tokens})")
+                         f" (k≤{self.num_speculative_tokens}, {self.policy})")
         parts.append(f"TTFT {self.ttft_seconds * 1000:.0f} ms")
         return " · ".join(parts)

@@ -3,10 +3,14 @@
 A method is written ``KIND[:ARG][:key=value...]``:
     plain                        exactspec, plain decoding (the baseline)
     prompt-lookup:k=4[:ngram=2-3]  exactspec with prompt lookup
+    ...:policy=auto              any exactspec method with a speculation-length policy
+                                 (auto, heuristic, confidence); default constant (fixed k)
     draft:MODEL:k=4              exactspec with a draft model (name, folder or .gguf)
+    early-exit:L:k=4             exactspec with the target's first L layers as the draft
     hf-plain                     transformers ``generate()``, greedy/sampling, no speculation
     hf-prompt-lookup:k=10        transformers ``generate(prompt_lookup_num_tokens=k)``
     hf-assistant:MODEL[:k=N]     transformers ``generate(assistant_model=MODEL)``
+    hf-early-exit:L[:k=N]        transformers ``generate(assistant_early_exit=L)``
 Peers (``hf-*``) run on the same model object, prompts, dtype and max_new_tokens.
 """
 
@@ -20,10 +24,12 @@ import torch
 
 from exactspec.backends.base import Backend
 from exactspec.engine import SpeculativeGenerator
-from exactspec.proposers import DraftModelProposer, PromptLookupProposer
+from exactspec.proposers import DraftModelProposer, EarlyExitProposer, PromptLookupProposer
 from exactspec.sampling import SamplingParams
 
-KINDS = ("plain", "prompt-lookup", "draft", "hf-plain", "hf-prompt-lookup", "hf-assistant")
+KINDS = ("plain", "prompt-lookup", "draft", "early-exit", "hf-plain", "hf-prompt-lookup",
+         "hf-assistant", "hf-early-exit")
+WITH_ARGUMENT = ("draft", "early-exit", "hf-assistant", "hf-early-exit")
 
 
 @dataclass
@@ -58,23 +64,30 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
     kind, *parts = spec.split(":")
     options = dict(part.split("=", 1) for part in parts if "=" in part)
     positional = [part for part in parts if "=" not in part]
-    allowed = "plain, prompt-lookup:k=4[:ngram=2-3], draft:MODEL:k=4, hf-plain, " \
-              "hf-prompt-lookup:k=10, hf-assistant:MODEL"
-    if kind not in KINDS or (kind in ("draft", "hf-assistant")) != bool(positional) \
-            or len(positional) > 1 or set(options) - {"k", "ngram"}:
+    allowed = "plain, prompt-lookup:k=4[:ngram=2-3][:policy=auto], draft:MODEL:k=4, " \
+              "early-exit:L:k=4, " \
+              "hf-plain, hf-prompt-lookup:k=10, hf-assistant:MODEL, hf-early-exit:L"
+    if kind not in KINDS or (kind in WITH_ARGUMENT) != bool(positional) \
+            or len(positional) > 1 or set(options) - {"k", "ngram", "policy"}:
         raise ValueError(f"method {spec!r} is invalid: use one of {allowed}")
     try:
         k = int(options.get("k", 10 if kind == "hf-prompt-lookup" else 4))
         low, high = (int(n) for n in options.get("ngram", "2-3").split("-"))
+        layers = int(positional[0]) if kind in ("early-exit", "hf-early-exit") else 0
     except ValueError:
-        raise ValueError(f"method {spec!r} is invalid: k and ngram (MIN-MAX) take integers") from None
+        raise ValueError(f"method {spec!r} is invalid: k, L and ngram (MIN-MAX) take "
+                         "integers") from None
+    policy = options.get("policy", "constant")
     if kind == "plain":
         return _ours(spec, kind, 0, SpeculativeGenerator(target, None))
     if kind == "prompt-lookup":
-        return _ours(spec, kind, k, SpeculativeGenerator(target, PromptLookupProposer(low, high), k))
-    if kind == "draft":
-        draft = load_model(positional[0])
-        return _ours(spec, kind, k, SpeculativeGenerator(target, DraftModelProposer(draft, target), k))
+        proposer = PromptLookupProposer(low, high)
+    elif kind == "draft":
+        proposer = DraftModelProposer(load_model(positional[0]), target)
+    elif kind == "early-exit":
+        proposer = EarlyExitProposer(target, layers)
+    if kind in ("prompt-lookup", "draft", "early-exit"):
+        return _ours(spec, kind, k, SpeculativeGenerator(target, proposer, k, policy))
     model = getattr(target, "model", None)
     if model is None:
         raise ValueError(f"method {spec!r} needs the transformers backend")
@@ -85,6 +98,8 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
         assistant = load_model(positional[0]).model
         assistant.generation_config.num_assistant_tokens = k
         extra = {"assistant_model": assistant}
+    elif kind == "hf-early-exit":
+        extra = {"assistant_early_exit": layers, "num_assistant_tokens": k}
     return Method(spec, kind, k if kind != "hf-plain" else 0,
                   lambda prompt_ids, params: _hf_generate(target, prompt_ids, params, extra))
 

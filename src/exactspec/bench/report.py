@@ -81,8 +81,11 @@ def _acceptance(stats: list[dict], forward_seconds: dict) -> dict:
     at_least = [cycles] + per_drafted + [0]
     mean_cycle_cost = sum((at_least[j] - at_least[j + 1]) * cost[j + 1]
                           for j in range(k + 1)) / cycles + draft_per_cycle
+    chosen = [sum(s["chosen_k_histogram"][i] for s in stats if i < len(s["chosen_k_histogram"]))
+              for i in range(k + 1)]
     return {
-        "k": k, "acceptance_rate": alpha, "mean_acceptance_length": committed / cycles,
+        "k": k, "policy": stats[0]["policy"], "chosen_k_histogram": chosen,
+        "acceptance_rate": alpha, "mean_acceptance_length": committed / cycles,
         "per_position_acceptance": [a / d if d else None for a, d in zip(per_accepted, per_drafted)],
         "draft_share": sum(s["draft_seconds"] for s in stats) / total,
         "verify_share": sum(s["verify_seconds"] for s in stats) / total,
@@ -129,17 +132,19 @@ def markdown(results: BenchResults, summary: dict) -> str:
                  f"{e['tokens_per_second']:.1f} tok/s" for e in row.values()]
         lines.append(f"| {group} | " + " | ".join(cells) + " |")
     lines += ["", "## Acceptance and where the time goes (exactspec's speculative methods)", "",
-              "| group | method | k | acceptance rate | mean acceptance length | per-position "
-              "acceptance | draft share | verify share | measured speedup | bound (drafts made) "
-              "| Leviathan (k every cycle) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| group | method | k | cycles choosing k = 0, 1, … | acceptance rate | mean "
+              "acceptance length | per-position acceptance | draft share | verify share | "
+              "measured speedup | bound (drafts made) | Leviathan (k every cycle) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for group, row in summary.items():
         for method, e in row.items():
             if "k" not in e:
                 continue
             positions = ", ".join("–" if a is None else f"{a:.2f}"
                                   for a in e["per_position_acceptance"])
-            lines.append(f"| {group} | {method} | {e['k']} | {e['acceptance_rate']:.3f} | "
+            chosen = "/".join(map(str, e["chosen_k_histogram"]))
+            lines.append(f"| {group} | {method} | {e['k']} ({e['policy']}) | {chosen} | "
+                         f"{e['acceptance_rate']:.3f} | "
                          f"{e['mean_acceptance_length']:.2f} | {positions} | "
                          f"{e['draft_share']:.1%} | {e['verify_share']:.1%} | "
                          f"{e['speedup']:.2f}× | {e['speedup_bound']:.2f}× | "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from exactspec.cli.common import DEFAULT_K, add_model_options
+from exactspec.cli.common import DEFAULT_K, add_model_options, add_policy_option
 
 QUICK = {"samples": 200, "greedy_tokens": 24, "num_prompts": 3}
 
@@ -32,6 +32,7 @@ def add_parser(commands) -> None:
                            "draft:MODEL")
     what.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K, metavar="K",
                       help=f"most tokens drafted per cycle (default {DEFAULT_K})")
+    add_policy_option(what)
     what.add_argument("--broken", choices=["accept-all", "no-residual", "none"],
                       default="accept-all",
                       help="broken control for the power check: accept every draft (the "
@@ -119,17 +120,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         prompt_ids = [tokenizer.apply_chat_template(p) if args.chat else tokenizer.encode(p)
                       for p in prompts]
         if args.engine == "exactspec":
-            engine = ExactspecEngine(SpeculativeGenerator(target, proposer, k),
-                                     f"exactspec {args.proposer} k={k}")
+            engine = ExactspecEngine(SpeculativeGenerator(target, proposer, k, args.policy),
+                                     f"exactspec {args.proposer} k={k} {args.policy}")
         else:
             engine = TransformersGenerateEngine(target, f"transformers generate() {args.proposer} "
                                                 f"k={k}", _hf_mode(proposer, k))
         control = None
         if args.broken != "none" and proposer is not None:
-            control = ExactspecEngine(BrokenGenerator(target, proposer, k, broken=args.broken),
+            control = ExactspecEngine(BrokenGenerator(target, proposer, k, "constant",
+                                                      broken=args.broken),
                                       f"broken control: {args.broken}, {args.proposer} k={k}")
         config = {"model": args.model, "dtype": args.dtype, "engine": engine.name,
-                  "proposer": args.proposer, "k": k, "sampling": vars(params),
+                  "proposer": args.proposer, "k": k, "policy": args.policy, "sampling": vars(params),
                   "samples_per_prompt": args.samples, "tokens_per_sample": args.tokens,
                   "alpha": args.alpha, "greedy_tokens": args.greedy_tokens, "chat": args.chat,
                   "prompts": prompts}

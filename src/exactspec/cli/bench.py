@@ -27,7 +27,8 @@ def add_parser(commands) -> None:
                        help="questions per group (default 5)")
     bench.add_argument("--method", action="append", default=None, metavar="SPEC",
                        help="method to compare (repeatable): plain, prompt-lookup:k=4[:ngram=2-3], "
-                            "draft:MODEL:k=4, hf-plain, hf-prompt-lookup:k=10, hf-assistant:MODEL. "
+                            "draft:MODEL:k=4, early-exit:L:k=4, hf-plain, hf-prompt-lookup:k=10, "
+                            "hf-assistant:MODEL, hf-early-exit:L. "
                             f"Default: {' '.join(DEFAULT_BENCH_METHODS)}")
     bench.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     bench.add_argument("--temperature", type=float, default=0.0,

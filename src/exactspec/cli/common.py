@@ -52,3 +52,16 @@ def has_chat_template(target) -> bool:
     except ValueError:
         return False
     return True
+
+
+def add_policy_option(group) -> None:
+    """``--policy``: how many tokens to draft each cycle."""
+    from exactspec.speculation_length import DEFAULT_POLICY, POLICIES
+
+    group.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY,
+                       help="speculation length per cycle: auto (the default: the k, up to -k, "
+                            "that maximises expected tokens/s from measured forward costs and "
+                            "acceptance; 0 = a plain step), constant (always -k), heuristic "
+                            "(+2 after a fully accepted cycle, -1 otherwise), confidence (draft "
+                            "models stop below probability 0.4). Never changes the output "
+                            "distribution")

@@ -7,8 +7,8 @@ import json
 import logging
 import sys
 
-from exactspec.cli.common import (DEFAULT_K, DEFAULT_NGRAM, add_model_options, has_chat_template,
-                                  logit_bias, ngram_range)
+from exactspec.cli.common import (DEFAULT_K, DEFAULT_NGRAM, add_model_options,
+                                  add_policy_option, has_chat_template, logit_bias, ngram_range)
 
 FIELD_FLAGS = {"stop_token_ids": "--stop-token-id", "banned_token_ids": "--ban-token-id",
                "bad_words": "--bad-word"}  # SamplingParams fields whose flag is singular
@@ -38,6 +38,7 @@ def add_parser(commands) -> None:
                      help="plain decoding on the same backend, for comparison")
     spec.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K,
                       metavar="K", help=f"most tokens drafted per cycle (default {DEFAULT_K})")
+    add_policy_option(spec)
     sampling = gen.add_argument_group("sampling")
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     sampling.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (0 = off, the default)")
@@ -135,7 +136,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             low, high = args.prompt_lookup or DEFAULT_NGRAM
             proposer, method = PromptLookupProposer(low, high), f"prompt lookup {low}:{high}"
         chat = args.chat if args.chat is not None else has_chat_template(target)
-        generator = SpeculativeGenerator(target, proposer, args.num_speculative_tokens)
+        generator = SpeculativeGenerator(target, proposer, args.num_speculative_tokens,
+                                         args.policy)
         results = generator.generate_samples(prompt, params, n=args.num_samples, chat=chat)
     except (ModelNotFoundError, UnsupportedModelError, ValueError) as error:
         console.print(f"[bold red]error:[/] {error}", highlight=False, markup=True)

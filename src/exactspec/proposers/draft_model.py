@@ -55,6 +55,9 @@ class DraftModelProposer:
                 f"the tokenizer has {self.num_real_tokens} tokens but the draft's logits have "
                 f"{draft.vocab_size} and the target's {target.vocab_size}")
         self._cached: list[int] = []  # the tokens in the draft's KV cache
+        self.min_confidence = 0.0
+        """Stop drafting once the draft's top probability falls below this (0 = never; set
+        by the ``confidence`` policy). A draft-side rule, so exactness is unaffected."""
 
     def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
                 generator: torch.Generator) -> Proposal:
@@ -69,6 +72,8 @@ class DraftModelProposer:
             logits = self._to_target_vocab(self.draft.forward(pending, num_logits=1))  # [1, V]
             self._cached.extend(pending)
             processed = pipeline.process(logits, [*token_ids, *drafted])  # same history rules
+            if self.min_confidence and float(processed.softmax(-1).max()) < self.min_confidence:
+                break
             if pipeline.params.greedy:
                 token = int(pipeline.greedy_tokens(processed)[0])
             else:

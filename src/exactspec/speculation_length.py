@@ -1,0 +1,203 @@
+"""Speculation-length policies: how many tokens to draft in the next cycle.
+
+A policy only chooses k (0 = a plain decoding step: no draft call, one-token forward); the
+verification rule is untouched, so every policy keeps the target's distribution exactly.
+
+    constant    always k_max.
+    heuristic   transformers' schedule (``num_assistant_tokens_schedule="heuristic"``):
+                +2 after a cycle whose drafts were all accepted, −1 otherwise, within
+                [k_min, k_max].
+    confidence  k_max, and a draft model stops drafting early once its own probability for
+                the token it drafts falls below a threshold (llama.cpp's ``--draft-p-min``;
+                transformers' ``assistant_confidence_threshold``). Prompt lookup has no
+                probabilities: it is refused there.
+    auto        a cost model (the default). Online, per generator: the cost of a target
+                forward over n = 1..k_max+1 tokens (exponential moving average of measured
+                verification time per n), the draft's time per drafted token, and per
+                position i the acceptance α_i = P(draft i accepted | drafts < i accepted),
+                from decaying counts. Each cycle picks the k in 0..k_max maximising
+                expected committed tokens per second,
+                    E(k) / (T(k+1) + k·t_draft),  E(k) = 1 + Σ_{j≤k} Π_{i≤j} α_i,
+                Leviathan et al. 2022 (arXiv 2211.17192) §3.1, (1−α^(k+1))/(1−α) generalised
+                to per-position α. A forward cost not measured yet is scaled from the
+                nearest measured one by a prior model (:data:`PRIOR_COST_PER_TOKEN`), so
+                that every useful n gets tried and measured; acceptance evidence decays
+                every cycle, so after a run of k = 0 the prior (α = 0.5) returns and drafting
+                is retried.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+POLICIES = ("auto", "constant", "heuristic", "confidence")
+DEFAULT_POLICY = "auto"
+DEFAULT_MIN_CONFIDENCE = 0.4
+"""transformers' default ``assistant_confidence_threshold``."""
+PRIOR_COST_PER_TOKEN = 0.1
+"""Before any timing is measured, auto assumes a forward over n tokens costs
+1 + 0.1 (n − 1) single-token forwards (so drafting pays when α > 0.1)."""
+
+
+class SpeculationLengthPolicy(Protocol):
+    """Chooses k before each cycle and learns from what the cycle did."""
+
+    name: str
+
+    def choose(self) -> int:
+        """k for the next cycle, in 0..k_max (the engine may lower it near a limit)."""
+        ...
+
+    def observe(self, num_drafted: int, num_accepted: int, draft_seconds: float | None,
+                verify_seconds: float | None) -> None:
+        """What the cycle did: tokens drafted (may be fewer than k) and accepted, and the
+        seconds spent drafting and verifying (forward over num_drafted + 1 tokens). The
+        engine withholds the seconds (None) in seeded sampling, so that the choices, and
+        with them the random draws, depend on the seed alone and a seed reproduces the
+        output."""
+        ...
+
+
+class ConstantPolicy:
+    """Always ``k_max``."""
+
+    name = "constant"
+
+    def __init__(self, k_max: int) -> None:
+        self.k_max = k_max
+
+    def choose(self) -> int:
+        return self.k_max
+
+    def observe(self, num_drafted: int, num_accepted: int, draft_seconds: float | None,
+                verify_seconds: float | None) -> None:
+        pass
+
+
+class HeuristicPolicy:
+    """+2 after a fully accepted cycle, −1 otherwise, within [k_min, k_max] (transformers'
+    heuristic schedule); starts at k_max."""
+
+    name = "heuristic"
+
+    def __init__(self, k_max: int, k_min: int = 1) -> None:
+        self.k_min, self.k_max = min(k_min, k_max), k_max
+        self.k = k_max
+
+    def choose(self) -> int:
+        return self.k
+
+    def observe(self, num_drafted: int, num_accepted: int, draft_seconds: float | None,
+                verify_seconds: float | None) -> None:
+        if num_drafted == 0:
+            return
+        step = 2 if num_accepted == num_drafted else -1
+        self.k = max(self.k_min, min(self.k_max, self.k + step))
+
+
+class ConfidencePolicy(ConstantPolicy):
+    """``k_max`` drafts at most; the draft model stops early below ``min_confidence`` (the
+    proposer reads it, see :class:`~exactspec.proposers.draft_model.DraftModelProposer`)."""
+
+    name = "confidence"
+
+    def __init__(self, k_max: int, min_confidence: float = DEFAULT_MIN_CONFIDENCE) -> None:
+        super().__init__(k_max)
+        if not 0 < min_confidence < 1:
+            raise ValueError(f"min_confidence = {min_confidence!r} is invalid: it must be in (0, 1)")
+        self.min_confidence = min_confidence
+
+
+class AutoPolicy:
+    """The cost model (see module docstring).
+
+    Args:
+        k_max: the longest draft considered.
+        decay: weight kept by old acceptance evidence per cycle (0 < decay < 1).
+        prior_acceptance, prior_weight: α_i's prior, worth ``prior_weight`` observations.
+        cost_smoothing: weight of a new timing in the forward-cost moving average.
+    """
+
+    name = "auto"
+
+    def __init__(self, k_max: int, decay: float = 0.97, prior_acceptance: float = 0.5,
+                 prior_weight: float = 1.0, cost_smoothing: float = 0.2) -> None:
+        self.k_max = k_max
+        self.decay, self.prior_acceptance, self.prior_weight = decay, prior_acceptance, prior_weight
+        self.cost_smoothing = cost_smoothing
+        self.forward_seconds: list[float | None] = [None] * (k_max + 2)  # index n = tokens scored
+        self.draft_seconds_per_token: float | None = None
+        self.reset_acceptance()
+
+    def reset_acceptance(self) -> None:
+        """Forget acceptance evidence (a new prompt); forward costs are kept."""
+        self.tested = [0.0] * self.k_max  # decayed count: position i was verified
+        self.accepted = [0.0] * self.k_max  # decayed count: position i was accepted
+
+    def acceptance(self) -> list[float]:
+        """``[k_max]`` estimated α_i (0-based position i)."""
+        return [(a + self.prior_acceptance * self.prior_weight) / (t + self.prior_weight)
+                for a, t in zip(self.accepted, self.tested)]
+
+    def expected_rate(self, k: int) -> float:
+        """Expected committed tokens per second with k drafts (per unit of the prior cost
+        model while nothing is measured)."""
+        cost = self.forward_cost(k + 1) + k * (self.draft_seconds_per_token or 0.0)
+        expected, survive = 1.0, 1.0
+        for alpha in self.acceptance()[:k]:
+            survive *= alpha
+            expected += survive
+        return expected / cost
+
+    def forward_cost(self, n: int) -> float:
+        """Seconds of a target forward over n tokens: measured, else scaled from the nearest
+        measured n by the prior model, else the prior in single-forward units."""
+        prior = lambda m: 1.0 + PRIOR_COST_PER_TOKEN * (m - 1)
+        if self.forward_seconds[n] is not None:
+            return self.forward_seconds[n]
+        known = [m for m, s in enumerate(self.forward_seconds) if s is not None]
+        if not known:
+            return prior(n)
+        nearest = min(known, key=lambda m: (abs(m - n), m))
+        return self.forward_seconds[nearest] * prior(n) / prior(nearest)
+
+    def choose(self) -> int:
+        if self.forward_seconds[1] is None and any(s is not None for s in self.forward_seconds):
+            return 0  # measure the plain step, the baseline every k is compared with
+        return max(range(self.k_max + 1), key=lambda k: (self.expected_rate(k), -k))
+
+    def observe(self, num_drafted: int, num_accepted: int, draft_seconds: float | None,
+                verify_seconds: float | None) -> None:
+        if verify_seconds is not None:
+            self._observe_costs(num_drafted, draft_seconds or 0.0, verify_seconds)
+        self.tested = [t * self.decay for t in self.tested]
+        self.accepted = [a * self.decay for a in self.accepted]
+        for i in range(min(num_accepted + 1, num_drafted)):  # positions that were verified
+            self.tested[i] += 1
+            self.accepted[i] += i < num_accepted
+
+    def _observe_costs(self, num_drafted: int, draft_seconds: float,
+                       verify_seconds: float) -> None:
+        n = num_drafted + 1
+        old = self.forward_seconds[n]
+        self.forward_seconds[n] = verify_seconds if old is None else (
+            (1 - self.cost_smoothing) * old + self.cost_smoothing * verify_seconds)
+        if num_drafted:
+            per_token = draft_seconds / num_drafted
+            old_draft = self.draft_seconds_per_token
+            self.draft_seconds_per_token = per_token if old_draft is None else (
+                (1 - self.cost_smoothing) * old_draft + self.cost_smoothing * per_token)
+
+
+def make_policy(name: str, k_max: int) -> SpeculationLengthPolicy:
+    """The policy called ``name`` (one of :data:`POLICIES`) for drafts of at most ``k_max``.
+
+    Raises:
+        ValueError: for an unknown name.
+    """
+    policies = {"auto": AutoPolicy, "constant": ConstantPolicy, "heuristic": HeuristicPolicy,
+                "confidence": ConfidencePolicy}
+    if name not in policies:
+        raise ValueError(f"speculation-length policy {name!r} is invalid: choose one of "
+                         f"{', '.join(POLICIES)}")
+    return policies[name](k_max)

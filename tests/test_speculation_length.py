@@ -1,0 +1,155 @@
+"""Speculation-length policies: their logic on synthetic traces, and exactness under them."""
+
+import random
+
+import pytest
+
+from exactspec import (DraftModelProposer, PromptLookupProposer, SamplingParams,
+                       SpeculativeGenerator)
+from exactspec.audit import ExactspecEngine, audit_distribution
+from exactspec.speculation_length import (AutoPolicy, ConfidencePolicy, HeuristicPolicy,
+                                          make_policy)
+
+from conftest import RandomProposer, ScriptedProposer, tiny_backend
+
+
+def run_trace(policy, cycles, alpha, forward_seconds, draft_seconds_per_token=0.0):
+    """Feed ``cycles`` cycles in which each drafted position is accepted with probability
+    ``alpha`` (seeded), with the given forward and draft costs; return the chosen ks."""
+    rng = random.Random(0)
+    chosen = []
+    for _ in range(cycles):
+        k = policy.choose()
+        chosen.append(k)
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        policy.observe(k, accepted, k * draft_seconds_per_token, forward_seconds(k + 1))
+    return chosen
+
+
+def test_auto_settles_on_plain_decoding_when_nothing_is_accepted():
+    chosen = run_trace(AutoPolicy(8), 30, alpha=0.0, forward_seconds=lambda n: 0.1 + 0.01 * n)
+    assert chosen[0] > 0 and chosen[-10:].count(0) >= 8
+
+
+def test_auto_grows_k_with_high_acceptance_and_cheap_verification():
+    chosen = run_trace(AutoPolicy(8), 40, alpha=1.0, forward_seconds=lambda n: 0.1 + 0.002 * n)
+    assert chosen[0] == 2 and min(chosen[-10:]) >= 6  # from the prior's choice up to ~k_max
+
+
+def test_auto_keeps_k_small_when_verification_is_expensive():
+    # each extra scored token costs as much as a whole forward: speculation cannot pay
+    chosen = run_trace(AutoPolicy(8), 40, alpha=0.6, forward_seconds=lambda n: 0.1 * n)
+    assert max(chosen[-10:]) == 0
+
+
+def test_auto_counts_the_draft_cost():
+    cheap = run_trace(AutoPolicy(6), 40, alpha=0.7, forward_seconds=lambda n: 0.1 + 0.005 * n)
+    costly = run_trace(AutoPolicy(6), 40, alpha=0.7, forward_seconds=lambda n: 0.1 + 0.005 * n,
+                       draft_seconds_per_token=0.08)
+    assert sum(costly[-10:]) < sum(cheap[-10:])
+
+
+def test_auto_retries_drafting_after_a_run_of_plain_steps():
+    policy = AutoPolicy(4)
+    run_trace(policy, 20, alpha=0.0, forward_seconds=lambda n: 0.1 + 0.01 * n)
+    assert policy.choose() == 0
+    for _ in range(120):  # plain steps: evidence decays back to the prior
+        policy.observe(0, 0, 0.0, 0.11)
+    assert policy.choose() > 0
+
+
+def test_auto_without_timings_uses_the_prior_and_acceptance_alone():
+    policy = AutoPolicy(4)
+    for _ in range(30):
+        policy.observe(policy.choose(), 0, None, None)
+    assert policy.choose() == 0 and policy.forward_seconds == [None] * 6
+
+
+def test_heuristic_schedule():
+    policy = HeuristicPolicy(k_max=6, k_min=1)
+    ks = []
+    for accepted_all in (False, False, True, True, True, False):
+        k = policy.choose()
+        ks.append(k)
+        policy.observe(k, k if accepted_all else 0, 0.0, 0.1)
+    assert ks == [6, 5, 4, 6, 6, 6] and policy.choose() == 5
+    for _ in range(10):
+        policy.observe(policy.choose(), 0, 0.0, 0.1)
+    assert policy.choose() == 1
+
+
+def test_bad_policy_names_and_confidence_misuse():
+    with pytest.raises(ValueError, match="policy 'fast' is invalid"):
+        make_policy("fast", 4)
+    with pytest.raises(ValueError, match="needs a draft-model proposer"):
+        SpeculativeGenerator(tiny_backend(0), PromptLookupProposer(), 4, "confidence")
+    with pytest.raises(ValueError, match="min_confidence"):
+        ConfidencePolicy(4, 1.5)
+
+
+def test_confidence_stops_the_draft_early():
+    target = tiny_backend(0)
+    params = SamplingParams(max_new_tokens=20)
+    prompt = [1, 2, 3, 4, 5]
+    drafted = {}
+    for threshold in (0.0, 0.3):
+        proposer = DraftModelProposer(tiny_backend(1), target)
+        generator = SpeculativeGenerator(target, proposer, 4, ConfidencePolicy(4, 0.5))
+        proposer.min_confidence = threshold
+        drafted[threshold] = generator.generate(prompt, params).stats.drafted_tokens
+    assert drafted[0.3] < drafted[0.0]
+
+
+@pytest.mark.parametrize("policy", ["auto", "heuristic", "confidence"])
+def test_greedy_identity_under_every_policy(policy):
+    target = tiny_backend(0)
+    params = SamplingParams(max_new_tokens=40)
+    plain = SpeculativeGenerator(target, None).generate([3, 1, 4, 1, 5], params).token_ids
+    for proposer in (DraftModelProposer(tiny_backend(2), target), ScriptedProposer([3, 1, 4, 1, 5] + plain)):
+        if policy == "confidence" and not hasattr(proposer, "min_confidence"):
+            continue
+        result = SpeculativeGenerator(target, proposer, 4, policy).generate([3, 1, 4, 1, 5], params)
+        assert result.token_ids == plain
+        assert sum(result.stats.chosen_k_histogram) == result.stats.cycles
+
+
+def test_k_zero_calls_no_drafter():
+    class Counting(RandomProposer):
+        calls = 0
+
+        def propose(self, *args):
+            Counting.calls += 1
+            return super().propose(*args)
+
+    policy = AutoPolicy(4)
+    policy.choose = lambda: 0
+    result = SpeculativeGenerator(tiny_backend(0), Counting(), 4, policy).generate(
+        [1, 2], SamplingParams(max_new_tokens=10))
+    assert Counting.calls == 0 and result.stats.chosen_k_histogram[0] == 10
+
+
+def test_distribution_test_passes_under_auto_with_varying_k():
+    """auto changes k from cycle to cycle (acceptance-driven); the committed tokens still
+    follow the target exactly (the audit's G-test with Holm, 3 tokens per sample)."""
+    target = tiny_backend(0)
+    policy = AutoPolicy(3)
+    policy.forward_seconds = [None, 0.1, 0.104, 0.108, 0.112]  # cheap verification
+    engine = ExactspecEngine(SpeculativeGenerator(target, PromptLookupProposer(1, 2), 3, policy),
+                             "auto")
+    params = SamplingParams(temperature=0.8, top_k=12, seed=0, max_new_tokens=3)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [7, 8, 7, 8, 7]]
+    histogram = [0] * 4
+    original = engine.generator._decode
+
+    def counting_decode(*args):
+        result = original(*args)
+        for k, n in enumerate(result.stats.chosen_k_histogram):
+            histogram[k] += n
+        return result
+
+    engine.generator._decode = counting_decode
+    test = audit_distribution(target, engine, prompts, params, 500, 0.01)
+    assert sum(1 for n in histogram if n) >= 2, histogram
+    assert not test.rejected, [p.fit for p in test.prompts]
