@@ -7,7 +7,8 @@ from pathlib import Path
 
 from exactspec.cli.common import add_model_options
 
-DEFAULT_BENCH_METHODS = ("plain", "prompt-lookup:k=4", "hf-plain", "hf-prompt-lookup:k=4")
+DEFAULT_BENCH_METHODS = ("plain", "prompt-lookup:k=4", "prompt-lookup:k=6:policy=auto", "hf-plain",
+                         "hf-prompt-lookup:k=4")
 
 
 def add_parser(commands) -> None:
