@@ -189,8 +189,9 @@ def test_greedy_check_reports_the_first_divergence_with_logits(target, prompts):
 
 def test_verdict_and_report(tmp_path, target, prompts):
     proposer = PromptLookupProposer(1, 3)
-    good = audit_distribution(target, ExactspecEngine(SpeculativeGenerator(target, proposer, 3),
-                                                      "exactspec"), prompts, PARAMS, 300, ALPHA)
+    good = audit_distribution(
+        target, ExactspecEngine(SpeculativeGenerator(target, proposer, 3, "constant"), "ok"),
+        prompts, PARAMS, 300, ALPHA)
     control = audit_distribution(
         target, ExactspecEngine(BrokenGenerator(target, proposer, 3, "constant",
                                                 broken="accept-all"), "c"),
@@ -199,6 +200,9 @@ def test_verdict_and_report(tmp_path, target, prompts):
     assert result.verdict == "exact"
     assert verdict(AuditResult({}, [], good, None)).verdict == "inconclusive"
     assert verdict(AuditResult({}, [], control, good)).verdict == "NOT exact"
+    barely = dataclasses.replace(good, drafted=10)  # speculation hardly exercised
+    doubt = verdict(AuditResult({}, [], barely, control))
+    assert doubt.verdict == "inconclusive" and "drafted 10 tokens in 600" in doubt.reasons[0]
     files = write_audit_report(result, tmp_path, lambda ids: "".join(map(str, ids)))
     assert {f.name for f in files} == {"audit.json", "report.md", "prompt-0.png", "prompt-1.png"}
     assert all(f.stat().st_size > 0 for f in files)

@@ -185,9 +185,12 @@ def verdict(result: AuditResult) -> AuditResult:
     elif not result.control.rejected:
         doubts.append(f"the broken control ({result.control.engine}) was not caught: the sample "
                       "size is too small to trust a pass")
-    if result.distribution.drafted == 0:
-        doubts.append("the engine drafted no token: only plain decoding was tested (use "
-                      "prompts the proposer can match, or another proposer)")
+    drafted, samples = result.distribution.drafted, sum(
+        p.fit.num_samples for p in result.distribution.prompts)
+    if drafted is not None and drafted < samples:
+        doubts.append(f"the engine drafted {drafted} tokens in {samples} samples: speculation was "
+                      "barely exercised, so mostly plain decoding was tested (use --policy "
+                      "constant, prompts the proposer can match, or another proposer)")
     result.reasons = deviations or doubts or [
         "no deviation found, the broken control was caught, and drafts were verified"]
     result.verdict = "NOT exact" if deviations else "inconclusive" if doubts else "exact"

@@ -166,7 +166,7 @@ def plot(results: BenchResults, summary: dict, out: Path) -> list[Path]:
     files = []
     groups = list(summary)
     methods = [m for m in summary[groups[0]] if m != "plain"]
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)) + 3, 4))
     width = 0.8 / max(len(methods), 1)
     for i, method in enumerate(methods):
         values = [summary[g][method]["speedup"] for g in groups]
@@ -176,7 +176,7 @@ def plot(results: BenchResults, summary: dict, out: Path) -> list[Path]:
                   rotation=20)
     ax.set_ylabel("speedup over plain decoding (×)")
     ax.set_title("Speedup by task group")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # clear of the bars
     files.append(_save(fig, out / "speedup_by_group.png"))
 
     runs = [r for r in results.records if r.stats and r.stats["committed_per_cycle"]

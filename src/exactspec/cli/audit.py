@@ -32,7 +32,8 @@ def add_parser(commands) -> None:
                            "draft:MODEL")
     what.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K, metavar="K",
                       help=f"most tokens drafted per cycle (default {DEFAULT_K})")
-    add_policy_option(what)
+    add_policy_option(what, "constant", ": every cycle drafts, so verification is exercised; "
+                      "auto may find that drafting does not pay and test plain decoding")
     what.add_argument("--broken", choices=["accept-all", "no-residual", "none"],
                       default="accept-all",
                       help="broken control for the power check: accept every draft (the "

@@ -54,12 +54,13 @@ def has_chat_template(target) -> bool:
     return True
 
 
-def add_policy_option(group) -> None:
+def add_policy_option(group, default: str | None = None, why: str = "") -> None:
     """``--policy``: how many tokens to draft each cycle."""
     from exactspec.speculation_length import DEFAULT_POLICY, POLICIES
 
-    group.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY,
-                       help="speculation length per cycle: auto (the default: the k, up to -k, "
+    default = default or DEFAULT_POLICY
+    group.add_argument("--policy", choices=POLICIES, default=default,
+                       help=f"speculation length per cycle (default {default}{why}): auto (the k, up to -k, "
                             "that maximises expected tokens/s from measured forward costs and "
                             "acceptance; 0 = a plain step), constant (always -k), heuristic "
                             "(+2 after a fully accepted cycle, -1 otherwise), confidence (draft "
