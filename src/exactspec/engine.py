@@ -197,6 +197,7 @@ class SpeculativeGenerator:
         stopper = StopChecker(self.target.tokenizer, stop_ids, params.stop, params.min_new_tokens)
         context_limit = self.target.max_context_length or float("inf")
         logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        timed = params.greedy or params.seed is None  # see SpeculationLengthPolicy.observe
 
         finish_reason: FinishReason | None = None
         while finish_reason is None:
@@ -227,7 +228,6 @@ class SpeculativeGenerator:
             self.target.rollback(len(proposal) - num_accepted)
             if self.proposer is not None:
                 self.proposer.observe(num_accepted)
-                timed = params.greedy or params.seed is None  # see SpeculationLengthPolicy
                 self.policy.observe(len(proposal), num_accepted, (t1 - t0) if timed else None,
                                     (t2 - t1) if timed else None)
 

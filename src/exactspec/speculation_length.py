@@ -139,15 +139,17 @@ class AutoPolicy:
         return [(a + self.prior_acceptance * self.prior_weight) / (t + self.prior_weight)
                 for a, t in zip(self.accepted, self.tested)]
 
-    def expected_rate(self, k: int) -> float:
-        """Expected committed tokens per second with k drafts (per unit of the prior cost
-        model while nothing is measured)."""
-        cost = self.forward_cost(k + 1) + k * (self.draft_seconds_per_token or 0.0)
-        expected, survive = 1.0, 1.0
-        for alpha in self.acceptance()[:k]:
-            survive *= alpha
-            expected += survive
-        return expected / cost
+    def expected_rates(self) -> list[float]:
+        """``[k_max + 1]`` expected committed tokens per second for k = 0..k_max drafts (per
+        unit of the prior cost model while nothing is measured)."""
+        rates, expected, survive = [], 1.0, 1.0
+        for k, alpha in enumerate([1.0, *self.acceptance()]):
+            if k:
+                survive *= alpha
+                expected += survive
+            cost = self.forward_cost(k + 1) + k * (self.draft_seconds_per_token or 0.0)
+            rates.append(expected / cost)
+        return rates
 
     def forward_cost(self, n: int) -> float:
         """Seconds of a target forward over n tokens: measured, else scaled from the nearest
@@ -164,7 +166,8 @@ class AutoPolicy:
     def choose(self) -> int:
         if self.forward_seconds[1] is None and any(s is not None for s in self.forward_seconds):
             return 0  # measure the plain step, the baseline every k is compared with
-        return max(range(self.k_max + 1), key=lambda k: (self.expected_rate(k), -k))
+        rates = self.expected_rates()
+        return max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
 
     def observe(self, num_drafted: int, num_accepted: int, draft_seconds: float | None,
                 verify_seconds: float | None) -> None:
