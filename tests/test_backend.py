@@ -1,4 +1,5 @@
-"""The transformers backend: cache bookkeeping, exact rollback, refusals."""
+"""The backends (transformers and llama.cpp, through ``make_backend``): cache bookkeeping,
+exact rollback, logits for exactly the positions asked for, refusals."""
 
 import pytest
 import torch
@@ -8,8 +9,8 @@ from exactspec.backends import TransformersBackend, UnsupportedModelError
 from conftest import CharTokenizer, tiny_backend
 
 
-def test_forward_after_rollback_equals_a_fresh_forward():
-    backend = tiny_backend(0)
+def test_forward_after_rollback_equals_a_fresh_forward(make_backend):
+    backend = make_backend(0)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     backend.prefill(prompt)
     assert backend.num_cached_tokens == 8
@@ -23,19 +24,22 @@ def test_forward_after_rollback_equals_a_fresh_forward():
     assert after_rollback.shape == (2, backend.vocab_size)
 
 
-def test_block_forward_matches_one_token_forwards():
-    backend = tiny_backend(1)
+def test_block_forward_matches_one_token_forwards(make_backend):
+    backend = make_backend(1)
     backend.prefill([1, 2, 3])
     block = backend.forward([4, 5, 6])
     backend.prefill([1, 2, 3])
     singles = torch.stack([backend.forward([t])[0] for t in (4, 5, 6)])
     torch.testing.assert_close(block, singles, rtol=1e-4, atol=1e-4)
     backend.prefill([1, 2, 3])
-    assert backend.forward([4, 5, 6], num_logits=1).shape == (1, backend.vocab_size)
+    last = backend.forward([4, 5, 6], num_logits=1)
+    assert last.shape == (1, backend.vocab_size)
+    torch.testing.assert_close(last[0], block[2], rtol=1e-4, atol=1e-4)
+    assert backend.num_cached_tokens == 6
 
 
-def test_prefill_resets_and_bad_calls_raise():
-    backend = tiny_backend(0)
+def test_prefill_resets_and_bad_calls_raise(make_backend):
+    backend = make_backend(0)
     backend.prefill([1, 2, 3])
     backend.prefill([])
     assert backend.num_cached_tokens == 0

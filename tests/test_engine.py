@@ -1,4 +1,4 @@
-"""The engine on tiny random models: greedy identity with plain decoding, every stop
+"""The engine on tiny random models, on every backend (``make_backend``): greedy identity with plain decoding, every stop
 condition, context limits, seeded determinism, metrics invariants, and an engine-level
 distribution test with a broken control."""
 
@@ -40,14 +40,14 @@ def check_stats(result, k):
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 @pytest.mark.parametrize("drafter", ["random", "prompt_lookup", "identical_model", "other_model"])
 @pytest.mark.parametrize("prompt", [REPEATED, "a"])
-def test_greedy_identity(seed, k, drafter, prompt):
-    target = tiny_backend(seed)
+def test_greedy_identity(seed, k, drafter, prompt, make_backend):
+    target = make_backend(seed)
     params = SamplingParams(max_new_tokens=40)
     proposer = {
         "random": lambda: RandomProposer(seed=seed),
         "prompt_lookup": lambda: PromptLookupProposer(1, 3),
-        "identical_model": lambda: DraftModelProposer(tiny_backend(model=target.model), target),
-        "other_model": lambda: DraftModelProposer(tiny_backend(seed + 100), target),
+        "identical_model": lambda: DraftModelProposer(make_backend(same_as=target), target),
+        "other_model": lambda: DraftModelProposer(make_backend(seed + 100), target),
     }[drafter]()
     expected = plain(target, prompt, params)
     result = SpeculativeGenerator(target, proposer, k).generate(prompt, params)
@@ -60,8 +60,8 @@ def test_greedy_identity(seed, k, drafter, prompt):
         assert result.stats.acceptance_rate < 0.5  # a drafter that is mostly wrong
 
 
-def test_rollback_counting_prompt_with_an_often_wrong_drafter():
-    target = tiny_backend(7)
+def test_rollback_counting_prompt_with_an_often_wrong_drafter(make_backend):
+    target = make_backend(7)
     params = SamplingParams(max_new_tokens=60)
     expected = plain(target, COUNTING, params)
     for proposer in (PromptLookupProposer(1, 2), RandomProposer(seed=3)):
@@ -70,12 +70,12 @@ def test_rollback_counting_prompt_with_an_often_wrong_drafter():
         assert result.stats.acceptance_rate < 0.9  # rejections (and rollbacks) happened
 
 
-def test_eos_at_draft_position_2_of_4_all_accepted():
-    target = tiny_backend(1)
+def test_eos_at_draft_position_2_of_4_all_accepted(make_backend):
+    target = make_backend(1)
     reference = plain(target, "abc", SamplingParams(max_new_tokens=12)).token_ids
     eos = next(t for t in reference[1:4] if t != reference[0])
     eos_index = reference.index(eos)
-    target_with_eos = tiny_backend(model=target.model, eos=[eos])
+    target_with_eos = make_backend(eos=[eos], same_as=target)
     oracle = ScriptedProposer(target.tokenizer.encode("abc") + reference)
     result = SpeculativeGenerator(target_with_eos, oracle, 4).generate(
         "abc", SamplingParams(max_new_tokens=12))
@@ -90,8 +90,8 @@ def test_eos_at_draft_position_2_of_4_all_accepted():
         result.token_ids
 
 
-def test_stop_string_completing_mid_block():
-    target = tiny_backend(2)
+def test_stop_string_completing_mid_block(make_backend):
+    target = make_backend(2)
     reference = plain(target, "abc", SamplingParams(max_new_tokens=12)).token_ids
     text = target.tokenizer.decode(reference)
     stop = text[2:4]  # completed by the 4th token, inside the first block of 6
@@ -109,8 +109,8 @@ def test_stop_string_completing_mid_block():
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3])
-def test_max_new_tokens_smaller_than_k(max_new_tokens):
-    target = tiny_backend(3)
+def test_max_new_tokens_smaller_than_k(max_new_tokens, make_backend):
+    target = make_backend(3)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     expected = plain(target, REPEATED, params)
     oracle = ScriptedProposer(target.tokenizer.encode(REPEATED) + expected.token_ids + [0] * 9)
@@ -120,13 +120,13 @@ def test_max_new_tokens_smaller_than_k(max_new_tokens):
     check_stats(result, 8)
 
 
-def test_context_limit_clamps_k_and_ends_with_length():
-    target = tiny_backend(4, max_context=32)
+def test_context_limit_clamps_k_and_ends_with_length(make_backend):
+    target = make_backend(4, max_context=32)
     prompt = REPEATED[:28]  # 4 positions left, fewer than k + 1 = 9
     params = SamplingParams(max_new_tokens=50)
     expected = plain(target, prompt, params)
     assert len(expected.token_ids) == 4 and expected.finish_reason == "length"
-    for proposer in (PromptLookupProposer(), DraftModelProposer(tiny_backend(model=target.model), target)):
+    for proposer in (PromptLookupProposer(), DraftModelProposer(make_backend(same_as=target), target)):
         result = SpeculativeGenerator(target, proposer, 8).generate(prompt, params)
         assert result.token_ids == expected.token_ids and result.finish_reason == "length"
     full = SpeculativeGenerator(target, PromptLookupProposer(), 8).generate(REPEATED[:32], params)
@@ -135,15 +135,15 @@ def test_context_limit_clamps_k_and_ends_with_length():
         SpeculativeGenerator(target, PromptLookupProposer(), 8).generate(REPEATED[:33], params)
 
 
-def test_no_eos_configured_runs_to_length():
-    target = tiny_backend(5, eos=())
+def test_no_eos_configured_runs_to_length(make_backend):
+    target = make_backend(5, eos=())
     result = SpeculativeGenerator(target, PromptLookupProposer(), 4).generate(
         REPEATED, SamplingParams(max_new_tokens=30))
     assert len(result.token_ids) == 30 and result.finish_reason == "length"
 
 
-def test_bad_inputs():
-    target = tiny_backend(0)
+def test_bad_inputs(make_backend):
+    target = make_backend(0)
     generator = SpeculativeGenerator(target, PromptLookupProposer(), 4)
     with pytest.raises(ValueError, match="empty"):
         generator.generate([])
@@ -166,11 +166,11 @@ def test_chat_template_is_applied():
 # --- sampling ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("k", [1, 4])
-def test_seeded_determinism(k):
-    target = tiny_backend(6)
+def test_seeded_determinism(k, make_backend):
+    target = make_backend(6)
     params = SamplingParams(temperature=1.0, top_k=20, seed=11, max_new_tokens=30)
     def run(p):
-        proposer = DraftModelProposer(tiny_backend(60), target)
+        proposer = DraftModelProposer(make_backend(60), target)
         return SpeculativeGenerator(target, proposer, k).generate(REPEATED, p)
     first, second = run(params), run(params)
     assert first.token_ids == second.token_ids
@@ -223,12 +223,12 @@ def two_token_counts(generator, prompt_ids, params_for_seed, vocab):
 
 
 @pytest.mark.parametrize("broken", [False, True])
-def test_engine_sampling_follows_the_target_two_tokens(broken):
+def test_engine_sampling_follows_the_target_two_tokens(broken, make_backend):
     """Joint distribution of the first two generated tokens (an outcome space of vocab²)
     with a real draft model that disagrees often; the lying proposer must be caught."""
     vocab = 16
-    target = tiny_backend(8, vocab=vocab)
-    draft = tiny_backend(9, vocab=vocab)
+    target = make_backend(8, vocab=vocab)
+    draft = make_backend(9, vocab=vocab)
     prompt_ids = [1, 2, 3, 1, 2]
     params = lambda seed: SamplingParams(temperature=1.0, top_k=8, seed=seed, max_new_tokens=2)
     proposer = DraftModelProposer(draft, target)

@@ -1,6 +1,8 @@
-"""The embedded SmolLM2-135M-Instruct, end to end (marked real_model; skipped when the
-model package is not installed). Greedy speculative output must equal plain decoding."""
+"""The embedded SmolLM2-135M-Instruct, end to end on each backend (marked real_model;
+skipped when the model package, or llama-cpp-python for the llama_cpp backend, is not
+installed). Greedy speculative output must equal plain decoding on the same backend."""
 
+import importlib.util
 import json
 
 import pytest
@@ -25,15 +27,27 @@ PROMPTS = [
 ]
 
 
-def cli_json(capsys, *args):
-    assert cli.main(["generate", *args, "--json", "--max-new-tokens", "48", "--device", "cpu"]) == 0
+BACKENDS = [pytest.param("transformers"),
+            pytest.param("llama_cpp", marks=pytest.mark.skipif(
+                importlib.util.find_spec("llama_cpp") is None,
+                reason="llama-cpp-python is not installed (pip install 'exactspec[llama-cpp]')"))]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
+def cli_json(capsys, backend, *args):
+    assert cli.main(["generate", *args, "--json", "--max-new-tokens", "48", "--device", "cpu",
+                     "--backend", backend]) == 0
     return json.loads(capsys.readouterr().out)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_cli_speculative_equals_plain(prompt, capsys):
-    spec = cli_json(capsys, prompt)
-    plain = cli_json(capsys, prompt, "--no-speculation")
+def test_cli_speculative_equals_plain(prompt, backend, capsys):
+    spec = cli_json(capsys, backend, prompt)
+    plain = cli_json(capsys, backend, prompt, "--no-speculation")
     assert spec["token_ids"] == plain["token_ids"]
     assert spec["finish_reason"] == plain["finish_reason"]
     stats = spec["stats"]
@@ -42,11 +56,11 @@ def test_cli_speculative_equals_plain(prompt, capsys):
     assert stats["acceptance_rate"] is None or 0 <= stats["acceptance_rate"] <= 1
 
 
-@pytest.fixture(scope="module")
-def target():
+@pytest.fixture(scope="module", params=BACKENDS)
+def target(request):
     from exactspec import load_model
 
-    return load_model(device="cpu")
+    return load_model(backend=request.param, device="cpu")
 
 
 def test_counting_prompt_rollback(target):
@@ -66,11 +80,11 @@ def test_sampling_is_seeded(target):
     assert first.token_ids == second.token_ids
 
 
-def test_cli_sampling_features_and_logprobs_equal_plain(capsys):
+def test_cli_sampling_features_and_logprobs_equal_plain(backend, capsys):
     """The issue's acceptance command: same tokens and logprobs with and without speculation."""
     args = [PROMPTS[0], "--logprobs", "3", "--frequency-penalty", "0.5", "--min-new-tokens", "20"]
-    spec = cli_json(capsys, *args)
-    plain = cli_json(capsys, *args, "--no-speculation")
+    spec = cli_json(capsys, backend, *args)
+    plain = cli_json(capsys, backend, *args, "--no-speculation")
     assert spec["token_ids"] == plain["token_ids"] and len(spec["token_ids"]) >= 20
     assert len(spec["logprobs"]) == len(spec["token_ids"]) == spec["usage"]["completion_tokens"]
     differences = [abs(a["logprob"] - b["logprob"]) for a, b in zip(spec["logprobs"], plain["logprobs"])]

@@ -4,13 +4,13 @@ Quick use::
 
     from exactspec import SamplingParams, SpeculativeGenerator, PromptLookupProposer, load_model
 
-    target = load_model()  # smollm2-135m-instruct, float32, on the transformers backend
+    target = load_model()  # smollm2-135m-instruct; llama.cpp if installed, else transformers float32
     generator = SpeculativeGenerator(target, PromptLookupProposer(), num_speculative_tokens=8)
     result = generator.generate("Summarise: ...", SamplingParams(max_new_tokens=64), chat=True)
     print(result.text, result.stats.summary())
 """
 
-from exactspec.backends import Backend, TransformersBackend, UnsupportedModelError
+from exactspec.backends import Backend, LlamaCppBackend, TransformersBackend, UnsupportedModelError
 from exactspec.engine import GenerationResult, SpeculativeGenerator
 from exactspec.metrics import GenerationStats
 from exactspec.models import DEFAULT_MODEL, ModelNotFoundError, load_model
@@ -21,7 +21,7 @@ from exactspec.sampling import SamplingParams
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_MODEL", "Backend", "DraftModelProposer", "EarlyExitProposer", "GenerationResult", "GenerationStats",
+    "DEFAULT_MODEL", "Backend", "DraftModelProposer", "LlamaCppBackend", "EarlyExitProposer", "GenerationResult", "GenerationStats",
     "ModelNotFoundError", "PromptLookupProposer", "Proposal", "Proposer", "SamplingParams",
     "SpeculativeGenerator", "TransformersBackend", "UnsupportedModelError", "load_model",
 ]

@@ -21,7 +21,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from exactspec.backends.base import Backend
+from exactspec.backends.base import Backend, UnsupportedModelError
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.metrics import GenerationStats
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
@@ -108,6 +108,8 @@ class SpeculativeGenerator:
     Raises:
         ValueError: if num_speculative_tokens is not an integer ≥ 0, the policy is
             unknown, or ``confidence`` is asked for a proposer without probabilities.
+        UnsupportedModelError: with a proposer, if the target is not batch-invariant (its
+            ``batch_invariant`` attribute is False; see the llama.cpp backend).
     """
 
     rejection_sampler = staticmethod(rejection_sample)
@@ -120,6 +122,12 @@ class SpeculativeGenerator:
                 or num_speculative_tokens < 0):
             raise ValueError(f"num_speculative_tokens = {num_speculative_tokens!r} is invalid: "
                              "it must be an integer ≥ 0 (0 = plain decoding)")
+        if proposer is not None and not getattr(target, "batch_invariant", True):
+            raise UnsupportedModelError(
+                "this backend scores a batch of tokens differently from one token at a time "
+                "(its kernels are not batch-invariant), so verifying drafts would not "
+                f"reproduce plain decoding; speculation is refused. "
+                + getattr(target, "batch_variance_fix", ""))
         self.target = target
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
@@ -212,8 +220,10 @@ class SpeculativeGenerator:
             proposal = (self.proposer.propose(tokens, k, pipeline, generator) if k
                         else EMPTY_PROPOSAL)
             t1 = time.perf_counter()
-            committed, num_accepted, committed_logprobs = self._verify(tokens, proposal, pipeline,
-                                                                       generator)
+            logits = self.target.forward([tokens[-1], *proposal.token_ids])  # [k+1, vocab]
+            forward_end = time.perf_counter()
+            committed, num_accepted, committed_logprobs = self._verify(tokens, proposal, logits,
+                                                                       pipeline, generator)
             t2 = time.perf_counter()
 
             num_emitted = 0
@@ -233,6 +243,7 @@ class SpeculativeGenerator:
 
             stats.draft_seconds += t1 - t0
             stats.verify_seconds += t2 - t1
+            stats.target_forward_seconds += forward_end - t1
             stats.record_cycle(len(proposal), num_accepted, num_emitted, k)
             if stats.cycles == 1:
                 stats.ttft_seconds = time.perf_counter() - start
@@ -244,12 +255,13 @@ class SpeculativeGenerator:
             finish_reason=finish_reason, stop_reason=stopper.stop_reason,
             prompt_token_ids=tokens[:num_prompt_tokens], stats=stats, logprobs=logprobs)
 
-    def _verify(self, tokens: list[int], proposal: Proposal, pipeline: LogitsPipeline,
+    def _verify(self, tokens: list[int], proposal: Proposal, logits: torch.Tensor,
+                pipeline: LogitsPipeline,
                 generator: torch.Generator) -> tuple[list[int], int, list[TokenLogprob] | None]:
-        """Score ``[tokens[-1], *drafts]`` in one target forward pass, process every row
-        with its true history, and run the rejection sampler. Returns the committed tokens,
-        the number of accepted drafts, and the committed tokens' logprobs (if asked)."""
-        logits = self.target.forward([tokens[-1], *proposal.token_ids])  # [k+1, vocab]
+        """Process every row of ``logits`` (``[k+1, vocab]``, the target's scores of
+        ``[tokens[-1], *drafts]`` from one forward pass) with its true history, and run the
+        rejection sampler. Returns the committed tokens, the number of accepted drafts, and
+        the committed tokens' logprobs (if asked)."""
         check_finite(logits)
         processed = pipeline.process(logits, tokens, proposal.token_ids)  # [k+1, vocab]
         draft_token_ids = torch.tensor([proposal.token_ids], dtype=torch.long,

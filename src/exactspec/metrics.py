@@ -37,6 +37,8 @@ class GenerationStats:
         total_seconds: wall time of the whole generation.
         draft_seconds: time spent in the proposer.
         verify_seconds: time spent in the target forward pass and verification.
+        target_forward_seconds: the part of ``verify_seconds`` spent inside the target's
+            forward passes (the model itself; the rest is host-side work).
     """
 
     num_speculative_tokens: int = 0
@@ -55,6 +57,7 @@ class GenerationStats:
     total_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    target_forward_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -122,10 +125,24 @@ class GenerationStats:
         return max(0.0, self.total_seconds - self.prefill_seconds - self.draft_seconds
                    - self.verify_seconds)
 
+    @property
+    def overhead_seconds(self) -> float:
+        """Decoding time outside the target's forward passes (seconds): drafting, logits
+        processing, verification, bookkeeping. With prompt lookup this is all host-side
+        (Python) work; with a draft model it includes the draft's forward passes."""
+        return max(0.0, self.total_seconds - self.prefill_seconds - self.target_forward_seconds)
+
+    @property
+    def overhead_share(self) -> float | None:
+        """``overhead_seconds`` / decoding time (prefill excluded), in [0, 1]."""
+        decoding = self.total_seconds - self.prefill_seconds
+        return self.overhead_seconds / decoding if decoding > 0 else None
+
     def to_dict(self) -> dict:
         """Every field and derived figure, JSON-serialisable."""
         derived = ("acceptance_rate", "mean_acceptance_length", "per_position_acceptance",
-                   "committed_histogram", "tpot_seconds", "tokens_per_second", "other_seconds")
+                   "committed_histogram", "tpot_seconds", "tokens_per_second", "other_seconds",
+                   "overhead_seconds", "overhead_share")
         return asdict(self) | {name: getattr(self, name) for name in derived}
 
     def summary(self) -> str:

@@ -59,6 +59,7 @@ class Backend(Protocol):
         max_context_length: most positions the model supports (tokens), or None.
         eos_token_ids: ids that end generation (may be empty).
         device: where logits are returned.
+        description: the runtime in a few words, for summaries (e.g. "llama.cpp, 2 threads").
         num_cached_tokens: tokens currently in the KV cache.
     """
 
@@ -67,6 +68,7 @@ class Backend(Protocol):
     max_context_length: int | None
     eos_token_ids: tuple[int, ...]
     device: torch.device
+    description: str
 
     @property
     def num_cached_tokens(self) -> int: ...

@@ -99,6 +99,8 @@ class TransformersBackend:
             eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.device = next(model.parameters()).device
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        self.description = f"transformers {dtype} {self.device.type}"
         self._new_cache = lambda: DynamicCache(config=model.config)
         _check_rollback(model, self._new_cache())
         self._cache = self._new_cache()

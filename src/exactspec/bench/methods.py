@@ -11,7 +11,11 @@ A method is written ``KIND[:ARG][:key=value...]``:
     hf-prompt-lookup:k=10        transformers ``generate(prompt_lookup_num_tokens=k)``
     hf-assistant:MODEL[:k=N]     transformers ``generate(assistant_model=MODEL)``
     hf-early-exit:L[:k=N]        transformers ``generate(assistant_early_exit=L)``
-Peers (``hf-*``) run on the same model object, prompts, dtype and max_new_tokens.
+    llama-plain                  llama-cpp-python's own ``Llama.generate()``, no speculation
+    llama-prompt-lookup:k=10     ``Llama(draft_model=LlamaPromptLookupDecoding(
+                                 num_pred_tokens=k))``, its prompt lookup (n-grams ≤ 2)
+Peers (``hf-*`` on the transformers backend, ``llama-*`` on the llama_cpp backend) run on
+the same model file, prompts and max_new_tokens (``hf-*`` on the same model object).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from exactspec.proposers import DraftModelProposer, EarlyExitProposer, PromptLoo
 from exactspec.sampling import SamplingParams
 
 KINDS = ("plain", "prompt-lookup", "draft", "early-exit", "hf-plain", "hf-prompt-lookup",
-         "hf-assistant", "hf-early-exit")
+         "hf-assistant", "hf-early-exit", "llama-plain", "llama-prompt-lookup")
 WITH_ARGUMENT = ("draft", "early-exit", "hf-assistant", "hf-early-exit")
 
 
@@ -52,7 +56,12 @@ class Method:
 
     @property
     def is_peer(self) -> bool:
-        return self.kind.startswith("hf-")
+        return is_peer(self.name)
+
+
+def is_peer(method_name: str) -> bool:
+    """Whether a method is another engine's (``hf-*``, ``llama-*``) rather than exactspec's."""
+    return method_name.startswith(("hf-", "llama-"))
 
 
 def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend]) -> Method:
@@ -66,12 +75,13 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
     positional = [part for part in parts if "=" not in part]
     allowed = "plain, prompt-lookup:k=4[:ngram=2-3][:policy=auto], draft:MODEL:k=4, " \
               "early-exit:L:k=4, " \
-              "hf-plain, hf-prompt-lookup:k=10, hf-assistant:MODEL, hf-early-exit:L"
+              "hf-plain, hf-prompt-lookup:k=10, hf-assistant:MODEL, hf-early-exit:L, " \
+              "llama-plain, llama-prompt-lookup:k=10"
     if kind not in KINDS or (kind in WITH_ARGUMENT) != bool(positional) \
             or len(positional) > 1 or set(options) - {"k", "ngram", "policy"}:
         raise ValueError(f"method {spec!r} is invalid: use one of {allowed}")
     try:
-        k = int(options.get("k", 10 if kind == "hf-prompt-lookup" else 4))
+        k = int(options.get("k", 10 if kind in ("hf-prompt-lookup", "llama-prompt-lookup") else 4))
         low, high = (int(n) for n in options.get("ngram", "2-3").split("-"))
         layers = int(positional[0]) if kind in ("early-exit", "hf-early-exit") else 0
     except ValueError:
@@ -88,9 +98,11 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
         proposer = EarlyExitProposer(target, layers)
     if kind in ("prompt-lookup", "draft", "early-exit"):
         return _ours(spec, kind, k, SpeculativeGenerator(target, proposer, k, policy))
+    if kind.startswith("llama-"):
+        return _llama_method(spec, kind, k, target)
     model = getattr(target, "model", None)
     if model is None:
-        raise ValueError(f"method {spec!r} needs the transformers backend")
+        raise ValueError(f"method {spec!r} needs the transformers backend (--backend transformers)")
     extra: dict = {}
     if kind == "hf-prompt-lookup":
         extra = {"prompt_lookup_num_tokens": k}
@@ -129,3 +141,41 @@ def _hf_generate(target: Backend, prompt_ids: list[int], params: SamplingParams,
                                 pad_token_id=eos[0] if eos else 0, **sampling, **extra)
     seconds = time.perf_counter() - start
     return Outcome(output[0, len(prompt_ids):].tolist(), seconds, None)
+
+
+def _llama_method(spec: str, kind: str, k: int, target: Backend) -> Method:
+    """A llama-cpp-python peer: its own generate on the target's model (``llama-plain``) or
+    on a second instance of the same file with its prompt-lookup draft."""
+    from exactspec.backends.llama_cpp_backend import LlamaCppBackend
+
+    if not isinstance(target, LlamaCppBackend):
+        raise ValueError(f"method {spec!r} needs the llama_cpp backend (--backend llama_cpp)")
+    if kind == "llama-plain":
+        llama = target.llama
+    else:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        llama = target.new_llama(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))
+    eos = set(target.eos_token_ids)
+    return Method(spec, kind, k if kind != "llama-plain" else 0,
+                  lambda prompt_ids, params: _llama_generate(llama, eos, prompt_ids, params))
+
+
+def _llama_generate(llama, eos: set[int], prompt_ids: list[int],
+                    params: SamplingParams) -> Outcome:
+    """llama-cpp-python ``Llama.generate()`` from an empty cache, stopped at EOS or
+    ``max_new_tokens``."""
+    sampling = {"temp": 0.0} if params.greedy else {
+        "temp": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+        "min_p": params.min_p}
+    if params.seed is not None:
+        llama.set_seed(params.seed)
+    llama.reset()
+    token_ids: list[int] = []
+    start = time.perf_counter()
+    for token in llama.generate(prompt_ids, **({"top_k": 0, "top_p": 1.0, "min_p": 0.0}
+                                               | sampling), repeat_penalty=1.0):
+        token_ids.append(token)
+        if token in eos or len(token_ids) >= params.max_new_tokens:
+            break
+    return Outcome(token_ids, time.perf_counter() - start, None)

@@ -23,6 +23,7 @@ import json
 import statistics
 from pathlib import Path
 
+from exactspec.bench.methods import is_peer
 from exactspec.bench.questions import GROUPS
 from exactspec.bench.runner import BenchResults
 
@@ -53,6 +54,7 @@ def summarize(results: BenchResults) -> dict:
                 "mismatches": sum(r.matches_plain is False for r in mine),
             }
             entry |= _acceptance([r.stats for r in mine if r.stats], results.forward_seconds)
+            entry |= _overhead([r.stats for r in mine if r.stats])
             summary[group][method] = entry
     return summary
 
@@ -60,6 +62,20 @@ def summarize(results: BenchResults) -> dict:
 def _tokens_per_second(records) -> float:
     seconds = sum(r.seconds for r in records)
     return sum(r.num_tokens for r in records) / seconds if seconds else 0.0
+
+
+def _overhead(stats: list[dict]) -> dict:
+    """Host-side time per cycle outside the target's forward passes (seconds), and its
+    share of decoding time (prefill excluded)."""
+    if not stats or any("target_forward_seconds" not in s for s in stats):
+        return {}
+    cycles = sum(s["cycles"] for s in stats)
+    decoding = sum(s["total_seconds"] - s["prefill_seconds"] for s in stats)
+    overhead = sum(s["overhead_seconds"] for s in stats)
+    return {"cycles": cycles, "overhead_per_cycle": overhead / cycles if cycles else 0.0,
+            "forward_per_cycle": sum(s["target_forward_seconds"] for s in stats) / cycles
+            if cycles else 0.0,
+            "overhead_share": overhead / decoding if decoding else 0.0}
 
 
 def _acceptance(stats: list[dict], forward_seconds: dict) -> dict:
@@ -114,7 +130,7 @@ def markdown(results: BenchResults, summary: dict) -> str:
     """The tables of ``report.md``."""
     methods = list(next(iter(summary.values())))
     failures = [r for r in results.records if r.matches_plain is False
-                and not r.method.startswith("hf-")]
+                and not is_peer(r.method)]
     cost = results.forward_seconds
     lines = ["# exactspec bench", "",
              f"Config: `{json.dumps(results.config)}`", "",
@@ -149,10 +165,19 @@ def markdown(results: BenchResults, summary: dict) -> str:
                          f"{e['draft_share']:.1%} | {e['verify_share']:.1%} | "
                          f"{e['speedup']:.2f}× | {e['speedup_bound']:.2f}× | "
                          f"{e['speedup_leviathan']:.2f}× |")
-    peers = [r for r in results.records if r.method.startswith("hf-") and r.matches_plain is False]
+    lines += ["", "## Host-side overhead (exactspec's methods, all groups)", "",
+              "Overhead = decoding time outside the target's forward passes: drafting (prompt "
+              "lookup is pure Python), logits processing, verification, bookkeeping.", "",
+              "| method | cycles | target forward per cycle | overhead per cycle | overhead share |",
+              "|---|---|---|---|---|"]
+    for method, e in summary[OVERALL].items():
+        if "overhead_share" in e:
+            lines.append(f"| {method} | {e['cycles']} | {e['forward_per_cycle'] * 1000:.2f} ms | "
+                         f"{e['overhead_per_cycle'] * 1000:.2f} ms | {e['overhead_share']:.1%} |")
+    peers = [r for r in results.records if is_peer(r.method) and r.matches_plain is False]
     lines += ["", f"Peers' greedy outputs differing from exactspec's plain decoding: {len(peers)} "
-              f"of {sum(r.method.startswith('hf-') for r in results.records)} runs "
-              "(transformers prefills the whole prompt at once, so near-tied tokens can flip).", ""]
+              f"of {sum(is_peer(r.method) for r in results.records)} runs "
+              "(a peer may prefill or batch differently, so near-tied tokens can flip).", ""]
     return "\n".join(lines)
 
 

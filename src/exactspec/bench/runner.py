@@ -66,7 +66,19 @@ def machine_info() -> dict:
             "cpu_count": torch.get_num_threads(), "torch": torch.__version__,
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "transformers": transformers.__version__, "exactspec": __version__,
-            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "llama_cpp": _llama_cpp_info()}
+
+
+def _llama_cpp_info() -> str | None:
+    """llama-cpp-python's version and llama.cpp's CPU features, if installed."""
+    from exactspec.backends.llama_cpp_backend import llama_cpp_available
+
+    if not llama_cpp_available():
+        return None
+    import llama_cpp
+
+    return f"{llama_cpp.__version__}; {llama_cpp.llama_print_system_info().decode().strip()}"
 
 
 def measure_forward_cost(target: Backend, context_length: int, max_tokens: int,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from exactspec.cli.common import DEFAULT_K, add_model_options, add_policy_option
+from exactspec.cli.common import DEFAULT_K, add_model_options, add_policy_option, load_from_args
 
 QUICK = {"samples": 200, "greedy_tokens": 24, "num_prompts": 3}
 
@@ -76,11 +76,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from exactspec import SamplingParams, SpeculativeGenerator, load_model
+    from exactspec import SamplingParams, SpeculativeGenerator
     from exactspec.audit import (AUDIT_PROMPTS, AuditResult, BrokenGenerator, ExactspecEngine,
                                  TransformersGenerateEngine, audit_distribution, check_greedy,
                                  verdict, write_audit_report)
     from exactspec.backends.base import UnsupportedModelError
+    from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
     from exactspec.models import ModelNotFoundError
     from exactspec.proposers import parse_proposer
 
@@ -112,9 +113,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     console = Console(stderr=True, soft_wrap=True)
     try:
-        with console.status(f"Loading {args.model} ({args.dtype}) …"):
-            target = load_model(args.model, device=args.device, dtype=args.dtype)
-            load = lambda name: load_model(name, device=args.device, dtype=args.dtype)
+        with console.status(f"Loading {args.model} …"):
+            target = load_from_args(args)
+            load = lambda name: load_from_args(args, name)
             proposer = parse_proposer(args.proposer, target, load)
         k = args.num_speculative_tokens
         tokenizer = target.tokenizer
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             control = ExactspecEngine(BrokenGenerator(target, proposer, k, "constant",
                                                       broken=args.broken),
                                       f"broken control: {args.broken}, {args.proposer} k={k}")
-        config = {"model": args.model, "dtype": args.dtype, "engine": engine.name,
+        config = {"model": args.model, "backend": target.description, "engine": engine.name,
                   "proposer": args.proposer, "k": k, "policy": args.policy, "sampling": vars(params),
                   "samples_per_prompt": args.samples, "tokens_per_sample": args.tokens,
                   "alpha": args.alpha, "greedy_tokens": args.greedy_tokens, "chat": args.chat,
@@ -149,7 +150,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 tests.append(audit_distribution(target, tested, prompt_ids, params, args.samples,
                                                 args.alpha, lambda n: progress.advance(task, n)))
         config["seconds"] = round(time.perf_counter() - start, 1)
-    except (ModelNotFoundError, UnsupportedModelError, ValueError) as error:
+    except (ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError,
+            ValueError) as error:
         console.print(f"[bold red]error:[/] {error}", highlight=False)
         return 1
     result = verdict(AuditResult(config, greedy, tests[0], tests[1] if control else None))

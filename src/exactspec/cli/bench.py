@@ -5,17 +5,23 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from exactspec.cli.common import add_model_options
+from exactspec.cli.common import add_model_options, load_from_args
 
-DEFAULT_BENCH_METHODS = ("plain", "prompt-lookup:k=4", "prompt-lookup:k=6:policy=auto", "hf-plain",
-                         "hf-prompt-lookup:k=4")
+DEFAULT_BENCH_METHODS = {
+    "transformers": ("plain", "prompt-lookup:k=4", "prompt-lookup:k=6:policy=auto", "hf-plain",
+                     "hf-prompt-lookup:k=4"),
+    "llama_cpp": ("plain", "prompt-lookup:k=4", "prompt-lookup:k=8:policy=auto", "llama-plain",
+                  "llama-prompt-lookup:k=10"),
+}
+"""Methods compared when no --method is given, by the target's backend."""
 
 
 def add_parser(commands) -> None:
     bench = commands.add_parser(
-        "bench", help="measure speedup per task group, side by side with transformers",
+        "bench", help="measure speedup per task group, side by side with peer engines",
         description="Benchmark plain decoding, exactspec's speculative methods and peers "
-                    "(transformers generate() with its own prompt lookup / assistant model) on "
+                    "(transformers generate() with its own prompt lookup / assistant model, or "
+                    "llama-cpp-python's generate() with its prompt-lookup draft) on "
                     "Spec-Bench-format questions, interleaved, on one model. Writes results.json, "
                     "report.md and PNG plots to --output.")
     bench.add_argument("--questions", metavar="PATH", default=None,
@@ -29,8 +35,10 @@ def add_parser(commands) -> None:
     bench.add_argument("--method", action="append", default=None, metavar="SPEC",
                        help="method to compare (repeatable): plain, prompt-lookup:k=4[:ngram=2-3], "
                             "draft:MODEL:k=4, early-exit:L:k=4, hf-plain, hf-prompt-lookup:k=10, "
-                            "hf-assistant:MODEL, hf-early-exit:L. "
-                            f"Default: {' '.join(DEFAULT_BENCH_METHODS)}")
+                            "hf-assistant:MODEL, hf-early-exit:L (transformers backend), "
+                            "llama-plain, llama-prompt-lookup:k=10 (llama_cpp backend). Default "
+                            "on transformers: " + " ".join(DEFAULT_BENCH_METHODS["transformers"])
+                            + "; on llama_cpp: " + " ".join(DEFAULT_BENCH_METHODS["llama_cpp"]))
     bench.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     bench.add_argument("--temperature", type=float, default=0.0,
                        help="0 = greedy (the default; identity with plain decoding is checked)")
@@ -50,8 +58,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from rich.console import Console
 
-    from exactspec import SamplingParams, load_model
+    from exactspec import SamplingParams
+    from exactspec.backends.llama_cpp_backend import LlamaCppBackend, LlamaCppNotInstalledError
     from exactspec.bench import load_questions, parse_method, run_bench, write_report
+    from exactspec.bench.methods import is_peer
 
     if args.quick:
         args.per_category, args.max_new_tokens, args.repetitions = 2, 64, 1
@@ -64,11 +74,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                 max_new_tokens=args.max_new_tokens)
         questions = load_questions(args.questions or files("exactspec.bench") / "prompts.jsonl",
                                    args.category, args.per_category)
-        with console.status(f"Loading {args.model} ({args.dtype}) …"):
-            target = load_model(args.model, device=args.device, dtype=args.dtype)
-            load = lambda name: load_model(name, device=args.device, dtype=args.dtype)
-            methods = [parse_method(spec, target, load) for spec in args.method or DEFAULT_BENCH_METHODS]
-        config = {"model": args.model, "dtype": args.dtype, "device": str(target.device),
+        with console.status(f"Loading {args.model} …"):
+            target = load_from_args(args)
+            load = lambda name: load_from_args(args, name)
+            backend = "llama_cpp" if isinstance(target, LlamaCppBackend) else "transformers"
+            methods = [parse_method(spec, target, load)
+                       for spec in args.method or DEFAULT_BENCH_METHODS[backend]]
+        config = {"model": args.model, "backend": target.description, "device": str(target.device),
                   "questions": str(args.questions or "exactspec prompts.jsonl"),
                   "groups": args.category or "all", "per_category": args.per_category,
                   "methods": [m.name for m in methods], "max_new_tokens": args.max_new_tokens,
@@ -76,11 +88,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                   "seed": args.seed, "chat": not args.no_chat}
         results = run_bench(target, questions, methods, params=params,
                             repetitions=args.repetitions, chat=not args.no_chat, config=config)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, LlamaCppNotInstalledError) as error:
         console.print(f"[bold red]error:[/] {error}", highlight=False)
         return 1
     summary = write_report(results, args.output)
     console.print(f"wrote {', '.join(summary['files'])}", highlight=False)
     print((Path(args.output) / "report.md").read_text())
-    failures = sum(e["mismatches"] for m, e in summary["overall"].items() if not m.startswith("hf-"))
+    failures = sum(e["mismatches"] for m, e in summary["overall"].items() if not is_peer(m))
     return 1 if failures else 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from exactspec.models import DEFAULT_MODEL, EMBEDDED_MODELS
+from exactspec.models import BACKENDS, DEFAULT_MODEL, EMBEDDED_MODELS
 
 DEFAULT_K = 4
 DEFAULT_NGRAM = (2, 3)
@@ -40,9 +40,36 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                             "model folder, or a .gguf file")
     model.add_argument("--device", default="auto",
                        help="auto (the default: cuda if available), cpu, cuda, cuda:N")
-    model.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                       help="weights' dtype (default float32); only float32 keeps greedy output "
-                            "bit-identical to plain decoding (others may flip near-tied tokens)")
+    model.add_argument("--backend", default="auto", choices=BACKENDS,
+                       help="runtime: auto (the default: llama_cpp for a .gguf model on a "
+                            "CPU-only machine when llama-cpp-python is installed, else "
+                            "transformers), transformers (PyTorch), llama_cpp (needs "
+                            "pip install 'exactspec[llama-cpp]')")
+    model.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                       help="transformers backend only: weights' dtype (default float32); only "
+                            "float32 keeps greedy output bit-identical to plain decoding (others "
+                            "may flip near-tied tokens)")
+    model.add_argument("--threads", type=positive_int, default=None,
+                       help="llama_cpp backend only: CPU threads (default: all cores)")
+
+
+def positive_int(text: str) -> int:
+    """An integer ≥ 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: give an integer ≥ 1")
+    return value
+
+
+def load_from_args(args: argparse.Namespace, name_or_path: str | None = None):
+    """The model ``name_or_path`` (default ``--model``) with the parsed model options."""
+    from exactspec.models import load_model
+
+    return load_model(name_or_path or args.model, backend=args.backend, device=args.device,
+                      dtype=args.dtype, threads=args.threads)
 
 
 def has_chat_template(target) -> bool:

@@ -88,7 +88,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from rich.console import Console
 
     from exactspec import (DraftModelProposer, EarlyExitProposer, PromptLookupProposer,
-                           SamplingParams, SpeculativeGenerator, UnsupportedModelError, load_model)
+                           SamplingParams, SpeculativeGenerator, UnsupportedModelError)
+    from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
     from exactspec.models import ModelNotFoundError
 
     try:
@@ -117,17 +118,17 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     console = Console(stderr=True, soft_wrap=True)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("exactspec").setLevel(logging.INFO)
-    if args.dtype != "float32":
+    if args.dtype not in (None, "float32"):
         console.print(f"note: with {args.dtype} weights greedy output is not promised to be "
                       "bit-identical to plain decoding (near-tied tokens can flip)", highlight=False)
     try:
-        with console.status(f"Loading {args.model} ({args.dtype}) …"):
-            target = load_model(args.model, device=args.device, dtype=args.dtype)
+        with console.status(f"Loading {args.model} …"):
+            target = load_from_args(args)
         if args.no_speculation or args.num_speculative_tokens == 0:
             proposer, method = None, "none (plain decoding)"
         elif args.draft_model:
             with console.status(f"Loading draft {args.draft_model} …"):
-                draft = load_model(args.draft_model, device=args.device, dtype=args.dtype)
+                draft = load_from_args(args, args.draft_model)
             proposer, method = DraftModelProposer(draft, target), f"draft model {args.draft_model}"
         elif args.early_exit is not None:
             proposer = EarlyExitProposer(target, args.early_exit)
@@ -139,12 +140,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         generator = SpeculativeGenerator(target, proposer, args.num_speculative_tokens,
                                          args.policy)
         results = generator.generate_samples(prompt, params, n=args.num_samples, chat=chat)
-    except (ModelNotFoundError, UnsupportedModelError, ValueError) as error:
+    except (ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError,
+            ValueError) as error:
         console.print(f"[bold red]error:[/] {error}", highlight=False, markup=True)
         return 1
 
     if args.json:
-        config = {"model": args.model, "method": method, "dtype": args.dtype, "chat": chat,
+        config = {"model": args.model, "backend": target.description, "method": method, "chat": chat,
                   "sampling_params": vars(params)}
         samples = [result.to_dict() for result in results]
         print(json.dumps((samples[0] if len(samples) == 1 else {"samples": samples}) | config,
@@ -154,6 +156,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if len(results) > 1:
                 console.rule(f"sample {i + 1} of {len(results)}")
             print(result.text, flush=True)
-        console.print(f"{result.stats.summary()} · finish: {result.finish_reason} · {method}",
+        console.print(f"{result.stats.summary()} · finish: {result.finish_reason} · {method} · {target.description}",
                       highlight=False, soft_wrap=True)
     return 0

@@ -67,7 +67,8 @@ class EarlyExitProposer(DraftModelProposer):
 
     def __init__(self, target: TransformersBackend, num_layers: int) -> None:
         if not isinstance(target, TransformersBackend):
-            raise UnsupportedModelError("early-exit drafting needs the transformers backend")
+            raise UnsupportedModelError("early-exit drafting needs the transformers backend "
+                                        "(--backend transformers)")
         draft = TransformersBackend(early_exit_model(target.model, num_layers), target.tokenizer,
                                     target.eos_token_ids)
         super().__init__(draft, target)

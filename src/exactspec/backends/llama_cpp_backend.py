@@ -1,0 +1,278 @@
+"""llama.cpp backend (through ``llama-cpp-python``): GGUF models at CPU speed.
+
+The model and its one KV cache (sequence 0) are driven with llama.cpp's batch API: a batch
+carries each token's position and a flag saying whether its logits are wanted, so a
+verification scores ``k + 1`` tokens in one ``llama_decode`` and copies out only the rows
+it asked for; ``llama_memory_seq_rm`` removes rejected positions from the cache. The
+tokenizer and chat template are the GGUF file's own.
+
+Recurrent and hybrid models (whose state cannot lose its last positions) are refused with
+:class:`~exactspec.backends.base.UnsupportedModelError`; sliding-window caches are kept in
+full (``swa_full``) so that a rollback never needs an evicted position.
+
+Exactness needs batch-invariant kernels: a token's logits must not depend on how many
+tokens share its forward pass, or a verification (k + 1 tokens) would score differently
+from plain decoding (1 token). llama.cpp's default CPU build is not: its llamafile sgemm
+kernels take over for batches, and on SmolLM2 Q4_1 the logits of the same token then differ
+by up to 0.8 (re-quantising the activations at every layer amplifies the rounding), enough
+to change greedy output and the sampling distribution. Built with ``GGML_LLAMAFILE=OFF``,
+batch and single-token logits are bit-identical. Every backend checks this when it loads
+(:attr:`LlamaCppBackend.batch_invariant`) and the engine refuses to speculate on one that
+fails; plain decoding is still allowed.
+
+``llama-cpp-python`` is optional; it compiles llama.cpp from source (about 9 minutes on 2
+CPU cores): ``CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" pip install --no-cache-dir
+'exactspec[llama-cpp]'`` (``--no-cache-dir`` so that pip does not reuse a wheel it built
+earlier without the flag).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from exactspec.backends.base import UnsupportedModelError
+
+INSTALL_HINT = ("CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --no-cache-dir "
+                "'llama-cpp-python>=0.3.36,<0.4'")
+"""How to install a llama-cpp-python build whose CPU kernels are batch-invariant."""
+DEFAULT_CONTEXT_LENGTH = 8192
+"""KV cache size (tokens) when the caller gives none, capped by the model's own context."""
+
+
+class LlamaCppNotInstalledError(ImportError):
+    """``llama-cpp-python`` is missing; the message gives the install command."""
+
+
+def import_llama_cpp():
+    """The ``llama_cpp`` module.
+
+    Raises:
+        LlamaCppNotInstalledError: with the install command, if it is not installed.
+    """
+    try:
+        import llama_cpp
+    except ImportError as error:
+        raise LlamaCppNotInstalledError(
+            f"the llama_cpp backend needs llama-cpp-python, which is not installed "
+            f"({error}); install it with: {INSTALL_HINT}") from None
+    return llama_cpp
+
+
+def llama_cpp_available() -> bool:
+    """Whether ``llama-cpp-python`` can be imported (without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def default_threads() -> int:
+    """CPU cores this process may use (llama-cpp-python's own default is half of them)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class LlamaCppTokenizer:
+    """:class:`~exactspec.backends.base.Tokenizer` from a GGUF file's vocabulary and chat
+    template, through llama.cpp's tokenizer."""
+
+    def __init__(self, llama) -> None:
+        self.llama = llama
+        self.chat_template = llama.metadata.get("tokenizer.chat_template")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # special=True parses "<|im_start|>"-style tokens in the text, as transformers does.
+        return self.llama.tokenize(text.encode("utf-8"), add_bos=add_special_tokens, special=True)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.llama.detokenize(list(token_ids), special=False).decode("utf-8", "replace")
+
+    def apply_chat_template(self, prompt: str) -> list[int]:
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; run without --chat")
+        piece = lambda token: (self.llama.detokenize([token], special=True).decode("utf-8", "replace")
+                               if token >= 0 else "")
+        formatter = Jinja2ChatFormatter(self.chat_template, eos_token=piece(self.llama.token_eos()),
+                                        bos_token=piece(self.llama.token_bos()))
+        text = formatter(messages=[{"role": "user", "content": prompt}]).prompt
+        return self.encode(text, add_special_tokens=False)  # the template writes BOS itself
+
+    def get_vocab(self) -> dict[str, int]:
+        llama_cpp = import_llama_cpp()
+        vocab = llama_cpp.llama_model_get_vocab(self.llama.model)
+        return {llama_cpp.llama_vocab_get_text(vocab, i).decode("utf-8", "replace"): i
+                for i in range(self.llama.n_vocab())}
+
+
+class LlamaCppBackend:
+    """A GGUF model on llama.cpp with one rollback-able KV cache (see ``Backend``).
+
+    Args:
+        llama: a ``llama_cpp.Llama`` (its own batch and cache are not used).
+        tokenizer: a :class:`~exactspec.backends.base.Tokenizer`; by default the GGUF's.
+        eos_token_ids: ids that end generation; by default every end-of-generation token
+            of the vocabulary (llama.cpp's ``llama_vocab_is_eog``).
+    Attributes:
+        batch_invariant: whether a batch of tokens gets bit-identical logits to single-token
+            forwards, checked on 8 tokens at construction (see the module docstring).
+    Raises:
+        UnsupportedModelError: for recurrent or hybrid models (their state cannot roll back).
+    """
+
+    batch_variance_fix = ("Reinstall llama-cpp-python without llamafile's kernels: "
+                          + INSTALL_HINT + " --force-reinstall")
+    """What the engine's refusal tells a user whose build is not batch-invariant."""
+
+    def __init__(self, llama, tokenizer=None, eos_token_ids: Sequence[int] | None = None) -> None:
+        llama_cpp = import_llama_cpp()
+        if getattr(llama, "_is_recurrent", False) or getattr(llama, "_is_hybrid", False):
+            raise UnsupportedModelError(
+                "this model keeps a recurrent state that cannot be rolled back after a "
+                "rejected draft; speculative decoding on it is not supported")
+        self._llama_cpp = llama_cpp
+        self.llama = llama
+        self.tokenizer = tokenizer if tokenizer is not None else LlamaCppTokenizer(llama)
+        self.vocab_size = int(llama.n_vocab())
+        self.max_context_length = int(min(llama.n_ctx(), llama._model.n_ctx_train()))
+        if eos_token_ids is None:
+            vocab = llama_cpp.llama_model_get_vocab(llama.model)
+            eos_token_ids = [i for i in range(self.vocab_size)
+                             if llama_cpp.llama_vocab_is_eog(vocab, i)]
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.device = torch.device("cpu")
+        self.description = f"llama.cpp cpu, {llama.n_threads} threads"
+        self._ctx = llama.ctx
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._batch_capacity = int(llama.n_batch)
+        self._batch = llama_cpp.llama_batch_init(self._batch_capacity, 0, 1)
+        self._num_cached = 0
+        self.batch_invariant = self._scores_batches_like_single_tokens()
+
+    def _scores_batches_like_single_tokens(self, num_tokens: int = 8) -> bool:
+        """Whether ``num_tokens`` tokens scored in one batch get bit-identical logits to the
+        same tokens scored one at a time (8 tokens reach the batched GEMM kernels that
+        replace GEMV from 4 rows on). Leaves the cache empty."""
+        token_ids = [(7 * i + 1) % self.vocab_size for i in range(num_tokens + 1)]
+        self.prefill(token_ids[:1])
+        batch = self.forward(token_ids[1:])
+        self.prefill(token_ids[:1])
+        singles = torch.cat([self.forward([token]) for token in token_ids[1:]])
+        self.prefill([])
+        return torch.equal(batch, singles)
+    @classmethod
+    def load(cls, path: str | Path, *, threads: int | None = None,
+             context_length: int | None = None) -> LlamaCppBackend:
+        """Load a ``.gguf`` file on the CPU.
+
+        Args:
+            path: the GGUF file.
+            threads: CPU threads for llama.cpp (default: every core this process may use).
+            context_length: KV cache size in tokens (default: the model's own context,
+                at most :data:`DEFAULT_CONTEXT_LENGTH`).
+        Raises:
+            LlamaCppNotInstalledError: if llama-cpp-python is not installed.
+            FileNotFoundError: if ``path`` does not exist.
+            ValueError: if ``path`` is not a GGUF file, or threads/context_length < 1.
+            UnsupportedModelError: see the class.
+        """
+        llama_cpp = import_llama_cpp()
+        path = Path(path).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+        if path.suffix != ".gguf":
+            raise ValueError(f"the llama_cpp backend loads .gguf files, not {str(path)!r}; "
+                             "use --backend transformers for a model folder")
+        for name, value in (("threads", threads), ("context_length", context_length)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} = {value!r} is invalid: it must be an integer ≥ 1")
+        threads = threads or default_threads()
+        if context_length is None:
+            probe = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+            context_length = min(probe._model.n_ctx_train(), DEFAULT_CONTEXT_LENGTH)
+            del probe
+        return cls(new_llama(path, threads=threads or default_threads(),
+                             context_length=context_length))
+
+    def new_llama(self, **overrides):
+        """Another ``llama_cpp.Llama`` on the same file, threads and context size, with
+        ``overrides`` (e.g. ``draft_model=`` for llama-cpp-python's own speculation)."""
+        return new_llama(self.llama.model_path, threads=self.llama.n_threads,
+                         context_length=self.llama.n_ctx(), **overrides)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self._num_cached
+
+    def prefill(self, token_ids: Sequence[int]) -> None:
+        self._llama_cpp.llama_memory_clear(self._memory, True)
+        self._num_cached = 0
+        if len(token_ids) > 0:
+            self._decode(token_ids, num_logits=0)
+
+    def forward(self, token_ids: Sequence[int], num_logits: int | None = None) -> torch.Tensor:
+        if len(token_ids) == 0:
+            raise ValueError("forward needs at least one token")
+        num_logits = num_logits or len(token_ids)
+        return self._decode(token_ids, num_logits)
+
+    def rollback(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= self._num_cached:
+            raise ValueError(f"rollback({num_tokens}) is invalid: the cache holds "
+                             f"{self._num_cached} tokens")
+        if num_tokens:
+            keep = self._num_cached - num_tokens
+            if not self._llama_cpp.llama_memory_seq_rm(self._memory, 0, keep, -1):
+                raise UnsupportedModelError("llama.cpp could not remove positions from this "
+                                            "model's cache")
+            self._num_cached = keep
+
+    def _decode(self, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:
+        """Append ``token_ids`` in batches of at most ``n_batch``; logits of the last
+        ``num_logits`` positions, ``[num_logits, vocab_size]`` (empty when 0)."""
+        if self._num_cached + len(token_ids) > self.llama.n_ctx():
+            raise ValueError(f"{self._num_cached + len(token_ids)} tokens exceed the llama.cpp "
+                             f"context of {self.llama.n_ctx()} tokens")
+        first_logit = len(token_ids) - num_logits
+        rows = []
+        for start in range(0, len(token_ids), self._batch_capacity):
+            chunk = token_ids[start:start + self._batch_capacity]
+            batch = self._batch
+            batch.n_tokens = len(chunk)
+            for i, token in enumerate(chunk):
+                batch.token[i] = token
+                batch.pos[i] = self._num_cached + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = start + i >= first_logit
+            status = self._llama_cpp.llama_decode(self._ctx, batch)
+            if status != 0:
+                raise RuntimeError(f"llama_decode failed with status {status}")
+            self._num_cached += len(chunk)
+            num_rows = len(chunk) - max(0, first_logit - start)
+            if num_rows > 0:
+                pointer = self._llama_cpp.llama_get_logits(self._ctx)
+                rows.append(np.ctypeslib.as_array(pointer, shape=(num_rows, self.vocab_size)).copy())
+        if not rows:
+            return torch.empty(0, self.vocab_size)
+        return torch.from_numpy(rows[0] if len(rows) == 1 else np.concatenate(rows))
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self._llama_cpp.llama_batch_free(self._batch)
+
+
+def new_llama(path: str | Path, *, threads: int, context_length: int, **overrides):
+    """A ``llama_cpp.Llama`` on the CPU as exactspec runs it: ``threads`` for decoding and
+    prompt processing, batches of 512, sliding-window caches kept in full."""
+    llama_cpp = import_llama_cpp()
+    return llama_cpp.Llama(str(path), n_ctx=context_length, n_batch=512, n_ubatch=512,
+                           n_threads=threads, n_threads_batch=threads, swa_full=True,
+                           verbose=False, **overrides)

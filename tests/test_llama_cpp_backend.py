@@ -1,0 +1,144 @@
+"""What is particular to the llama.cpp backend: choosing it, the error without
+llama-cpp-python, the GGUF's own tokenizer and chat template, and llama-cpp-python's own
+generate as bench peers. (The shared backend and engine tests run on it through
+``make_backend``.)"""
+
+import importlib.util
+import sys
+
+import pytest
+
+from exactspec import SamplingParams, SpeculativeGenerator, PromptLookupProposer
+from exactspec.backends.llama_cpp_backend import (LlamaCppBackend, LlamaCppNotInstalledError,
+                                                  import_llama_cpp)
+from exactspec.models import DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotFoundError, choose_backend
+
+from conftest import ALPHABET, tiny_model
+
+needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                     reason="llama-cpp-python is not installed "
+                                            "(pip install 'exactspec[llama-cpp]')")
+
+
+def embedded_model_path():
+    try:
+        return EMBEDDED_MODELS[DEFAULT_MODEL].path()
+    except ModelNotFoundError as error:
+        pytest.skip(str(error))
+
+
+def test_missing_llama_cpp_names_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` fail
+    with pytest.raises(LlamaCppNotInstalledError,
+                       match=r"CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --no-cache-dir"):
+        import_llama_cpp()
+    with pytest.raises(LlamaCppNotInstalledError, match="llama-cpp-python"):
+        LlamaCppBackend.load("model.gguf")
+
+
+def test_choose_backend(monkeypatch, tmp_path):
+    import exactspec.backends.llama_cpp_backend as module
+
+    gguf, folder = tmp_path / "m.gguf", tmp_path
+    monkeypatch.setattr(module, "llama_cpp_available", lambda: True)
+    assert choose_backend(gguf, device="cpu") == "llama_cpp"
+    assert choose_backend(folder, device="cpu") == "transformers"
+    assert choose_backend(gguf, device="cpu", dtype="float32") == "transformers"
+    assert choose_backend(gguf, "transformers", device="cpu") == "transformers"
+    monkeypatch.setattr(module, "llama_cpp_available", lambda: False)
+    assert choose_backend(gguf, device="cpu") == "transformers"
+    with pytest.raises(ValueError, match="backend 'vllm' is invalid: choose one of auto, "
+                                         "transformers, llama_cpp"):
+        choose_backend(gguf, "vllm")
+    with pytest.raises(ValueError, match="dtype 'bfloat16' applies to the transformers backend"):
+        choose_backend(gguf, "llama_cpp", dtype="bfloat16")
+    with pytest.raises(ValueError, match="device 'cuda' is not supported by the llama_cpp"):
+        choose_backend(gguf, "llama_cpp", device="cuda")
+
+
+@needs_llama_cpp
+def test_speculation_is_refused_on_a_backend_that_is_not_batch_invariant(tmp_path):
+    from exactspec.backends.base import UnsupportedModelError
+    from tiny_gguf import write_tiny_gguf
+
+    class BatchVariant(LlamaCppBackend):
+        """Scores batches with a rounding-sized difference, as llamafile's kernels do."""
+
+        def forward(self, token_ids, num_logits=None):
+            logits = super().forward(token_ids, num_logits)
+            return logits + 1e-6 if len(token_ids) > 1 else logits
+
+    path = write_tiny_gguf(tiny_model(0), tmp_path / "tiny.gguf")
+    honest = LlamaCppBackend.load(path, threads=1)
+    assert honest.batch_invariant  # this build: GGML_LLAMAFILE=OFF
+    variant = BatchVariant(honest.new_llama())
+    assert not variant.batch_invariant and variant.num_cached_tokens == 0
+    with pytest.raises(UnsupportedModelError, match="not batch-invariant.*GGML_LLAMAFILE=OFF"):
+        SpeculativeGenerator(variant, PromptLookupProposer(), 4)
+    plain = SpeculativeGenerator(variant, None).generate("abc", SamplingParams(max_new_tokens=3))
+    assert len(plain.token_ids) == 3
+
+
+@needs_llama_cpp
+def test_load_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LlamaCppBackend.load(tmp_path / "missing.gguf")
+    with pytest.raises(ValueError, match="loads .gguf files"):
+        LlamaCppBackend.load(tmp_path)
+    (tmp_path / "m.gguf").write_bytes(b"")
+    with pytest.raises(ValueError, match="threads = 0 is invalid"):
+        LlamaCppBackend.load(tmp_path / "m.gguf", threads=0)
+
+
+@needs_llama_cpp
+def test_gguf_tokenizer_and_eos_from_the_file(tmp_path):
+    from tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tiny_model(0), tmp_path / "tiny.gguf", eos=5)
+    backend = LlamaCppBackend.load(path, threads=1)
+    text = "abc abc, abd!\nok"
+    ids = backend.tokenizer.encode(text)
+    assert ids == [ALPHABET.index(c) for c in text]  # one token per character, no BOS
+    assert backend.tokenizer.decode(ids) == text
+    assert backend.eos_token_ids == (5,) and backend.vocab_size == 64
+    assert backend.max_context_length == 512
+    assert backend.tokenizer.get_vocab()["a"] == 0
+    with pytest.raises(ValueError, match="no chat template"):
+        backend.tokenizer.apply_chat_template("hi")
+    assert backend.description == "llama.cpp cpu, 1 threads"
+
+
+@needs_llama_cpp
+@pytest.mark.real_model
+def test_embedded_model_chat_template_and_eos_match_transformers():
+    from exactspec.backends.transformers_backend import TransformersBackend
+
+    path = embedded_model_path()
+    ours = LlamaCppBackend.load(path)
+    reference = TransformersBackend.load(path, device="cpu")
+    prompt = "What is the capital of Japan?"
+    assert ours.tokenizer.apply_chat_template(prompt) == \
+        reference.tokenizer.apply_chat_template(prompt)
+    assert ours.tokenizer.encode("Hello world, 123") == reference.tokenizer.encode("Hello world, 123")
+    assert set(reference.eos_token_ids) <= set(ours.eos_token_ids)
+
+
+@needs_llama_cpp
+@pytest.mark.real_model
+def test_llama_cpp_python_peers_run_and_plain_matches_ours():
+    from exactspec.bench.methods import parse_method
+
+    target = LlamaCppBackend.load(embedded_model_path())
+    prompt_ids = target.tokenizer.apply_chat_template(
+        "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox")
+    params = SamplingParams(max_new_tokens=32)
+    ours = SpeculativeGenerator(target, None).generate(prompt_ids, params).token_ids
+    for spec in ("llama-plain", "llama-prompt-lookup:k=4"):
+        method = parse_method(spec, target, load_model=None)
+        assert method.is_peer and method.k == (0 if spec == "llama-plain" else 4)
+        outcome = method.run(prompt_ids, params)
+        assert outcome.token_ids == ours, spec
+    speculative = SpeculativeGenerator(target, PromptLookupProposer(), 6).generate(prompt_ids, params)
+    assert speculative.token_ids == ours
+    with pytest.raises(ValueError, match="needs the transformers backend"):
+        parse_method("hf-plain", target, load_model=None)
