@@ -153,3 +153,19 @@ def test_distribution_test_passes_under_auto_with_varying_k():
     test = audit_distribution(target, engine, prompts, params, 500, 0.01)
     assert sum(1 for n in histogram if n) >= 2, histogram
     assert not test.rejected, [p.fit for p in test.prompts]
+
+
+def test_unmeasured_costs_come_from_a_line_through_the_measured_ones():
+    """llama.cpp-like costs: each extra token scored costs ~0.47 of a plain step. Measured
+    at n = 1 and 9 only, n = 2..8 are interpolated (the prior's 0.1 per token would make
+    drafting look cheap), and at α = 0.4 auto keeps to plain steps."""
+    policy = AutoPolicy(8)
+    policy.forward_seconds[1], policy.forward_seconds[9] = 0.016, 0.076
+    assert policy.forward_cost(2) == pytest.approx(0.0235)
+    assert policy.forward_cost(5) == pytest.approx(0.046)
+    policy.tested, policy.accepted = [100.0] * 8, [40.0] * 8
+    assert policy.choose() == 0
+    policy.accepted = [90.0] * 8  # high acceptance pays even at these costs
+    assert policy.choose() > 0
+    policy.forward_seconds[3] = 0.010  # a measured dip never gives a negative slope
+    assert policy.forward_cost(2) > 0 and policy.forward_cost(4) >= policy.forward_cost(3)

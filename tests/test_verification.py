@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from exactspec.sampling import SamplingParams, logits_to_probs, make_generator
-from exactspec.verification import PADDING_TOKEN_ID, greedy_verify, rejection_sample
+from exactspec.verification import (PADDING_TOKEN_ID, greedy_accept_length, greedy_verify,
+                                    rejection_sample)
 
 from gof import ALPHA, gof_pvalue
 
@@ -226,3 +227,16 @@ def test_q_from_the_unfiltered_draft_is_caught():
     wrong_q = logits_to_probs(draft_logits, SamplingParams(temperature=0.7)).expand(N, -1, -1)
     first, _ = committed_distributions(rejection_sample, draft_ids, wrong_q, target_probs)
     assert gof_pvalue(first, target_probs[0, 0]) < ALPHA
+
+
+def test_greedy_accept_length_agrees_with_greedy_verify():
+    generator = torch.Generator().manual_seed(0)
+    for k in range(6):
+        for _ in range(50):
+            target = torch.randint(0, 3, (1, k + 1), generator=generator)
+            draft = torch.randint(0, 3, (1, k), generator=generator)
+            expected = greedy_verify(draft, target)
+            n = greedy_accept_length(draft[0].tolist(), target[0].tolist())
+            assert n == int(expected.num_accepted[0])
+            assert target[0, : n + 1].tolist() == \
+                [t for t in expected.output_token_ids[0].tolist() if t >= 0]

@@ -29,7 +29,7 @@ from exactspec.sampling import SamplingParams, check_finite, make_generator
 from exactspec.speculation_length import (DEFAULT_POLICY, ConfidencePolicy,
                                           SpeculationLengthPolicy, make_policy)
 from exactspec.stopping import StopChecker
-from exactspec.verification import greedy_verify, rejection_sample
+from exactspec.verification import greedy_accept_length, rejection_sample
 
 FinishReason = Literal["stop", "length"]
 
@@ -264,15 +264,17 @@ class SpeculativeGenerator:
         the committed tokens' logprobs (if asked)."""
         check_finite(logits)
         processed = pipeline.process(logits, tokens, proposal.token_ids)  # [k+1, vocab]
-        draft_token_ids = torch.tensor([proposal.token_ids], dtype=torch.long,
-                                       device=logits.device)  # [1, k]
         if pipeline.params.greedy:
-            result = greedy_verify(draft_token_ids, pipeline.greedy_tokens(processed).unsqueeze(0))
+            target_token_ids = pipeline.greedy_tokens(processed).tolist()  # one host sync
+            committed = target_token_ids[: greedy_accept_length(proposal.token_ids,
+                                                                target_token_ids) + 1]
         else:
+            draft_token_ids = torch.tensor([proposal.token_ids], dtype=torch.long,
+                                           device=logits.device)  # [1, k]
             target_probs = pipeline.probs(processed).unsqueeze(0)  # [1, k+1, vocab]
             draft_probs = None if proposal.probs is None else proposal.probs.unsqueeze(0)
             result = self.rejection_sampler(draft_token_ids, draft_probs, target_probs, generator)
-        committed = [t for t in result.output_token_ids[0].tolist() if t >= 0]  # one host sync
+            committed = [t for t in result.output_token_ids[0].tolist() if t >= 0]  # one sync
         committed_logprobs = None
         if pipeline.params.logprobs is not None:
             committed_logprobs = self._token_logprobs(pipeline, processed[: len(committed)],

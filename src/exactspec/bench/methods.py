@@ -155,7 +155,10 @@ def _llama_method(spec: str, kind: str, k: int, target: Backend) -> Method:
     else:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        llama = target.new_llama(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))
+        # logits_all=True as well: with a draft model alone, llama-cpp-python 0.3.36 sizes its
+        # logits buffer for n_batch (512) positions and fails on longer contexts.
+        llama = target.new_llama(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k),
+                                 logits_all=True)
     eos = set(target.eos_token_ids)
     return Method(spec, kind, k if kind != "llama-plain" else 0,
                   lambda prompt_ids, params: _llama_generate(llama, eos, prompt_ids, params))

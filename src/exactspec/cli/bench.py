@@ -10,7 +10,7 @@ from exactspec.cli.common import add_model_options, load_from_args
 DEFAULT_BENCH_METHODS = {
     "transformers": ("plain", "prompt-lookup:k=4", "prompt-lookup:k=6:policy=auto", "hf-plain",
                      "hf-prompt-lookup:k=4"),
-    "llama_cpp": ("plain", "prompt-lookup:k=4", "prompt-lookup:k=8:policy=auto", "llama-plain",
+    "llama_cpp": ("plain", "prompt-lookup:k=2", "prompt-lookup:k=8:policy=auto", "llama-plain",
                   "llama-prompt-lookup:k=10"),
 }
 """Methods compared when no --method is given, by the target's backend."""
