@@ -6,7 +6,7 @@ import torch
 
 from exactspec.backends import TransformersBackend, UnsupportedModelError
 
-from conftest import CharTokenizer, tiny_backend
+from conftest import CharTokenizer
 
 
 def test_forward_after_rollback_equals_a_fresh_forward(make_backend):

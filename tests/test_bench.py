@@ -1,6 +1,7 @@
 """The benchmark on a tiny model: records, summary figures, identity failures flagged,
 report and plots written."""
 
+import importlib.util
 import json
 
 import pytest
@@ -89,7 +90,10 @@ def test_bench_end_to_end_flags_mismatches_and_writes_report(questions_file, tmp
         lookup["speedup_min"] == lookup["speedup_max"]
     assert lookup["speedup_bound"] > 0 and lookup["speedup_leviathan"] > 0 and overall["draft:same:k=2"]["acceptance_rate"] == 1.0
     assert overall["hf-plain"]["tokens_per_second"] > 0
+    assert 0 < overall["plain"]["overhead_share"] < 1 and overall["plain"]["cycles"] == 8 * 12
+    assert "overhead_share" not in overall["hf-plain"]  # a peer's time cannot be split
     report = (tmp_path / "out" / "report.md").read_text()
+    assert "## Host-side overhead" in report
     assert "Greedy identity failures: 8" in report and "broken" in report
     assert "| summarization |" in report and "| overall |" in report
     stored = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -97,3 +101,23 @@ def test_bench_end_to_end_flags_mismatches_and_writes_report(questions_file, tmp
     for name in ("speedup_by_group.png", "committed_per_cycle.png", "acceptance_by_position.png"):
         path = tmp_path / "out" / name
         assert path.stat().st_size > 5000, name  # a real picture, not an empty canvas
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama-cpp-python is not installed")
+def test_bench_on_llama_cpp_with_its_peers(questions_file, tmp_path):
+    from conftest import BackendFactory
+
+    target = BackendFactory("llama_cpp", tmp_path)(21)
+    methods = [parse_method(spec, target, None) for spec in
+               ("plain", "prompt-lookup:k=3:ngram=1-2", "prompt-lookup:k=4:policy=auto",
+                "llama-plain", "llama-prompt-lookup:k=4")]
+    results = run_bench(target, load_questions(questions_file), methods,
+                        params=SamplingParams(max_new_tokens=12), repetitions=1, chat=False,
+                        config={"test": True}, show_progress=False)
+    assert all(r.matches_plain for r in results.records)  # ours exact; llama-cpp-python agrees
+    summary = write_report(results, tmp_path / "out")
+    assert summary["overall"]["llama-prompt-lookup:k=4"]["tokens_per_second"] > 0
+    assert summary["overall"]["prompt-lookup:k=4:policy=auto"]["policy"] == "auto"
+    with pytest.raises(ValueError, match="needs the llama_cpp backend"):
+        parse_method("llama-plain", tiny_backend(0), None)

@@ -91,12 +91,24 @@ def test_stop_string_via_cli(model_folder, capsys):
     (["--min-new-tokens", "300"], "--min-new-tokens = 300 is invalid"),
     (["-n", "0"], "-n 0 is invalid"),
     (["--logprobs", "50"], "--logprobs = 50 is invalid"),
+    (["--backend", "vllm"], "invalid choice: 'vllm'"),
+    (["--threads", "0"], "'0' is invalid: give an integer ≥ 1"),
 ])
 def test_bad_arguments_exit_2_naming_the_value(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["generate", "hi", *args])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_backend_options_that_do_not_fit_are_clear_errors(model_folder, capsys):
+    code, _, err = run(capsys, "hi", "--model", model_folder, "--threads", "2")
+    assert code == 1 and "threads applies to the llama_cpp backend only" in err
+    code, _, err = run(capsys, "hi", "--model", model_folder, "--backend", "llama_cpp")
+    assert code == 1 and ("loads .gguf files" in err or "llama-cpp-python" in err)
+    code, _, err = run(capsys, "hi", "--model", model_folder, "--backend", "llama_cpp",
+                       "--dtype", "float16")
+    assert code == 1 and "dtype 'float16' applies to the transformers backend only" in err
 
 
 def test_unknown_model_is_a_clear_error(capsys, tmp_path):
@@ -115,7 +127,8 @@ def test_help_explains(capsys):
         cli.main(["generate", "--help"])
     out = capsys.readouterr().out
     for option in ("--draft-model", "--prompt-lookup", "--num-speculative-tokens",
-                   "--no-speculation", "--min-p", "--stop", "--chat", "--device", "--json"):
+                   "--no-speculation", "--min-p", "--stop", "--chat", "--device", "--json",
+                   "--backend", "--threads"):
         assert option in out
 
 

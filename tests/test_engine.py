@@ -2,7 +2,6 @@
 condition, context limits, seeded determinism, metrics invariants, and an engine-level
 distribution test with a broken control."""
 
-import itertools
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ from exactspec import (DraftModelProposer, PromptLookupProposer, SamplingParams,
                        SpeculativeGenerator)
 from exactspec.proposers.base import Proposal
 
-from conftest import CharTokenizer, RandomProposer, ScriptedProposer, tiny_backend, tiny_model
+from conftest import RandomProposer, ScriptedProposer, tiny_backend
 from gof import ALPHA, gof_pvalue
 
 REPEATED = "abc abc abd abc abcd, abc abc abd abc"

@@ -105,7 +105,7 @@ def test_gguf_tokenizer_and_eos_from_the_file(tmp_path):
     assert backend.tokenizer.get_vocab()["a"] == 0
     with pytest.raises(ValueError, match="no chat template"):
         backend.tokenizer.apply_chat_template("hi")
-    assert backend.description == "llama.cpp cpu, 1 threads"
+    assert backend.description == "llama.cpp cpu, 1 thread"
 
 
 @needs_llama_cpp
@@ -142,3 +142,32 @@ def test_llama_cpp_python_peers_run_and_plain_matches_ours():
     assert speculative.token_ids == ours
     with pytest.raises(ValueError, match="needs the transformers backend"):
         parse_method("hf-plain", target, load_model=None)
+
+
+@needs_llama_cpp
+def test_llama_cpp_python_sampling_with_its_prompt_lookup_agrees_with_the_reference(tmp_path):
+    """llama-cpp-python's own speculative sampling passes the audit against the exact
+    reference on a tiny model; the same at another temperature fails; warpers that it
+    applies before the temperature are refused."""
+    import dataclasses
+
+    from exactspec.audit import LlamaCppGenerateEngine, audit_distribution, check_greedy
+    from conftest import BackendFactory
+    from test_audit import lookup_friendly_prompt
+
+    target = BackendFactory("llama_cpp", tmp_path)(0)
+    prompt = lookup_friendly_prompt(target, 1, [2, 3, 4])
+    engine = LlamaCppGenerateEngine(target, "llama-cpp-python", 4)
+    params = SamplingParams(temperature=0.8, seed=3, max_new_tokens=2)
+    assert not audit_distribution(target, engine, [prompt], params, 800, 0.01).rejected
+    assert all(c.identical for c in check_greedy(target, engine, [prompt], 12))
+
+    class WrongTemperature:
+        name, drafted, accepted = "wrong", None, None
+
+        def sample(self, prompt_ids, asked, n):
+            return engine.sample(prompt_ids, dataclasses.replace(asked, temperature=1.1), n)
+
+    assert audit_distribution(target, WrongTemperature(), [prompt], params, 800, 0.01).rejected
+    with pytest.raises(ValueError, match="applies top-k, top-p and min-p before the temperature"):
+        engine.sample(prompt, dataclasses.replace(params, top_p=0.9), 1)

@@ -169,3 +169,44 @@ def test_unmeasured_costs_come_from_a_line_through_the_measured_ones():
     assert policy.choose() > 0
     policy.forward_seconds[3] = 0.010  # a measured dip never gives a negative slope
     assert policy.forward_cost(2) > 0 and policy.forward_cost(4) >= policy.forward_cost(3)
+
+
+def test_peeks_at_a_free_drafter_resume_drafting_when_acceptance_rises():
+    """llama.cpp-like costs: the prior α = 0.5 does not pay, so auto stays at k = 0; plain
+    steps that commit the token the free drafter would have drafted are evidence for α_1,
+    and drafting resumes."""
+    policy = AutoPolicy(4)
+    policy.forward_seconds[1:6] = [0.016, 0.028, 0.036, 0.044, 0.053]
+    assert policy.choose() == 0
+    for _ in range(16):
+        policy.observe(0, 0, None, None)
+        policy.observe_peek(True)
+    assert policy.choose() > 0
+    for _ in range(200):
+        policy.observe(0, 0, None, None)
+        policy.observe_peek(False)
+    assert policy.choose() == 0
+
+
+def test_a_free_drafter_is_peeked_at_every_eighth_plain_step_and_never_verified():
+    from exactspec.speculation_length import PEEK_INTERVAL
+
+    target = tiny_backend(0)
+    params = SamplingParams(max_new_tokens=20)
+    plain = SpeculativeGenerator(target, None).generate([1, 2, 3], params).token_ids
+
+    class FreeOracle(ScriptedProposer):
+        drafts_for_free = True
+        calls = 0
+
+        def propose(self, *args):
+            FreeOracle.calls += 1
+            return super().propose(*args)
+
+    policy = AutoPolicy(4)
+    policy.choose = lambda: 0
+    result = SpeculativeGenerator(target, FreeOracle([1, 2, 3] + plain), 4, policy).generate(
+        [1, 2, 3], params)
+    assert result.token_ids == plain and result.stats.drafted_tokens == 0
+    assert FreeOracle.calls == -(-20 // PEEK_INTERVAL)  # plain steps 0, 8, 16
+    assert policy.tested[0] > 0 and policy.accepted[0] == policy.tested[0]  # oracle: all hits

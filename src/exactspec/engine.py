@@ -26,7 +26,7 @@ from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.metrics import GenerationStats
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
 from exactspec.sampling import SamplingParams, check_finite, make_generator
-from exactspec.speculation_length import (DEFAULT_POLICY, ConfidencePolicy,
+from exactspec.speculation_length import (DEFAULT_POLICY, PEEK_INTERVAL, ConfidencePolicy,
                                           SpeculationLengthPolicy, make_policy)
 from exactspec.stopping import StopChecker
 from exactspec.verification import greedy_accept_length, rejection_sample
@@ -126,7 +126,7 @@ class SpeculativeGenerator:
             raise UnsupportedModelError(
                 "this backend scores a batch of tokens differently from one token at a time "
                 "(its kernels are not batch-invariant), so verifying drafts would not "
-                f"reproduce plain decoding; speculation is refused. "
+                "reproduce plain decoding; speculation is refused. "
                 + getattr(target, "batch_variance_fix", ""))
         self.target = target
         self.proposer = proposer
@@ -138,6 +138,9 @@ class SpeculativeGenerator:
                 raise ValueError("the confidence policy needs a draft-model proposer (prompt "
                                  "lookup has no probabilities): use auto or heuristic")
             proposer.min_confidence = self.policy.min_confidence
+        # See AutoPolicy.observe_peek: only for drafters that cost no model call.
+        self._peeks = (getattr(proposer, "drafts_for_free", False)
+                       and hasattr(self.policy, "observe_peek"))
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                  chat: bool = False) -> GenerationResult:
@@ -217,8 +220,11 @@ class SpeculativeGenerator:
             k = min(self.policy.choose(), room - 1) if self.num_speculative_tokens else 0
 
             t0 = time.perf_counter()
-            proposal = (self.proposer.propose(tokens, k, pipeline, generator) if k
-                        else EMPTY_PROPOSAL)
+            proposal = peek = EMPTY_PROPOSAL
+            if k:
+                proposal = self.proposer.propose(tokens, k, pipeline, generator)
+            elif self._peeks and stats.chosen_k_histogram[0] % PEEK_INTERVAL == 0:
+                peek = self.proposer.propose(tokens, 1, pipeline, generator)  # never verified
             t1 = time.perf_counter()
             logits = self.target.forward([tokens[-1], *proposal.token_ids])  # [k+1, vocab]
             forward_end = time.perf_counter()
@@ -240,6 +246,8 @@ class SpeculativeGenerator:
                 self.proposer.observe(num_accepted)
                 self.policy.observe(len(proposal), num_accepted, (t1 - t0) if timed else None,
                                     (t2 - t1) if timed else None)
+                if peek.token_ids:
+                    self.policy.observe_peek(committed[0] == peek.token_ids[0])
 
             stats.draft_seconds += t1 - t0
             stats.verify_seconds += t2 - t1

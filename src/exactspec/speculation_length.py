@@ -1,6 +1,7 @@
 """Speculation-length policies: how many tokens to draft in the next cycle.
 
-A policy only chooses k (0 = a plain decoding step: no draft call, one-token forward); the
+A policy only chooses k (0 = a plain decoding step: one-token forward, no draft call, except
+auto's occasional peek at a free drafter, below); the
 verification rule is untouched, so every policy keeps the target's distribution exactly.
 
     constant    always k_max.
@@ -26,7 +27,12 @@ verification rule is untouched, so every policy keeps the target's distribution 
                 measured (the line matters on llama.cpp, where each extra token scored
                 costs about half a plain step, unlike PyTorch); acceptance evidence decays
                 every cycle, so after a run of k = 0 the prior (α = 0.5) returns and drafting
-                is retried.
+                is retried where that prior pays. Where it does not (llama.cpp), a drafter
+                that costs no model call (prompt lookup) is asked, every
+                :data:`PEEK_INTERVAL`-th plain step, for the one token it would draft; the
+                token is never verified, but whether the plain step committed it is evidence
+                for α_1 (for a point-mass draft, P(committed = d) = p(d) is exactly its
+                acceptance probability), so drafting resumes when acceptance rises.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ POLICIES = ("auto", "constant", "heuristic", "confidence")
 DEFAULT_POLICY = "auto"
 DEFAULT_MIN_CONFIDENCE = 0.4
 """transformers' default ``assistant_confidence_threshold``."""
+PEEK_INTERVAL = 8
+"""auto peeks at a free drafter's first token every this many plain steps (see above)."""
 PRIOR_COST_PER_TOKEN = 0.1
 """Before any timing is measured, auto assumes a forward over n tokens costs
 1 + 0.1 (n − 1) single-token forwards (so drafting pays when α > 0.1)."""
@@ -189,6 +197,12 @@ class AutoPolicy:
         for i in range(min(num_accepted + 1, num_drafted)):  # positions that were verified
             self.tested[i] += 1
             self.accepted[i] += i < num_accepted
+
+    def observe_peek(self, committed_the_draft: bool) -> None:
+        """Evidence for α_1 from a plain step: whether it committed the token a free
+        drafter would have drafted first (see the module docstring)."""
+        self.tested[0] += 1
+        self.accepted[0] += committed_the_draft
 
     def _observe_costs(self, num_drafted: int, draft_seconds: float,
                        verify_seconds: float) -> None:

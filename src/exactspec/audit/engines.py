@@ -2,7 +2,8 @@
 
 The audit compares an engine's samples with the target's exact probabilities, so any engine
 that decodes the same target model can be audited: exactspec itself (with any proposer, or
-a broken control), and transformers ``generate()`` with its own speculative modes.
+a broken control), transformers ``generate()`` with its own speculative modes, and
+llama-cpp-python's ``generate()`` with its prompt-lookup draft.
 """
 
 from __future__ import annotations
@@ -96,4 +97,65 @@ class TransformersGenerateEngine:
                                         eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0,
                                         **sampling, **self.generate_kwargs)
                 samples.append(tuple(output[0, input_ids.shape[1]:].tolist()))
+        return samples
+
+
+class LlamaCppGenerateEngine:
+    """llama-cpp-python's own ``Llama.generate()`` on the target's GGUF file, sampling, with
+    its ``LlamaPromptLookupDecoding`` draft (``num_pred_tokens`` = k) or none.
+
+    llama-cpp-python verifies a draft by sampling the target at every drafted position and
+    keeping the drafts that equal the samples, which is exact for a deterministic draft.
+    Its sampler applies top-k, top-p and min-p *before* the temperature (exactspec,
+    transformers and vLLM apply them after), so only temperature sampling is comparable
+    with the reference; other warpers are refused.
+
+    Args:
+        target: the target's llama.cpp backend.
+        name: how reports call it.
+        k: drafted tokens per cycle (0: no draft).
+    Raises:
+        ValueError: if ``target`` is not a llama.cpp backend.
+    """
+
+    def __init__(self, target: Backend, name: str, k: int) -> None:
+        from exactspec.backends.llama_cpp_backend import LlamaCppBackend
+
+        if not isinstance(target, LlamaCppBackend):
+            raise ValueError(f"engine {name!r} needs the llama_cpp backend (--backend llama_cpp)")
+        if k:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            # logits_all: see exactspec.bench.methods (llama-cpp-python 0.3.36's buffer size).
+            self.llama = target.new_llama(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k),
+                                          logits_all=True)
+        else:
+            self.llama = target.new_llama()
+        self.eos = set(target.eos_token_ids)
+        self.name = name
+        self.drafted = self.accepted = None
+
+    def sample(self, prompt_ids: Sequence[int], params: SamplingParams,
+               num_samples: int) -> list[tuple[int, ...]]:
+        defaults = SamplingParams()
+        changed = [f for f, value in vars(params).items()
+                   if f not in ("temperature", "seed", "max_new_tokens")
+                   and value != getattr(defaults, f)]
+        if changed:
+            raise ValueError(
+                f"the llama-cpp-python adapter samples with a temperature only (it got "
+                f"{', '.join(changed)}): llama-cpp-python applies top-k, top-p and min-p "
+                "before the temperature, a different distribution by definition; audit it "
+                "with --top-p 1 --top-k 0 --min-p 0")
+        samples = []
+        for i in range(num_samples):
+            self.llama.set_seed((params.seed or 0) * 1_000_003 + i)
+            self.llama.reset()
+            tokens: list[int] = []
+            for token in self.llama.generate(list(prompt_ids), temp=params.temperature or 0.0, top_k=0,
+                                             top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+                tokens.append(token)
+                if token in self.eos or len(tokens) >= params.max_new_tokens:
+                    break
+            samples.append(tuple(tokens))
         return samples

@@ -29,7 +29,6 @@ earlier without the flag).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -147,7 +146,8 @@ class LlamaCppBackend:
                              if llama_cpp.llama_vocab_is_eog(vocab, i)]
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.device = torch.device("cpu")
-        self.description = f"llama.cpp cpu, {llama.n_threads} threads"
+        threads = llama.n_threads
+        self.description = f"llama.cpp cpu, {threads} thread{'s' if threads != 1 else ''}"
         self._ctx = llama.ctx
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch_capacity = int(llama.n_batch)
@@ -157,8 +157,8 @@ class LlamaCppBackend:
 
     def _scores_batches_like_single_tokens(self, num_tokens: int = 8) -> bool:
         """Whether ``num_tokens`` tokens scored in one batch get bit-identical logits to the
-        same tokens scored one at a time (8 tokens reach the batched GEMM kernels that
-        replace GEMV from 4 rows on). Leaves the cache empty."""
+        same tokens scored one at a time (8 tokens, enough to reach the batched kernels some
+        builds switch to from 4 rows on). Leaves the cache empty."""
         token_ids = [(7 * i + 1) % self.vocab_size for i in range(num_tokens + 1)]
         self.prefill(token_ids[:1])
         batch = self.forward(token_ids[1:])
@@ -166,6 +166,7 @@ class LlamaCppBackend:
         singles = torch.cat([self.forward([token]) for token in token_ids[1:]])
         self.prefill([])
         return torch.equal(batch, singles)
+
     @classmethod
     def load(cls, path: str | Path, *, threads: int | None = None,
              context_length: int | None = None) -> LlamaCppBackend:
@@ -182,7 +183,7 @@ class LlamaCppBackend:
             ValueError: if ``path`` is not a GGUF file, or threads/context_length < 1.
             UnsupportedModelError: see the class.
         """
-        llama_cpp = import_llama_cpp()
+        import_llama_cpp()  # fail first, with the install command
         path = Path(path).expanduser()
         if not path.exists():
             raise FileNotFoundError(f"model path {str(path)!r} does not exist")
@@ -193,11 +194,9 @@ class LlamaCppBackend:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ValueError(f"{name} = {value!r} is invalid: it must be an integer ≥ 1")
-        threads = threads or default_threads()
         if context_length is None:
-            probe = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
-            context_length = min(probe._model.n_ctx_train(), DEFAULT_CONTEXT_LENGTH)
-            del probe
+            context_length = min(_trained_context_length(path) or DEFAULT_CONTEXT_LENGTH,
+                                 DEFAULT_CONTEXT_LENGTH)
         return cls(new_llama(path, threads=threads or default_threads(),
                              context_length=context_length))
 
@@ -267,6 +266,18 @@ class LlamaCppBackend:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self._llama_cpp.llama_batch_free(self._batch)
+
+
+def _trained_context_length(path: Path) -> int | None:
+    """``<architecture>.context_length`` from the GGUF header (None if absent)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    field = reader.get_field("general.architecture")
+    if field is None:
+        return None
+    context = reader.get_field(f"{field.contents()}.context_length")
+    return int(context.contents()) if context is not None else None
 
 
 def new_llama(path: str | Path, *, threads: int, context_length: int, **overrides):

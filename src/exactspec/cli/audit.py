@@ -23,10 +23,13 @@ def add_parser(commands) -> None:
                     "verdict 'exact'.")
     add_model_options(audit)
     what = audit.add_argument_group("what to audit")
-    what.add_argument("--engine", choices=["exactspec", "transformers"], default="exactspec",
-                      help="exactspec (the default), or transformers generate() in the matching "
+    what.add_argument("--engine", choices=["exactspec", "transformers", "llama_cpp"],
+                      default="exactspec",
+                      help="exactspec (the default); transformers generate() in the matching "
                            "mode: prompt_lookup_num_tokens, assistant_early_exit or "
-                           "assistant_model")
+                           "assistant_model; or llama_cpp: llama-cpp-python's generate() with "
+                           "its LlamaPromptLookupDecoding draft (--backend llama_cpp, prompt "
+                           "lookup or none, temperature only: --top-p 1)")
     what.add_argument("--proposer", default="prompt-lookup", metavar="SPEC",
                       help="none, prompt-lookup[:ngram=2-3] (the default), early-exit:L, "
                            "draft:MODEL")
@@ -78,12 +81,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from exactspec import SamplingParams, SpeculativeGenerator
     from exactspec.audit import (AUDIT_PROMPTS, AuditResult, BrokenGenerator, ExactspecEngine,
-                                 TransformersGenerateEngine, audit_distribution, check_greedy,
+                                 LlamaCppGenerateEngine, TransformersGenerateEngine,
+                                 audit_distribution, check_greedy,
                                  verdict, write_audit_report)
     from exactspec.backends.base import UnsupportedModelError
     from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
     from exactspec.models import ModelNotFoundError
-    from exactspec.proposers import parse_proposer
+    from exactspec.proposers import PromptLookupProposer, parse_proposer
 
     if args.quick:
         args.samples, args.greedy_tokens = QUICK["samples"], QUICK["greedy_tokens"]
@@ -124,6 +128,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.engine == "exactspec":
             engine = ExactspecEngine(SpeculativeGenerator(target, proposer, k, args.policy),
                                      f"exactspec {args.proposer} k={k} {args.policy}")
+        elif args.engine == "llama_cpp":
+            if proposer is not None and not isinstance(proposer, PromptLookupProposer):
+                raise ValueError("--engine llama_cpp drafts with llama-cpp-python's prompt "
+                                 "lookup: use --proposer prompt-lookup or none")
+            engine = LlamaCppGenerateEngine(target, f"llama-cpp-python generate() "
+                                            f"{args.proposer} k={k}", k if proposer else 0)
         else:
             engine = TransformersGenerateEngine(target, f"transformers generate() {args.proposer} "
                                                 f"k={k}", _hf_mode(proposer, k))

@@ -8,7 +8,8 @@ import logging
 import sys
 
 from exactspec.cli.common import (DEFAULT_K, DEFAULT_NGRAM, add_model_options,
-                                  add_policy_option, has_chat_template, logit_bias, ngram_range)
+                                  add_policy_option, has_chat_template, load_from_args,
+                                  logit_bias, ngram_range)
 
 FIELD_FLAGS = {"stop_token_ids": "--stop-token-id", "banned_token_ids": "--ban-token-id",
                "bad_words": "--bad-word"}  # SamplingParams fields whose flag is singular

@@ -32,6 +32,10 @@ class PromptLookupProposer:
         ValueError: naming the bad size.
     """
 
+    drafts_for_free = True
+    """Drafting runs no model and draws no random numbers, so the auto policy may peek at a
+    draft it will not verify (:meth:`~exactspec.speculation_length.AutoPolicy.observe_peek`)."""
+
     def __init__(self, min_ngram: int = 2, max_ngram: int = 3) -> None:
         if not isinstance(min_ngram, int) or isinstance(min_ngram, bool) or min_ngram < 1:
             raise ValueError(f"min_ngram = {min_ngram!r} is invalid: it must be an integer ≥ 1")
