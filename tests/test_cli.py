@@ -103,7 +103,7 @@ def test_bad_arguments_exit_2_naming_the_value(args, message, capsys):
 
 def test_backend_options_that_do_not_fit_are_clear_errors(model_folder, capsys):
     code, _, err = run(capsys, "hi", "--model", model_folder, "--threads", "2")
-    assert code == 1 and "threads applies to the llama_cpp backend only" in err
+    assert code == 1 and "applies to the llama_cpp backend only" in err
     code, _, err = run(capsys, "hi", "--model", model_folder, "--backend", "llama_cpp")
     assert code == 1 and ("loads .gguf files" in err or "llama-cpp-python" in err)
     code, _, err = run(capsys, "hi", "--model", model_folder, "--backend", "llama_cpp",

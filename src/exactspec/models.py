@@ -150,8 +150,9 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
 
         return LlamaCppBackend.load(path, threads=threads)
     if threads is not None:
-        raise ValueError("threads applies to the llama_cpp backend only (transformers uses "
-                         "torch's threads: set OMP_NUM_THREADS)")
+        raise ValueError("threads (--threads) applies to the llama_cpp backend only, and this "
+                         "model runs on transformers (it uses torch's threads: set "
+                         "OMP_NUM_THREADS)")
     from exactspec.backends.transformers_backend import TransformersBackend
 
     return TransformersBackend.load(path, device=device, dtype=dtype or "float32")

@@ -25,7 +25,7 @@ def add_parser(commands) -> None:
                     "Spec-Bench-format questions, interleaved, on one model. Writes results.json, "
                     "report.md and PNG plots to --output.")
     bench.add_argument("--questions", metavar="PATH", default=None,
-                       help="Spec-Bench-format JSONL (e.g. ../shared/data/spec_bench/question.jsonl);"
+                       help="Spec-Bench-format JSONL (e.g. Spec-Bench's data/spec_bench/question.jsonl);"
                             " default: exactspec's own 12-prompt set")
     bench.add_argument("--category", action="append", default=None, metavar="GROUP",
                        help="task group to run (repeatable; default all): multi-turn "

@@ -42,9 +42,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                        help="auto (the default: cuda if available), cpu, cuda, cuda:N")
     model.add_argument("--backend", default="auto", choices=BACKENDS,
                        help="runtime: auto (the default: llama_cpp for a .gguf model on a "
-                            "CPU-only machine when llama-cpp-python is installed, else "
-                            "transformers), transformers (PyTorch), llama_cpp (needs "
-                            "pip install 'exactspec[llama-cpp]')")
+                            "CPU-only machine when llama-cpp-python is installed and no --dtype "
+                            "is given, else transformers), transformers (PyTorch), llama_cpp "
+                            "(needs a batch-invariant build: CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" "
+                            "pip install --no-cache-dir 'exactspec[llama-cpp]')")
     model.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                        help="transformers backend only: weights' dtype (default float32); only "
                             "float32 keeps greedy output bit-identical to plain decoding (others "
