@@ -16,7 +16,8 @@ verification rule is untouched, so every policy keeps the target's distribution 
                 forward over n = 1..k_max+1 tokens (exponential moving average of measured
                 verification time per n), the draft's time per drafted token, and per
                 position i the acceptance α_i = P(draft i accepted | drafts < i accepted),
-                from decaying counts. Each cycle picks the k in 0..k_max maximising
+                from decaying counts (a position not tested yet takes the estimate of the
+                position before it as its prior). Each cycle picks the k in 0..k_max maximising
                 expected committed tokens per second,
                     E(k) / (T(k+1) + k·t_draft),  E(k) = 1 + Σ_{j≤k} Π_{i≤j} α_i,
                 Leviathan et al. 2022 (arXiv 2211.17192) §3.1, (1−α^(k+1))/(1−α) generalised
@@ -125,7 +126,8 @@ class AutoPolicy:
     Args:
         k_max: the longest draft considered.
         decay: weight kept by old acceptance evidence per cycle (0 < decay < 1).
-        prior_acceptance, prior_weight: α_i's prior, worth ``prior_weight`` observations.
+        prior_acceptance, prior_weight: α_0's prior, worth ``prior_weight`` observations
+            (α_i's prior is the estimate of α_(i−1)).
         cost_smoothing: weight of a new timing in the forward-cost moving average.
     """
 
@@ -146,9 +148,15 @@ class AutoPolicy:
         self.accepted = [0.0] * self.k_max  # decayed count: position i was accepted
 
     def acceptance(self) -> list[float]:
-        """``[k_max]`` estimated α_i (0-based position i)."""
-        return [(a + self.prior_acceptance * self.prior_weight) / (t + self.prior_weight)
-                for a, t in zip(self.accepted, self.tested)]
+        """``[k_max]`` estimated α_i (0-based position i). Position 0's prior is
+        ``prior_acceptance``; each later position's prior is the estimate of the one before
+        it (acceptance is strongly correlated along a draft), so a position never tested
+        yet is expected to do as well as the last one tested, not reset to the prior."""
+        estimates, prior = [], self.prior_acceptance
+        for accepted, tested in zip(self.accepted, self.tested):
+            prior = (accepted + prior * self.prior_weight) / (tested + self.prior_weight)
+            estimates.append(prior)
+        return estimates
 
     def expected_rates(self) -> list[float]:
         """``[k_max + 1]`` expected committed tokens per second for k = 0..k_max drafts (per

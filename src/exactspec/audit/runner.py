@@ -192,6 +192,8 @@ def verdict(result: AuditResult) -> AuditResult:
                       "barely exercised, so mostly plain decoding was tested (use --policy "
                       "constant, prompts the proposer can match, or another proposer)")
     result.reasons = deviations or doubts or [
-        "no deviation found, the broken control was caught, and drafts were verified"]
+        "no deviation found, the broken control was caught, and drafts were verified"
+        if drafted is not None else "no deviation found and the broken control was caught "
+        "(this engine does not report how much it drafted)"]
     result.verdict = "NOT exact" if deviations else "inconclusive" if doubts else "exact"
     return result
