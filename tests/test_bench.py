@@ -93,7 +93,8 @@ def test_bench_end_to_end_flags_mismatches_and_writes_report(questions_file, tmp
     assert 0 < overall["plain"]["overhead_share"] < 1 and overall["plain"]["cycles"] == 8 * 12
     assert "overhead_share" not in overall["hf-plain"]  # a peer's time cannot be split
     report = (tmp_path / "out" / "report.md").read_text()
-    assert "## Host-side overhead" in report
+    assert "## Host-side overhead" in report and "## Decoding speedup, prefill excluded" in report
+    assert overall["plain"]["decode_speedup"] == 1.0 and "decode_speedup" not in overall["hf-plain"]
     assert "Greedy identity failures: 8" in report and "broken" in report
     assert "| summarization |" in report and "| overall |" in report
     stored = json.loads((tmp_path / "out" / "results.json").read_text())

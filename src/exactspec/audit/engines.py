@@ -123,14 +123,7 @@ class LlamaCppGenerateEngine:
 
         if not isinstance(target, LlamaCppBackend):
             raise ValueError(f"engine {name!r} needs the llama_cpp backend (--backend llama_cpp)")
-        if k:
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-            # logits_all: see exactspec.bench.methods (llama-cpp-python 0.3.36's buffer size).
-            self.llama = target.new_llama(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k),
-                                          logits_all=True)
-        else:
-            self.llama = target.new_llama()
+        self.llama = target.prompt_lookup_peer(k) if k else target.new_llama()
         self.eos = set(target.eos_token_ids)
         self.name = name
         self.drafted = self.accepted = None
@@ -147,15 +140,11 @@ class LlamaCppGenerateEngine:
                 f"{', '.join(changed)}): llama-cpp-python applies top-k, top-p and min-p "
                 "before the temperature, a different distribution by definition; audit it "
                 "with --top-p 1 --top-k 0 --min-p 0")
+        from exactspec.backends.llama_cpp_backend import peer_generate
+
         samples = []
         for i in range(num_samples):
             self.llama.set_seed((params.seed or 0) * 1_000_003 + i)
-            self.llama.reset()
-            tokens: list[int] = []
-            for token in self.llama.generate(list(prompt_ids), temp=params.temperature or 0.0, top_k=0,
-                                             top_p=1.0, min_p=0.0, repeat_penalty=1.0):
-                tokens.append(token)
-                if token in self.eos or len(tokens) >= params.max_new_tokens:
-                    break
-            samples.append(tuple(tokens))
+            samples.append(tuple(peer_generate(self.llama, prompt_ids, params.max_new_tokens,
+                                               self.eos, temp=params.temperature)))
         return samples

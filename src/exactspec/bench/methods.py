@@ -146,39 +146,19 @@ def _hf_generate(target: Backend, prompt_ids: list[int], params: SamplingParams,
 def _llama_method(spec: str, kind: str, k: int, target: Backend) -> Method:
     """A llama-cpp-python peer: its own generate on the target's model (``llama-plain``) or
     on a second instance of the same file with its prompt-lookup draft."""
-    from exactspec.backends.llama_cpp_backend import LlamaCppBackend
+    from exactspec.backends.llama_cpp_backend import LlamaCppBackend, peer_generate
 
     if not isinstance(target, LlamaCppBackend):
         raise ValueError(f"method {spec!r} needs the llama_cpp backend (--backend llama_cpp)")
-    if kind == "llama-plain":
-        llama = target.llama
-    else:
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-        # logits_all=True as well: with a draft model alone, llama-cpp-python 0.3.36 sizes its
-        # logits buffer for n_batch (512) positions and fails on longer contexts.
-        llama = target.new_llama(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k),
-                                 logits_all=True)
+    llama = target.llama if kind == "llama-plain" else target.prompt_lookup_peer(k)
     eos = set(target.eos_token_ids)
-    return Method(spec, kind, k if kind != "llama-plain" else 0,
-                  lambda prompt_ids, params: _llama_generate(llama, eos, prompt_ids, params))
 
-
-def _llama_generate(llama, eos: set[int], prompt_ids: list[int],
-                    params: SamplingParams) -> Outcome:
-    """llama-cpp-python ``Llama.generate()`` from an empty cache, stopped at EOS or
-    ``max_new_tokens``."""
-    sampling = {"temp": 0.0} if params.greedy else {
-        "temp": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-        "min_p": params.min_p}
-    if params.seed is not None:
-        llama.set_seed(params.seed)
-    llama.reset()
-    token_ids: list[int] = []
-    start = time.perf_counter()
-    for token in llama.generate(prompt_ids, **({"top_k": 0, "top_p": 1.0, "min_p": 0.0}
-                                               | sampling), repeat_penalty=1.0):
-        token_ids.append(token)
-        if token in eos or len(token_ids) >= params.max_new_tokens:
-            break
-    return Outcome(token_ids, time.perf_counter() - start, None)
+    def run(prompt_ids: list[int], params: SamplingParams) -> Outcome:
+        sampling = {} if params.greedy else {"temp": params.temperature, "top_k": params.top_k,
+                                             "top_p": params.top_p, "min_p": params.min_p}
+        if params.seed is not None:
+            llama.set_seed(params.seed)
+        start = time.perf_counter()
+        token_ids = peer_generate(llama, prompt_ids, params.max_new_tokens, eos, **sampling)
+        return Outcome(token_ids, time.perf_counter() - start, None)
+    return Method(spec, kind, k if kind != "llama-plain" else 0, run)

@@ -56,12 +56,25 @@ def summarize(results: BenchResults) -> dict:
             entry |= _acceptance([r.stats for r in mine if r.stats], results.forward_seconds)
             entry |= _overhead([r.stats for r in mine if r.stats])
             summary[group][method] = entry
+        plain_decoding = _decoding_rate([r for r in rows if r.method == plain])
+        for method, entry in summary[group].items():
+            rate = _decoding_rate([r for r in rows if r.method == method])
+            if rate and plain_decoding:
+                entry["decode_speedup"] = rate / plain_decoding
     return summary
 
 
 def _tokens_per_second(records) -> float:
     seconds = sum(r.seconds for r in records)
     return sum(r.num_tokens for r in records) / seconds if seconds else 0.0
+
+
+def _decoding_rate(records) -> float | None:
+    """Tokens per second of decoding alone (prefill excluded); None for peers (no stats)."""
+    if not records or any(r.stats is None for r in records):
+        return None
+    seconds = sum(r.stats["total_seconds"] - r.stats["prefill_seconds"] for r in records)
+    return sum(r.num_tokens for r in records) / seconds if seconds > 0 else None
 
 
 def _overhead(stats: list[dict]) -> dict:
@@ -147,6 +160,14 @@ def markdown(results: BenchResults, summary: dict) -> str:
         cells = [f"{e['speedup']:.2f}× ({e['speedup_min']:.2f}–{e['speedup_max']:.2f}); "
                  f"{e['tokens_per_second']:.1f} tok/s" for e in row.values()]
         lines.append(f"| {group} | " + " | ".join(cells) + " |")
+    ours = [m for m in methods if "decode_speedup" in summary[OVERALL][m]]
+    lines += ["", "## Decoding speedup, prefill excluded (exactspec's methods)", "",
+              "Where long prompts make prefill most of the time (llama.cpp), this separates "
+              "what speculation changes from what it cannot.", "",
+              "| group | " + " | ".join(ours) + " |", "|---|" + "---|" * len(ours)]
+    for group, row in summary.items():
+        lines.append(f"| {group} | " + " | ".join(f"{row[m]['decode_speedup']:.2f}×"
+                                                  for m in ours) + " |")
     lines += ["", "## Acceptance and where the time goes (exactspec's speculative methods)", "",
               "| group | method | k | cycles choosing k = 0, 1, … | acceptance rate | mean "
               "acceptance length | per-position acceptance | draft share | verify share | "
