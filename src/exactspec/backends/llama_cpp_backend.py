@@ -39,7 +39,7 @@ import torch
 from exactspec.backends.base import UnsupportedModelError
 
 INSTALL_HINT = ("CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --no-cache-dir "
-                "'llama-cpp-python>=0.3.36,<0.4'")
+                "'llama-cpp-python==0.3.36'")
 """How to install a llama-cpp-python build whose CPU kernels are batch-invariant."""
 DEFAULT_CONTEXT_LENGTH = 8192
 """KV cache size (tokens) when the caller gives none, capped by the model's own context."""
