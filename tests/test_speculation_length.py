@@ -115,19 +115,29 @@ def test_greedy_identity_under_every_policy(policy):
         assert sum(result.stats.chosen_k_histogram) == result.stats.cycles
 
 
-def test_k_zero_calls_no_drafter():
-    class Counting(RandomProposer):
-        calls = 0
+def counted(proposer):
+    """``proposer`` with its ``propose`` calls counted in ``proposer.calls``."""
+    proposer.calls, propose = 0, proposer.propose
 
-        def propose(self, *args):
-            Counting.calls += 1
-            return super().propose(*args)
+    def counting(*args):
+        proposer.calls += 1
+        return propose(*args)
+    proposer.propose = counting
+    return proposer
 
+
+def plain_steps_only() -> AutoPolicy:
+    """An auto policy (k_max 4) that always chooses k = 0."""
     policy = AutoPolicy(4)
     policy.choose = lambda: 0
-    result = SpeculativeGenerator(tiny_backend(0), Counting(), 4, policy).generate(
+    return policy
+
+
+def test_k_zero_calls_no_drafter():
+    drafter = counted(RandomProposer())
+    result = SpeculativeGenerator(tiny_backend(0), drafter, 4, plain_steps_only()).generate(
         [1, 2], SamplingParams(max_new_tokens=10))
-    assert Counting.calls == 0 and result.stats.chosen_k_histogram[0] == 10
+    assert drafter.calls == 0 and result.stats.chosen_k_histogram[0] == 10
 
 
 def test_distribution_test_passes_under_auto_with_varying_k():
@@ -195,18 +205,10 @@ def test_a_free_drafter_is_peeked_at_every_eighth_plain_step_and_never_verified(
     params = SamplingParams(max_new_tokens=20)
     plain = SpeculativeGenerator(target, None).generate([1, 2, 3], params).token_ids
 
-    class FreeOracle(ScriptedProposer):
-        drafts_for_free = True
-        calls = 0
-
-        def propose(self, *args):
-            FreeOracle.calls += 1
-            return super().propose(*args)
-
-    policy = AutoPolicy(4)
-    policy.choose = lambda: 0
-    result = SpeculativeGenerator(target, FreeOracle([1, 2, 3] + plain), 4, policy).generate(
-        [1, 2, 3], params)
+    oracle = counted(ScriptedProposer([1, 2, 3] + plain))
+    oracle.drafts_for_free = True
+    policy = plain_steps_only()
+    result = SpeculativeGenerator(target, oracle, 4, policy).generate([1, 2, 3], params)
     assert result.token_ids == plain and result.stats.drafted_tokens == 0
-    assert FreeOracle.calls == -(-20 // PEEK_INTERVAL)  # plain steps 0, 8, 16
+    assert oracle.calls == -(-20 // PEEK_INTERVAL)  # plain steps 0, 8, 16
     assert policy.tested[0] > 0 and policy.accepted[0] == policy.tested[0]  # oracle: all hits

@@ -29,6 +29,7 @@ earlier without the flag).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -92,16 +93,20 @@ class LlamaCppTokenizer:
         return self.llama.detokenize(list(token_ids), special=False).decode("utf-8", "replace")
 
     def apply_chat_template(self, prompt: str) -> list[int]:
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
         if not self.chat_template:
             raise ValueError("this model has no chat template; run without --chat")
+        text = self._chat_formatter(messages=[{"role": "user", "content": prompt}]).prompt
+        return self.encode(text, add_special_tokens=False)  # the template writes BOS itself
+
+    @functools.cached_property
+    def _chat_formatter(self):
+        """The GGUF's chat template, compiled once."""
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
         piece = lambda token: (self.llama.detokenize([token], special=True).decode("utf-8", "replace")
                                if token >= 0 else "")
-        formatter = Jinja2ChatFormatter(self.chat_template, eos_token=piece(self.llama.token_eos()),
-                                        bos_token=piece(self.llama.token_bos()))
-        text = formatter(messages=[{"role": "user", "content": prompt}]).prompt
-        return self.encode(text, add_special_tokens=False)  # the template writes BOS itself
+        return Jinja2ChatFormatter(self.chat_template, eos_token=piece(self.llama.token_eos()),
+                                   bos_token=piece(self.llama.token_bos()))
 
     def get_vocab(self) -> dict[str, int]:
         llama_cpp = import_llama_cpp()
