@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from exactspec.backends.transformers_backend import TransformersBackend
-from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal
+from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
 from exactspec.sampling import SamplingParams
 
 ALPHABET = string.ascii_lowercase + string.digits + " ,.!?\n" + string.ascii_uppercase  # 68
@@ -74,7 +74,7 @@ def perturbed_backend(target: TransformersBackend, noise: float = 0.05,
     return TransformersBackend(model, target.tokenizer, eos_token_ids=target.eos_token_ids)
 
 
-class RandomProposer:
+class RandomProposer(Proposer):
     """Drafts uniformly random tokens (point mass): almost always wrong."""
 
     def __init__(self, vocab: int = VOCAB, seed: int = 0) -> None:
@@ -84,11 +84,8 @@ class RandomProposer:
     def propose(self, token_ids, k, pipeline, generator) -> Proposal:
         return Proposal(torch.randint(self.vocab, (k,), generator=self.rng).tolist())
 
-    def observe(self, num_accepted: int) -> None:
-        pass
 
-
-class ScriptedProposer:
+class ScriptedProposer(Proposer):
     """Drafts the continuation of ``reference`` (token ids of a full sequence) when the
     context is a prefix of it: an oracle that is right every time in greedy mode."""
 
@@ -100,9 +97,6 @@ class ScriptedProposer:
         if self.reference[:n] != list(token_ids):
             return EMPTY_PROPOSAL
         return Proposal(self.reference[n:n + k])
-
-    def observe(self, num_accepted: int) -> None:
-        pass
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import torch
 
 from exactspec import (DraftModelProposer, PromptLookupProposer, SamplingParams,
                        SpeculativeGenerator)
-from exactspec.proposers.base import Proposal
+from exactspec.proposers.base import Proposal, Proposer
 
 from conftest import RandomProposer, ScriptedProposer, tiny_backend
 from gof import ALPHA, gof_pvalue
@@ -193,7 +193,7 @@ def exact_two_token_distribution(target, prompt_ids, params):
     return joint
 
 
-class LyingProposer:
+class LyingProposer(Proposer):
     """Samples drafts from a draft model but reports q as uniform: the broken control."""
 
     def __init__(self, inner):
@@ -206,8 +206,8 @@ class LyingProposer:
         return Proposal(proposal.token_ids, torch.full_like(proposal.probs,
                                                             1 / proposal.probs.shape[-1]))
 
-    def observe(self, num_accepted):
-        pass
+    def reset(self):
+        self.inner.reset()
 
 
 SAMPLES = 3000

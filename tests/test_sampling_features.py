@@ -9,6 +9,7 @@ import torch
 
 from exactspec import DraftModelProposer, PromptLookupProposer, SamplingParams, SpeculativeGenerator
 from exactspec.logits_pipeline import LogitsPipeline
+from exactspec.proposers.base import Proposal, Proposer
 
 from conftest import RandomProposer, perturbed_backend, tiny_backend
 from gof import ALPHA, gof_pvalue
@@ -80,13 +81,9 @@ def test_min_new_tokens_with_a_drafter_that_proposes_eos_early():
     eos = free.token_ids[1]  # the model wants to stop after 2 tokens
     target = tiny_backend(model=target.model, eos=[eos])
 
-    class EosDrafter:
+    class EosDrafter(Proposer):
         def propose(self, token_ids, k, pipeline, generator):
-            from exactspec.proposers.base import Proposal
             return Proposal([eos] * k)
-
-        def observe(self, num_accepted):
-            pass
 
     assert plain(target, SamplingParams(max_new_tokens=30)).token_ids == free.token_ids[:2]
     params = SamplingParams(max_new_tokens=30, min_new_tokens=12)

@@ -105,11 +105,15 @@ class SpeculativeGenerator:
             :data:`~exactspec.speculation_length.POLICIES` (``auto``, the default, picks the
             k that maximises expected tokens per second from measured costs and acceptance)
             or a policy object. It never changes the output distribution.
+        allow_batch_variance: speculate even on a target that is not batch-invariant (its
+            ``batch_invariant`` is False: a token scored in a block gets logits that differ
+            by rounding from plain decoding's). The distribution is then exact only up to
+            that rounding, and greedy output may differ from plain decoding at near-ties.
     Raises:
         ValueError: if num_speculative_tokens is not an integer ≥ 0, the policy is
             unknown, or ``confidence`` is asked for a proposer without probabilities.
-        UnsupportedModelError: with a proposer, if the target is not batch-invariant (its
-            ``batch_invariant`` attribute is False; see the llama.cpp backend).
+        UnsupportedModelError: with a proposer, if the target is not batch-invariant and
+            ``allow_batch_variance`` is False.
     """
 
     rejection_sampler = staticmethod(rejection_sample)
@@ -117,17 +121,18 @@ class SpeculativeGenerator:
 
     def __init__(self, target: Backend, proposer: Proposer | None = None,
                  num_speculative_tokens: int = 4,
-                 policy: str | SpeculationLengthPolicy = DEFAULT_POLICY) -> None:
+                 policy: str | SpeculationLengthPolicy = DEFAULT_POLICY, *,
+                 allow_batch_variance: bool = False) -> None:
         if (not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool)
                 or num_speculative_tokens < 0):
             raise ValueError(f"num_speculative_tokens = {num_speculative_tokens!r} is invalid: "
                              "it must be an integer ≥ 0 (0 = plain decoding)")
-        if proposer is not None and not getattr(target, "batch_invariant", True):
+        if proposer is not None and not target.batch_invariant and not allow_batch_variance:
             raise UnsupportedModelError(
-                "this backend scores a batch of tokens differently from one token at a time "
-                "(its kernels are not batch-invariant), so verifying drafts would not "
-                "reproduce plain decoding; speculation is refused. "
-                + getattr(target, "batch_variance_fix", ""))
+                f"this backend ({target.description}) scores a block of tokens differently "
+                "from one token at a time (its kernels are not batch-invariant), so verifying "
+                "drafts would not reproduce plain decoding; speculation is refused. "
+                + target.batch_variance_fix)
         self.target = target
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
@@ -182,19 +187,22 @@ class SpeculativeGenerator:
                                   self.target.device)
         generator = make_generator(params.seed, self.target.device)
         self.target.prefill(prompt_token_ids[:-1])
-        if hasattr(self.policy, "reset_acceptance"):
-            self.policy.reset_acceptance()
+        timed = params.greedy or params.seed is None  # see SpeculationLengthPolicy.reset
+        self.policy.reset(timed)
+        if self.proposer is not None:
+            self.proposer.reset()
         prefill_seconds = time.perf_counter() - start
         results = []
         for _ in range(n):
             self.target.rollback(self.target.num_cached_tokens - (len(prompt_token_ids) - 1))
-            results.append(self._decode(prompt_token_ids, pipeline, generator, start,
+            results.append(self._decode(prompt_token_ids, pipeline, generator, timed, start,
                                         prefill_seconds))
             start, prefill_seconds = time.perf_counter(), 0.0
         return results
 
     def _decode(self, prompt_token_ids: list[int], pipeline: LogitsPipeline,
-                generator: torch.Generator, start: float, prefill_seconds: float) -> GenerationResult:
+                generator: torch.Generator, timed: bool, start: float,
+                prefill_seconds: float) -> GenerationResult:
         """The speculative loop for one sample; the target's cache holds the prompt but its
         last token."""
         params = pipeline.params
@@ -208,7 +216,6 @@ class SpeculativeGenerator:
         stopper = StopChecker(self.target.tokenizer, stop_ids, params.stop, params.min_new_tokens)
         context_limit = self.target.max_context_length or float("inf")
         logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
-        timed = params.greedy or params.seed is None  # see SpeculationLengthPolicy.observe
 
         finish_reason: FinishReason | None = None
         while finish_reason is None:

@@ -56,6 +56,14 @@ class SpeculationLengthPolicy(Protocol):
 
     name: str
 
+    def reset(self, timed: bool) -> None:
+        """Start a new generation: forget what the previous one taught about the sequence
+        (acceptance, schedule state). With ``timed`` False (seeded sampling) the choices
+        must not depend on wall time at all, not even on timings measured in earlier
+        generations, so that the choices, and with them the random draws, depend on the
+        seed alone and a seed reproduces the output on any generator, fresh or reused."""
+        ...
+
     def choose(self) -> int:
         """k for the next cycle, in 0..k_max (the engine may lower it near a limit)."""
         ...
@@ -63,10 +71,8 @@ class SpeculationLengthPolicy(Protocol):
     def observe(self, num_drafted: int, num_accepted: int, draft_seconds: float | None,
                 verify_seconds: float | None) -> None:
         """What the cycle did: tokens drafted (may be fewer than k) and accepted, and the
-        seconds spent drafting and verifying (forward over num_drafted + 1 tokens). The
-        engine withholds the seconds (None) in seeded sampling, so that the choices, and
-        with them the random draws, depend on the seed alone and a seed reproduces the
-        output."""
+        seconds spent drafting and verifying (forward over num_drafted + 1 tokens; None
+        in an untimed generation, see :meth:`reset`)."""
         ...
 
 
@@ -77,6 +83,9 @@ class ConstantPolicy:
 
     def __init__(self, k_max: int) -> None:
         self.k_max = k_max
+
+    def reset(self, timed: bool) -> None:
+        pass
 
     def choose(self) -> int:
         return self.k_max
@@ -95,6 +104,9 @@ class HeuristicPolicy:
     def __init__(self, k_max: int, k_min: int = 1) -> None:
         self.k_min, self.k_max = min(k_min, k_max), k_max
         self.k = k_max
+
+    def reset(self, timed: bool) -> None:
+        self.k = self.k_max
 
     def choose(self) -> int:
         return self.k
@@ -140,10 +152,12 @@ class AutoPolicy:
         self.cost_smoothing = cost_smoothing
         self.forward_seconds: list[float | None] = [None] * (k_max + 2)  # index n = tokens scored
         self.draft_seconds_per_token: float | None = None
-        self.reset_acceptance()
+        self.reset(timed=True)
 
-    def reset_acceptance(self) -> None:
-        """Forget acceptance evidence (a new prompt); forward costs are kept."""
+    def reset(self, timed: bool) -> None:
+        """Forget acceptance evidence (a new prompt). Measured costs are kept for later
+        timed generations; an untimed one uses the prior cost model alone."""
+        self.timed = timed
         self.tested = [0.0] * self.k_max  # decayed count: position i was verified
         self.accepted = [0.0] * self.k_max  # decayed count: position i was accepted
 
@@ -166,16 +180,19 @@ class AutoPolicy:
             if k:
                 survive *= alpha
                 expected += survive
-            cost = self.forward_cost(k + 1) + k * (self.draft_seconds_per_token or 0.0)
+            draft_cost = (self.draft_seconds_per_token or 0.0) if self.timed else 0.0
+            cost = self.forward_cost(k + 1) + k * draft_cost
             rates.append(expected / cost)
         return rates
 
     def forward_cost(self, n: int) -> float:
         """Seconds of a target forward over n tokens: measured; else on the least-squares
         line through the measured costs (slope ≥ 0) when two or more are measured; else
-        scaled from the one measured cost by the prior model; else the prior in
-        single-forward units."""
+        scaled from the one measured cost by the prior model; else (or in an untimed
+        generation) the prior in single-forward units."""
         prior = lambda m: 1.0 + PRIOR_COST_PER_TOKEN * (m - 1)
+        if not self.timed:
+            return prior(n)
         if self.forward_seconds[n] is not None:
             return self.forward_seconds[n]
         known = [(m, s) for m, s in enumerate(self.forward_seconds) if s is not None]
@@ -191,7 +208,8 @@ class AutoPolicy:
         return max(mean_s + slope * (n - mean_n), 1e-9)
 
     def choose(self) -> int:
-        if self.forward_seconds[1] is None and any(s is not None for s in self.forward_seconds):
+        if (self.timed and self.forward_seconds[1] is None
+                and any(s is not None for s in self.forward_seconds)):
             return 0  # measure the plain step, the baseline every k is compared with
         rates = self.expected_rates()
         return max(range(self.k_max + 1), key=lambda k: (rates[k], -k))

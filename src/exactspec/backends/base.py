@@ -61,6 +61,12 @@ class Backend(Protocol):
         device: where logits are returned.
         description: the runtime in a few words, for summaries (e.g. "llama.cpp, 2 threads").
         num_cached_tokens: tokens currently in the KV cache.
+        batch_invariant: whether a block of tokens scored in one ``forward`` gets
+            bit-identical logits to the same tokens scored one at a time, as measured on the
+            loaded model by :func:`scores_blocks_like_single_tokens`. The engine refuses to
+            speculate on a backend where it is False unless told to accept rounding
+            differences.
+        batch_variance_fix: what to tell a user whose backend is not batch-invariant.
     """
 
     tokenizer: Tokenizer
@@ -69,6 +75,8 @@ class Backend(Protocol):
     eos_token_ids: tuple[int, ...]
     device: torch.device
     description: str
+    batch_invariant: bool
+    batch_variance_fix: str
 
     @property
     def num_cached_tokens(self) -> int: ...
@@ -96,3 +104,21 @@ class Backend(Protocol):
             ValueError: if ``num_tokens`` is negative or exceeds ``num_cached_tokens``.
         """
         ...
+
+
+def scores_blocks_like_single_tokens(backend: Backend, num_tokens: int = 9) -> bool:
+    """Whether ``num_tokens`` tokens scored in one ``forward`` get bit-identical logits to
+    the same tokens scored one at a time after the same one-token prefix. 9 tokens reach the
+    batched kernels llama.cpp builds switch to from 4 rows on and span two of the
+    transformers backend's fixed-size blocks. Leaves the cache empty.
+
+    Returns:
+        True when every logit is bit for bit equal.
+    """
+    token_ids = [(7 * i + 1) % backend.vocab_size for i in range(num_tokens + 1)]
+    backend.prefill(token_ids[:1])
+    block = backend.forward(token_ids[1:])  # [num_tokens, vocab]
+    backend.prefill(token_ids[:1])
+    singles = torch.cat([backend.forward([token]) for token in token_ids[1:]])
+    backend.prefill([])
+    return torch.equal(block, singles)

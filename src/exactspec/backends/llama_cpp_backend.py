@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from exactspec.backends.base import UnsupportedModelError
+from exactspec.backends.base import UnsupportedModelError, scores_blocks_like_single_tokens
 
 INSTALL_HINT = ("CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --no-cache-dir "
                 "'llama-cpp-python==0.3.36'")
@@ -125,7 +125,7 @@ class LlamaCppBackend:
             of the vocabulary (llama.cpp's ``llama_vocab_is_eog``).
     Attributes:
         batch_invariant: whether a batch of tokens gets bit-identical logits to single-token
-            forwards, checked on 8 tokens at construction (see the module docstring).
+            forwards, checked at construction (see the module docstring).
     Raises:
         UnsupportedModelError: for recurrent or hybrid models (their state cannot roll back).
     """
@@ -158,19 +158,7 @@ class LlamaCppBackend:
         self._batch_capacity = int(llama.n_batch)
         self._batch = llama_cpp.llama_batch_init(self._batch_capacity, 0, 1)
         self._num_cached = 0
-        self.batch_invariant = self._scores_batches_like_single_tokens()
-
-    def _scores_batches_like_single_tokens(self, num_tokens: int = 8) -> bool:
-        """Whether ``num_tokens`` tokens scored in one batch get bit-identical logits to the
-        same tokens scored one at a time (8 tokens, enough to reach the batched kernels some
-        builds switch to from 4 rows on). Leaves the cache empty."""
-        token_ids = [(7 * i + 1) % self.vocab_size for i in range(num_tokens + 1)]
-        self.prefill(token_ids[:1])
-        batch = self.forward(token_ids[1:])
-        self.prefill(token_ids[:1])
-        singles = torch.cat([self.forward([token]) for token in token_ids[1:]])
-        self.prefill([])
-        return torch.equal(batch, singles)
+        self.batch_invariant = scores_blocks_like_single_tokens(self)
 
     @classmethod
     def load(cls, path: str | Path, *, threads: int | None = None,

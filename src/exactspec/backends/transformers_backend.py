@@ -3,7 +3,10 @@
 Loads a local model folder or a GGUF file (dequantised by transformers), keeps one
 ``DynamicCache`` and rolls it back with ``DynamicCache.crop(-n)``. Models whose cache
 layers are not plain full-attention layers (sliding windows, recurrent state) cannot be
-rolled back exactly and are refused with :class:`UnsupportedModelError`.
+rolled back exactly and are refused with :class:`UnsupportedModelError`. Decode-phase
+forwards run batch-invariant kernels by default
+(:mod:`~exactspec.backends.batch_invariant`), so that verification scores every token
+bit for bit as plain decoding does.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import tempfile
 
 import torch
 
-from exactspec.backends.base import UnsupportedModelError
-from exactspec.backends.skinny_linear import use_skinny_linear
+from exactspec.backends.base import UnsupportedModelError, scores_blocks_like_single_tokens
+from exactspec.backends.batch_invariant import KERNELS, kernel_mode, use_exactspec_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -77,19 +80,29 @@ class TransformersBackend:
         model: a ``PreTrainedModel`` for causal LM, already on its device and in eval mode.
         tokenizer: a :class:`~exactspec.backends.base.Tokenizer`.
         eos_token_ids: ids that end generation; by default the model's generation config's.
+        kernels: ``batch-invariant`` (the default: a token's logits are bit-identical
+            whether scored alone or in a block) or ``fast`` (PyTorch's own kernels, faster
+            on a CPU, equal only up to rounding); see
+            :mod:`~exactspec.backends.batch_invariant`.
+    Attributes:
+        batch_invariant: the result of the bit-identity check run at construction.
     Raises:
         UnsupportedModelError: if the model's cache cannot be rolled back.
+        ValueError: for unknown ``kernels``.
 
-    On a CPU in float32 the model's linear layers become
-    :class:`~exactspec.backends.skinny_linear.SkinnyLinear` (same weights, faster for the
-    few rows a verification scores); peers given the same model object use them too.
+    The model's linear layers and attention are replaced in place by exactspec's (same
+    weights); peers given the same model object use them with the fast kernels.
     """
 
-    def __init__(self, model, tokenizer, eos_token_ids: Sequence[int] | None = None) -> None:
+    def __init__(self, model, tokenizer, eos_token_ids: Sequence[int] | None = None,
+                 kernels: str = "batch-invariant") -> None:
         from transformers import DynamicCache
 
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels {kernels!r} is invalid: choose one of {', '.join(KERNELS)}")
+        self.kernels = kernels
         self.model = model.eval()
-        use_skinny_linear(model)
+        use_exactspec_kernels(model)
         self.tokenizer = tokenizer
         config = model.config.get_text_config(decoder=True)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
@@ -100,24 +113,36 @@ class TransformersBackend:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.device = next(model.parameters()).device
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        self.description = f"transformers {dtype} {self.device.type}"
+        self.description = (f"transformers {dtype} {self.device.type}"
+                            + (", fast kernels" if kernels == "fast" else ""))
         self._new_cache = lambda: DynamicCache(config=model.config)
         _check_rollback(model, self._new_cache())
         self._cache = self._new_cache()
+        self.batch_invariant = scores_blocks_like_single_tokens(self)
+        self.batch_variance_fix = (
+            "These are the fast kernels: load the model with kernels='batch-invariant' (the "
+            "default; --kernels batch-invariant), or accept rounding differences with "
+            "allow_batch_variance=True (--allow-batch-variance)." if kernels == "fast" else
+            f"Even the batch-invariant kernels differ on this model ({self.description}); "
+            "use --device cpu --dtype float32, or accept rounding differences with "
+            "allow_batch_variance=True (--allow-batch-variance).")
 
     @classmethod
     def load(cls, path: str | Path, *, device: str = "auto", dtype: str = "float32",
-             gguf_file: str | None = None) -> TransformersBackend:
+             gguf_file: str | None = None,
+             kernels: str = "batch-invariant") -> TransformersBackend:
         """Load a local model folder, or a GGUF file (``path`` ending in .gguf).
 
         Args:
             path: a folder with ``config.json`` and weights, or a ``.gguf`` file.
             device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
-            dtype: one of :data:`DTYPES`; float32 keeps greedy output bit-identical to plain
-                decoding (other dtypes may flip near-tied argmaxes, see DESIGN.md).
+            dtype: one of :data:`DTYPES` (float32 is the default; whether greedy output
+                is bit-identical to plain decoding on a dtype and device is what the
+                batch-invariance check at construction finds).
             gguf_file: a GGUF file name inside folder ``path`` (alternative to a .gguf path).
                 A GGUF file is dequantised to float32 once and kept as a model folder in
                 the cache (see :func:`converted_gguf_folder`).
+            kernels: ``batch-invariant`` (the default) or ``fast``, see the class.
         Raises:
             FileNotFoundError: if ``path`` does not exist.
             ValueError: for an unknown dtype or device.
@@ -142,7 +167,7 @@ class TransformersBackend:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
         finally:
             hf_logging.enable_progress_bar()
-        return cls(model.to(resolved_device), HFTokenizer(tokenizer))
+        return cls(model.to(resolved_device), HFTokenizer(tokenizer), kernels=kernels)
 
     @property
     def num_cached_tokens(self) -> int:
@@ -151,12 +176,14 @@ class TransformersBackend:
     def prefill(self, token_ids: Sequence[int]) -> None:
         self._cache = self._new_cache()
         if len(token_ids) > 0:
-            self._run(token_ids, num_logits=1)
+            with kernel_mode("fast"):  # the cache it fills is shared by plain and speculative
+                self._run(token_ids, num_logits=1)
 
     def forward(self, token_ids: Sequence[int], num_logits: int | None = None) -> torch.Tensor:
         if len(token_ids) == 0:
             raise ValueError("forward needs at least one token")
-        return self._run(token_ids, num_logits or len(token_ids))
+        with kernel_mode(self.kernels):
+            return self._run(token_ids, num_logits or len(token_ids))
 
     def rollback(self, num_tokens: int) -> None:
         if not 0 <= num_tokens <= self.num_cached_tokens:

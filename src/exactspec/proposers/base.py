@@ -46,7 +46,8 @@ EMPTY_PROPOSAL = Proposal([])
 
 @runtime_checkable
 class Proposer(Protocol):
-    """Drafts up to k tokens per cycle; learns how many were accepted."""
+    """Drafts up to k tokens per cycle; learns how many were accepted. Proposers subclass
+    it to inherit the defaults of the optional methods."""
 
     def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
                 generator: torch.Generator) -> Proposal:
@@ -54,5 +55,10 @@ class Proposer(Protocol):
         ...
 
     def observe(self, num_accepted: int) -> None:
-        """Feedback after verification: how many of the last proposal were accepted."""
-        ...
+        """Feedback after verification: how many of the last proposal were accepted
+        (default: ignored)."""
+
+    def reset(self) -> None:
+        """A new generation starts: drop any state of the previous sequence (a draft
+        model's KV cache), so that a seeded generation drafts the same whatever ran
+        before (default: nothing to drop)."""

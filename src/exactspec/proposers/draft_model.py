@@ -10,6 +10,9 @@ tokenizer's size are padding and never drafted. Genuinely different tokenizers a
 
 The draft keeps its own KV cache; before each proposal it is rolled back to the longest
 common prefix with the engine's context, so rejected drafts never leak into the next cycle.
+A new generation starts from an empty cache (:meth:`DraftModelProposer.reset`) filled by the
+draft's prefill, so that what the draft computes, and a seeded output with it, does not
+depend on what the cache held before.
 """
 
 from __future__ import annotations
@@ -19,12 +22,12 @@ from collections.abc import Sequence
 import torch
 
 from exactspec.backends.base import Backend, UnsupportedModelError
-from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal
+from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.sampling import check_finite, sample_from_probs
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """Drafts with a second model (see module docstring).
 
     Args:
@@ -84,12 +87,18 @@ class DraftModelProposer:
             pending = [token]
         return Proposal(drafted, torch.stack(probs) if probs else None)
 
-    def observe(self, num_accepted: int) -> None:
-        """The draft cache is re-synchronised at the next ``propose``; nothing to do."""
+    def reset(self) -> None:
+        self.draft.prefill([])
+        self._cached = []
 
     def _sync_cache(self, token_ids: Sequence[int]) -> list[int]:
         """Roll the draft cache back to its common prefix with ``token_ids`` (keeping at
-        least the last token out of it); return the tokens still to feed."""
+        least the last token out of it), or prefill it when it is empty; return the tokens
+        still to feed."""
+        if not self._cached:
+            self.draft.prefill(token_ids[:-1])
+            self._cached = list(token_ids[:-1])
+            return list(token_ids[-1:])
         common = 0
         limit = min(len(self._cached), len(token_ids) - 1)
         while common < limit and self._cached[common] == token_ids[common]:

@@ -14,11 +14,11 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal
+from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
 from exactspec.logits_pipeline import LogitsPipeline
 
 
-class PromptLookupProposer:
+class PromptLookupProposer(Proposer):
     """N-gram matching in the context.
 
     The longest suffix of the context of size max_ngram down to min_ngram that occurs
@@ -57,6 +57,3 @@ class PromptLookupProposer:
                 start = int(matches[-1]) + n
                 return Proposal(context[start:start + k].tolist())
         return EMPTY_PROPOSAL
-
-    def observe(self, num_accepted: int) -> None:
-        """Prompt lookup keeps no state between cycles."""

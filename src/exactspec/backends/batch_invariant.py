@@ -1,0 +1,156 @@
+"""Batch-invariant kernels for the transformers backend: a token's logits are bit-identical
+whether it is scored alone or with the other tokens of a verification.
+
+Why it matters: speculative decoding scores ``[last, d_1 .. d_k]`` in one forward pass and
+compares the result with what plain decoding (one token per forward) would have produced.
+PyTorch's CPU kernels choose their blocking, vector width and thread split from the shapes:
+a matrix product over 4 rows sums in a different order from one over 2 rows, and
+``scaled_dot_product_attention`` over a block of queries differs from one query. The logits
+of the same token then differ in the last bits (about 2e-5 to 6e-5 on SmolLM2 in float32),
+enough to flip a near-tied greedy argmax and to change the sampling probabilities slightly.
+Following He et al. 2025 ("Defeating Nondeterminism in LLM Inference", Thinking Machines
+Lab: batch-invariant matmul, attention and norms), every decode-phase forward here runs
+kernels whose reduction order cannot depend on the number of tokens:
+
+- **Linear layers**: the product is computed on blocks of exactly :data:`FIXED_ROWS` rows
+  (the last block zero-padded), as ``W @ block.T``. Every call then has the same shape, so
+  the kernel, its blocking and its thread split are the same, and row i's result depends on
+  row i alone. A plain step (1 row) pays for :data:`FIXED_ROWS` rows; on a memory-bound CPU
+  that costs little, because the weights are streamed once either way.
+- **Attention**: each query row is computed as a one-query problem over exactly the keys it
+  may see (``[Hkv, g, d] @ [Hkv, d, L_i]``, softmax, ``@ V[:L_i]``), the same shapes a
+  one-token forward at that position uses.
+- Everything else in a Llama-style decoder (embedding, RMSNorm, rotary embedding, SiLU,
+  residual additions) already works row by row.
+
+Nothing here is trusted blindly: the backend checks bit-identity on the loaded model
+(:func:`~exactspec.backends.base.scores_blocks_like_single_tokens`) and the engine refuses to
+speculate where it fails. Prefill (filling the cache with the prompt) keeps the fast kernels:
+its cache entries are shared by plain and speculative decoding alike.
+
+The ``fast`` kernels (the alternative, :data:`KERNELS`) are PyTorch's own, except that on a
+CPU in float32 a product over at most :data:`SKINNY_MAX_ROWS` rows is computed as
+``(W @ x.T).T``, which streams the weights once in their stored order (MKL's ``x @ W.T``
+repacks them on every call and costs about twice as much for 2–9 rows; a single row is
+computed as two identical rows, faster there than MKL's one-row path). They are faster but
+not batch-invariant, so with them greedy identity holds only up to rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KERNELS = ("batch-invariant", "fast")
+"""Kernel choices of the transformers backend (``batch-invariant`` is the default)."""
+FIXED_ROWS = 8
+"""Rows of every decode-phase matrix product in batch-invariant mode (a verification of up
+to 7 drafts costs one product, as a plain step does)."""
+SKINNY_MAX_ROWS = 16
+"""The fast kernels compute products over at most this many rows as ``(W @ x.T).T``."""
+ATTENTION = "exactspec"
+"""The name the attention function is registered under in transformers."""
+
+_kernels: contextvars.ContextVar[str] = contextvars.ContextVar("exactspec_kernels",
+                                                                default="fast")
+
+
+@contextlib.contextmanager
+def kernel_mode(name: str) -> Iterator[None]:
+    """Run the forward passes inside the block with kernels ``name`` (one of
+    :data:`KERNELS`)."""
+    token = _kernels.set(name)
+    try:
+        yield
+    finally:
+        _kernels.reset(token)
+
+
+class BatchInvariantLinear(nn.Linear):
+    """``nn.Linear`` whose kernel follows :func:`kernel_mode` (see the module docstring). Shapes
+    as ``nn.Linear``: input ``[..., in_features]``, output ``[..., out_features]``. Weights
+    are shared with the module it replaces (tied embeddings stay tied)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        flat = x.reshape(rows, x.shape[-1])
+        if _kernels.get() == "batch-invariant":
+            out = _fixed_rows_product(self.weight, flat)
+        elif rows <= SKINNY_MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32:
+            doubled = torch.cat((flat, flat)) if rows == 1 else flat
+            out = (self.weight @ doubled.t()).t()[:rows].contiguous()
+        else:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def _fixed_rows_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for ``x`` ``[rows, in]``, computed in blocks of :data:`FIXED_ROWS`
+    rows (zero-padded) so that every kernel call has the same shape. Returns a contiguous
+    ``[rows, out]`` (element-wise kernels take another path on a strided view)."""
+    rows, blocks = x.shape[0], []
+    for start in range(0, rows, FIXED_ROWS):
+        block = x[start:start + FIXED_ROWS]
+        if block.shape[0] < FIXED_ROWS:
+            block = torch.cat((block, block.new_zeros(FIXED_ROWS - block.shape[0], x.shape[1])))
+        blocks.append((weight @ block.t()).t())
+    return torch.cat(blocks)[:rows].contiguous()
+
+
+def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, dropout: float = 0.0,
+              scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function interface. Fast kernels: transformers' SDPA.
+    Batch-invariant kernels: one query row at a time, causal over one unpadded sequence
+    whose last ``q`` positions are the queries (the backend's only use).
+
+    Args:
+        query: ``[batch, heads, q, head_dim]``; key, value: ``[batch, kv_heads, L, head_dim]``.
+    Returns:
+        ``[batch, q, heads, head_dim]`` attention output, and None (no weights).
+    Raises:
+        ValueError: for attention variants this function does not implement (logit
+            soft-capping, sliding windows, attention sinks).
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    unsupported = [name for name in ("softcap", "sliding_window", "s_aux")
+                   if kwargs.get(name) is not None]
+    if unsupported:
+        raise ValueError(f"exactspec's attention does not implement {', '.join(unsupported)}")
+    if _kernels.get() != "batch-invariant":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    scaling = head_dim ** -0.5 if scaling is None else scaling
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, q_len, head_dim)
+    rows = []
+    for i in range(q_len):
+        visible = kv_len - q_len + i + 1  # causal: the keys up to this query's position
+        scores = grouped[:, :, :, i] @ key[:, :, :visible].transpose(-1, -2) * scaling
+        rows.append(scores.softmax(dim=-1) @ value[:, :, :visible])  # [batch, kv, g, d]
+    output = torch.stack(rows, dim=3).reshape(batch, heads, q_len, head_dim)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def use_exactspec_kernels(model: nn.Module) -> None:
+    """Turn every plain ``nn.Linear`` of ``model`` into a :class:`BatchInvariantLinear` and
+    its attention into :func:`attention`, in place (no weight is copied). The kernels used
+    are then chosen per call with :func:`kernel_mode`."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = BatchInvariantLinear
+    AttentionInterface.register(ATTENTION, attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    model.set_attn_implementation(ATTENTION)
