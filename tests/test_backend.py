@@ -20,22 +20,25 @@ def test_forward_after_rollback_equals_a_fresh_forward(make_backend):
     after_rollback = backend.forward([5, 3])
     backend.prefill(prompt)
     fresh = backend.forward([5, 3])
-    torch.testing.assert_close(after_rollback, fresh, rtol=0, atol=1e-5)
+    assert torch.equal(after_rollback, fresh)
     assert after_rollback.shape == (2, backend.vocab_size)
 
 
-def test_block_forward_matches_one_token_forwards(make_backend):
+@pytest.mark.parametrize("num_tokens", [2, 3, 8, 9, 17])
+def test_block_forward_is_bit_identical_to_one_token_forwards(num_tokens, make_backend):
     backend = make_backend(1)
+    assert backend.batch_invariant
+    tokens = [(5 * i + 4) % backend.vocab_size for i in range(num_tokens)]
     backend.prefill([1, 2, 3])
-    block = backend.forward([4, 5, 6])
+    block = backend.forward(tokens)
     backend.prefill([1, 2, 3])
-    singles = torch.stack([backend.forward([t])[0] for t in (4, 5, 6)])
-    torch.testing.assert_close(block, singles, rtol=1e-4, atol=1e-4)
+    singles = torch.stack([backend.forward([t])[0] for t in tokens])
+    assert torch.equal(block, singles)
     backend.prefill([1, 2, 3])
-    last = backend.forward([4, 5, 6], num_logits=1)
+    last = backend.forward(tokens, num_logits=1)
     assert last.shape == (1, backend.vocab_size)
-    torch.testing.assert_close(last[0], block[2], rtol=1e-4, atol=1e-4)
-    assert backend.num_cached_tokens == 6
+    assert torch.equal(last[0], block[-1])
+    assert backend.num_cached_tokens == 3 + num_tokens
 
 
 def test_prefill_resets_and_bad_calls_raise(make_backend):

@@ -1,0 +1,99 @@
+"""Batch invariance: a token's logits are bit-identical whether it is scored alone or in a
+verification block, so speculative greedy output equals plain decoding bit for bit and
+sampling uses exactly plain decoding's p. The transformers backend's fast kernels are the
+broken control: they differ by rounding, and a near-tie shows what that does."""
+
+import pytest
+import torch
+
+from exactspec import SamplingParams, SpeculativeGenerator
+from exactspec.backends import TransformersBackend, UnsupportedModelError
+from exactspec.backends.base import scores_blocks_like_single_tokens
+from exactspec.proposers.base import Proposal, Proposer
+
+from conftest import CharTokenizer, tiny_model
+
+PROMPT = "the cat sat on the mat"
+
+
+class FixedDrafter(Proposer):
+    """Drafts ``k`` copies of one token: every cycle scores a block of k + 1 tokens."""
+
+    def propose(self, token_ids, k, pipeline, generator):
+        return Proposal([5] * k)
+
+
+def backend(kernels: str, seed: int = 0) -> TransformersBackend:
+    return TransformersBackend(tiny_model(seed), CharTokenizer(), kernels=kernels)
+
+
+def first_row_logits(target, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of the first new position scored alone and as row 0 of a k+1 block."""
+    prompt = target.tokenizer.encode(PROMPT)
+    target.prefill(prompt[:-1])
+    single = target.forward(prompt[-1:])[0]
+    target.prefill(prompt[:-1])
+    block = target.forward(prompt[-1:] + [5] * k)[0]
+    return single, block
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_load_check_tells_the_kernels_apart(seed):
+    invariant, fast = backend("batch-invariant", seed), backend("fast", seed)
+    assert invariant.batch_invariant and scores_blocks_like_single_tokens(invariant, 17)
+    assert not fast.batch_invariant
+    assert fast.description.endswith("fast kernels")
+
+
+@pytest.mark.parametrize("k", [1, 4, 7, 8, 12])
+def test_near_tie_flips_on_the_fast_kernels_and_never_on_the_batch_invariant_ones(k):
+    """A logit bias turns two tokens into a near-tie whose gap lies between the two roundings
+    of the fast kernels: there plain decoding picks one token and verification the other.
+    On the batch-invariant kernels the two roundings are one, so no such tie exists."""
+    target = backend("fast")
+    single, block = first_row_logits(target, k)
+    best = int(single.argmax())
+    shift = (block - single) - (block - single)[best]  # how much more each token gains
+    rival = int(shift.argmax())
+    assert shift[rival] > 0, "the fast kernels round a block like a single token here"
+    bias = float((single[best] - single[rival] + block[best] - block[rival]) / 2)
+    params = SamplingParams(temperature=0, max_new_tokens=k + 1, logit_bias={rival: bias})
+    plain = SpeculativeGenerator(target, None).generate(PROMPT, params).token_ids
+    speculative = SpeculativeGenerator(target, FixedDrafter(), k, "constant",
+                                       allow_batch_variance=True).generate(PROMPT, params)
+    assert plain[0] == best and speculative.token_ids[0] == rival  # the old path flips
+
+    target = backend("batch-invariant")
+    single, block = first_row_logits(target, k)
+    assert torch.equal(single, block)
+    best = int(single.argmax())
+    for rival in torch.topk(single, 6).indices.tolist()[1:]:  # the closest ties one can make
+        gap = float(single[best] - single[rival])
+        for bias in (torch.nextafter(torch.tensor(gap), torch.tensor(0.0)).item(), gap):
+            params = SamplingParams(temperature=0, max_new_tokens=2 * k + 2,
+                                    logit_bias={rival: bias})
+            plain = SpeculativeGenerator(target, None).generate(PROMPT, params).token_ids
+            speculative = SpeculativeGenerator(target, FixedDrafter(), k, "constant")
+            assert speculative.generate(PROMPT, params).token_ids == plain
+
+
+def test_sampling_probabilities_are_bit_identical_in_a_block():
+    from exactspec.sampling import logits_to_probs
+
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20)
+    single, block = first_row_logits(backend("batch-invariant"), 6)
+    assert torch.equal(logits_to_probs(single[None], params), logits_to_probs(block[None], params))
+
+
+def test_a_backend_that_is_not_batch_invariant_is_refused_unless_allowed():
+    target = backend("fast")
+    with pytest.raises(UnsupportedModelError,
+                       match=r"transformers float32 cpu, fast kernels\) scores a block of tokens "
+                             r"differently .* speculation is refused\. These are the fast kernels: "
+                             r"load the model with kernels='batch-invariant'"):
+        SpeculativeGenerator(target, FixedDrafter(), 4)
+    SpeculativeGenerator(target, None)  # plain decoding needs no invariance
+    SpeculativeGenerator(target, FixedDrafter(), 4, allow_batch_variance=True)
+    with pytest.raises(ValueError, match="kernels 'quick' is invalid: choose one of "
+                                         "batch-invariant, fast"):
+        TransformersBackend(tiny_model(0), CharTokenizer(), kernels="quick")
