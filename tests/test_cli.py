@@ -111,6 +111,19 @@ def test_backend_options_that_do_not_fit_are_clear_errors(model_folder, capsys):
     assert code == 1 and "dtype 'float16' applies to the transformers backend only" in err
 
 
+def test_fast_kernels_speculate_with_a_note_and_are_refused_where_not_chosen(model_folder,
+                                                                            capsys):
+    code, out, err = run(capsys, "abc abc abd abc", "--model", model_folder, "--kernels", "fast",
+                         "--max-new-tokens", 8, "--json")
+    assert code == 0, err
+    assert json.loads(out)["backend"] == "transformers float32 cpu, fast kernels"
+    assert ("note: transformers float32 cpu, fast kernels is not batch-invariant: the output is "
+            "exact only up to rounding (near-tied tokens can flip)") in err
+    code, _, err = run(capsys, "hi", "--model", model_folder, "--backend", "llama_cpp",
+                       "--kernels", "fast")
+    assert code == 1 and "kernels 'fast' applies to the transformers backend only" in err
+
+
 def test_unknown_model_is_a_clear_error(capsys, tmp_path):
     code, _, err = run(capsys, "hi", "--model", tmp_path / "nope")
     assert code == 1 and "neither an embedded model" in err

@@ -132,7 +132,8 @@ class SpeculativeGenerator:
                 f"this backend ({target.description}) scores a block of tokens differently "
                 "from one token at a time (its kernels are not batch-invariant), so verifying "
                 "drafts would not reproduce plain decoding; speculation is refused. "
-                + target.batch_variance_fix)
+                + target.batch_variance_fix + " (allow_batch_variance=True, "
+                "--allow-batch-variance, speculates anyway, exact only up to rounding.)")
         self.target = target
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0

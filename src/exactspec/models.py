@@ -89,17 +89,17 @@ BACKENDS = ("auto", "transformers", "llama_cpp")
 
 
 def choose_backend(path: Path, backend: str = "auto", *, device: str = "auto",
-                   dtype: str | None = None) -> str:
+                   dtype: str | None = None, kernels: str | None = None) -> str:
     """The runtime for the model at ``path``: ``backend`` itself unless it is ``auto``.
 
     ``auto`` picks llama.cpp for a ``.gguf`` file on a CPU-only machine when llama-cpp-python
-    is installed and no torch dtype was asked for: on 2 CPU cores it decodes the embedded
+    is installed and neither a torch dtype nor torch kernels were asked for: on 2 CPU cores it decodes the embedded
     model about 7× faster than transformers in float32 (README). Everything else (model
     folders, a GPU, an explicit dtype, llama-cpp-python absent) gets transformers.
 
     Raises:
         ValueError: for an unknown backend, or a combination llama.cpp cannot run (a model
-            folder, a dtype, a GPU device).
+            folder, a dtype, kernels, a GPU device).
     """
     from exactspec.backends.llama_cpp_backend import llama_cpp_available
     from exactspec.backends.transformers_backend import resolve_device
@@ -108,12 +108,15 @@ def choose_backend(path: Path, backend: str = "auto", *, device: str = "auto",
         raise ValueError(f"backend {backend!r} is invalid: choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
         cpu_only = device == "cpu" or (device == "auto" and resolve_device("auto").type == "cpu")
-        fits = path.suffix == ".gguf" and cpu_only and dtype is None
+        fits = path.suffix == ".gguf" and cpu_only and dtype is None and kernels is None
         return "llama_cpp" if fits and llama_cpp_available() else "transformers"
     if backend == "llama_cpp":
         if dtype is not None:
             raise ValueError(f"dtype {dtype!r} applies to the transformers backend only: "
                              "llama.cpp runs the GGUF file's own (quantised) weights")
+        if kernels is not None:
+            raise ValueError(f"kernels {kernels!r} applies to the transformers backend only: "
+                             "llama.cpp's batch invariance comes from its build")
         if device not in ("auto", "cpu"):
             raise ValueError(f"device {device!r} is not supported by the llama_cpp backend "
                              "(this build runs on the CPU): use --device cpu")
@@ -122,7 +125,7 @@ def choose_backend(path: Path, backend: str = "auto", *, device: str = "auto",
 
 def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
                device: str = "auto", dtype: str | None = None,
-               threads: int | None = None) -> Backend:
+               threads: int | None = None, kernels: str | None = None) -> Backend:
     """Load a model on the transformers or the llama.cpp backend.
 
     Args:
@@ -131,9 +134,11 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
         backend: ``auto`` (default, see :func:`choose_backend`), ``transformers`` or
             ``llama_cpp`` (needs the optional extra: ``pip install 'exactspec[llama-cpp]'``).
         device: ``auto`` (cuda if available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``.
-        dtype: transformers only: ``float32`` (the default; greedy output bit-identical to
-            plain decoding), ``bfloat16`` or ``float16`` (faster on some hardware, greedy
-            identity may break on near-tied logits).
+        dtype: transformers only: ``float32`` (the default), ``bfloat16`` or ``float16``.
+        kernels: transformers only: ``batch-invariant`` (the default) or ``fast``, see
+            :mod:`~exactspec.backends.batch_invariant`. The backend's ``batch_invariant``
+            says whether greedy output is bit-identical to plain decoding on this choice,
+            dtype and device.
         threads: llama.cpp only: CPU threads (default: every core this process may use).
     Returns:
         a :class:`~exactspec.backends.base.Backend`.
@@ -145,7 +150,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
         UnsupportedModelError: if the model's KV cache cannot be rolled back.
     """
     path = resolve_model_path(name_or_path)
-    if choose_backend(path, backend, device=device, dtype=dtype) == "llama_cpp":
+    if choose_backend(path, backend, device=device, dtype=dtype, kernels=kernels) == "llama_cpp":
         from exactspec.backends.llama_cpp_backend import LlamaCppBackend
 
         return LlamaCppBackend.load(path, threads=threads)
@@ -155,4 +160,5 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
                          "OMP_NUM_THREADS)")
     from exactspec.backends.transformers_backend import TransformersBackend
 
-    return TransformersBackend.load(path, device=device, dtype=dtype or "float32")
+    return TransformersBackend.load(path, device=device, dtype=dtype or "float32",
+                                    kernels=kernels or "batch-invariant")

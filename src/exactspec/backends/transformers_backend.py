@@ -121,11 +121,9 @@ class TransformersBackend:
         self.batch_invariant = scores_blocks_like_single_tokens(self)
         self.batch_variance_fix = (
             "These are the fast kernels: load the model with kernels='batch-invariant' (the "
-            "default; --kernels batch-invariant), or accept rounding differences with "
-            "allow_batch_variance=True (--allow-batch-variance)." if kernels == "fast" else
-            f"Even the batch-invariant kernels differ on this model ({self.description}); "
-            "use --device cpu --dtype float32, or accept rounding differences with "
-            "allow_batch_variance=True (--allow-batch-variance).")
+            "default; --kernels batch-invariant)." if kernels == "fast" else
+            "Even the batch-invariant kernels differ on this model, dtype and device: try "
+            "--device cpu --dtype float32.")
 
     @classmethod
     def load(cls, path: str | Path, *, device: str = "auto", dtype: str = "float32",

@@ -64,8 +64,10 @@ def is_peer(method_name: str) -> bool:
     return method_name.startswith(("hf-", "llama-"))
 
 
-def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend]) -> Method:
-    """Build a :class:`Method` from its spec string (see module docstring).
+def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend], *,
+                 allow_batch_variance: bool = False) -> Method:
+    """Build a :class:`Method` from its spec string (see module docstring);
+    ``allow_batch_variance`` as in :class:`~exactspec.engine.SpeculativeGenerator`.
 
     Raises:
         ValueError: naming the bad spec and the allowed forms.
@@ -97,7 +99,8 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
     elif kind == "early-exit":
         proposer = EarlyExitProposer(target, layers)
     if kind in ("prompt-lookup", "draft", "early-exit"):
-        return _ours(spec, kind, k, SpeculativeGenerator(target, proposer, k, policy))
+        return _ours(spec, kind, k, SpeculativeGenerator(
+            target, proposer, k, policy, allow_batch_variance=allow_batch_variance))
     if kind.startswith("llama-"):
         return _llama_method(spec, kind, k, target)
     model = getattr(target, "model", None)

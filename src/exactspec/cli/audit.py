@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from exactspec.cli.common import DEFAULT_K, add_model_options, add_policy_option, load_from_args
+from exactspec.cli.common import (DEFAULT_K, add_model_options, add_policy_option,
+                                  allows_batch_variance, load_from_args)
 
 QUICK = {"samples": 200, "greedy_tokens": 24, "num_prompts": 3}
 
@@ -126,7 +127,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         prompt_ids = [tokenizer.apply_chat_template(p) if args.chat else tokenizer.encode(p)
                       for p in prompts]
         if args.engine == "exactspec":
-            engine = ExactspecEngine(SpeculativeGenerator(target, proposer, k, args.policy),
+            engine = ExactspecEngine(SpeculativeGenerator(
+                target, proposer, k, args.policy, allow_batch_variance=allows_batch_variance(args)),
                                      f"exactspec {args.proposer} k={k} {args.policy}")
         elif args.engine == "llama_cpp":
             if proposer is not None and not isinstance(proposer, PromptLookupProposer):
@@ -139,8 +141,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                                 f"k={k}", _hf_mode(proposer, k))
         control = None
         if args.broken != "none" and proposer is not None:
-            control = ExactspecEngine(BrokenGenerator(target, proposer, k, "constant",
-                                                      broken=args.broken),
+            control = ExactspecEngine(BrokenGenerator(
+                target, proposer, k, "constant", broken=args.broken,
+                allow_batch_variance=allows_batch_variance(args)),
                                       f"broken control: {args.broken}, {args.proposer} k={k}")
         config = {"model": args.model, "backend": target.description, "engine": engine.name,
                   "proposer": args.proposer, "k": k, "policy": args.policy, "sampling": vars(params),

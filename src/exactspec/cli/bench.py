@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from exactspec.cli.common import add_model_options, load_from_args
+from exactspec.cli.common import add_model_options, allows_batch_variance, load_from_args
 
 DEFAULT_BENCH_METHODS = {
     "transformers": ("plain", "prompt-lookup:k=4", "prompt-lookup:k=6:policy=auto", "hf-plain",
@@ -78,7 +78,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             target = load_from_args(args)
             load = lambda name: load_from_args(args, name)
             backend = "llama_cpp" if isinstance(target, LlamaCppBackend) else "transformers"
-            methods = [parse_method(spec, target, load)
+            methods = [parse_method(spec, target, load,
+                                    allow_batch_variance=allows_batch_variance(args))
                        for spec in args.method or DEFAULT_BENCH_METHODS[backend]]
         config = {"model": args.model, "backend": target.description, "device": str(target.device),
                   "questions": str(args.questions or "exactspec prompts.jsonl"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from exactspec.backends.batch_invariant import KERNELS
 from exactspec.models import BACKENDS, DEFAULT_MODEL, EMBEDDED_MODELS
 
 DEFAULT_K = 4
@@ -47,9 +48,18 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                             "(needs a batch-invariant build: CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" "
                             "pip install --no-cache-dir 'exactspec[llama-cpp]')")
     model.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                       help="transformers backend only: weights' dtype (default float32); only "
-                            "float32 keeps greedy output bit-identical to plain decoding (others "
-                            "may flip near-tied tokens)")
+                       help="transformers backend only: weights' dtype (default float32)")
+    model.add_argument("--kernels", default=None, choices=KERNELS,
+                       help="transformers backend only: batch-invariant (the default: a token "
+                            "scored in a verification block gets plain decoding's logits bit for "
+                            "bit, so greedy output is identical and sampling uses exactly the "
+                            "same probabilities) or fast (PyTorch's own kernels, faster on a "
+                            "CPU; identical only up to rounding, so near-tied tokens can flip; "
+                            "implies --allow-batch-variance)")
+    model.add_argument("--allow-batch-variance", action="store_true",
+                       help="speculate even on a backend whose block logits differ from "
+                            "single-token logits by rounding (the load-time check failed): the "
+                            "output is then exact only up to that rounding")
     model.add_argument("--threads", type=positive_int, default=None,
                        help="llama_cpp backend only: CPU threads (default: all cores)")
 
@@ -70,7 +80,13 @@ def load_from_args(args: argparse.Namespace, name_or_path: str | None = None):
     from exactspec.models import load_model
 
     return load_model(name_or_path or args.model, backend=args.backend, device=args.device,
-                      dtype=args.dtype, threads=args.threads)
+                      dtype=args.dtype, threads=args.threads, kernels=args.kernels)
+
+
+def allows_batch_variance(args: argparse.Namespace) -> bool:
+    """Whether the user accepted rounding differences (``--allow-batch-variance``, or the
+    fast kernels chosen explicitly)."""
+    return args.allow_batch_variance or args.kernels == "fast"
 
 
 def has_chat_template(target) -> bool:

@@ -8,8 +8,8 @@ import logging
 import sys
 
 from exactspec.cli.common import (DEFAULT_K, DEFAULT_NGRAM, add_model_options,
-                                  add_policy_option, has_chat_template, load_from_args,
-                                  logit_bias, ngram_range)
+                                  add_policy_option, allows_batch_variance, has_chat_template,
+                                  load_from_args, logit_bias, ngram_range)
 
 FIELD_FLAGS = {"stop_token_ids": "--stop-token-id", "banned_token_ids": "--ban-token-id",
                "bad_words": "--bad-word"}  # SamplingParams fields whose flag is singular
@@ -119,9 +119,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     console = Console(stderr=True, soft_wrap=True)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("exactspec").setLevel(logging.INFO)
-    if args.dtype not in (None, "float32"):
-        console.print(f"note: with {args.dtype} weights greedy output is not promised to be "
-                      "bit-identical to plain decoding (near-tied tokens can flip)", highlight=False)
     try:
         with console.status(f"Loading {args.model} …"):
             target = load_from_args(args)
@@ -137,9 +134,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         else:
             low, high = args.prompt_lookup or DEFAULT_NGRAM
             proposer, method = PromptLookupProposer(low, high), f"prompt lookup {low}:{high}"
+        if proposer is not None and not target.batch_invariant and allows_batch_variance(args):
+            console.print(f"note: {target.description} is not batch-invariant: the output is "
+                          "exact only up to rounding (near-tied tokens can flip)", highlight=False)
         chat = args.chat if args.chat is not None else has_chat_template(target)
         generator = SpeculativeGenerator(target, proposer, args.num_speculative_tokens,
-                                         args.policy)
+                                         args.policy,
+                                         allow_batch_variance=allows_batch_variance(args))
         results = generator.generate_samples(prompt, params, n=args.num_samples, chat=chat)
     except (ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError,
             ValueError) as error:
