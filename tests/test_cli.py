@@ -190,3 +190,72 @@ def test_audit_bad_arguments(args, message, capsys):
 def test_audit_bad_proposer_is_named(model_folder, capsys):
     assert cli.main(["audit", "--model", str(model_folder), "--proposer", "magic"]) == 1
     assert "proposer 'magic' is invalid" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Makes loading any model a test failure: the checks must come first."""
+    def load_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+    monkeypatch.setattr("exactspec.models.load_model", load_model)
+
+
+def test_model_folder_without_model_files_is_named(tmp_path, capsys, no_loading):
+    code, _, err = run(capsys, "hi", "--model", tmp_path)
+    assert code == 1
+    assert " ".join(err.split()) == (
+        f"error: --model: model folder '{tmp_path}' lacks config.json, weights (*.safetensors "
+        "or *.bin) and a tokenizer (tokenizer.json, tokenizer.model or vocab.json): a model is "
+        "an embedded model name (smollm2-135m-instruct), a Hugging Face model folder "
+        "(config.json, *.safetensors or *.bin weights, tokenizer.json or tokenizer.model) or a "
+        ".gguf file")
+
+
+def test_file_that_is_not_gguf_is_refused_before_converting(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("EXACTSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    fake = tmp_path / "fake.gguf"
+    fake.write_text("<html>not found</html>")
+    for backend in ("transformers", "auto"):
+        code, _, err = run(capsys, "hi", "--model", fake, "--backend", backend)
+        assert code == 1 and "Converting" not in err
+        assert " ".join(err.split()) == (f"error: --model: '{fake}' is not a GGUF file: it "
+                                         "starts with b'<htm', not b'GGUF'")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_missing_draft_model_is_named_before_loading_the_target(model_folder, tmp_path, capsys,
+                                                               no_loading):
+    code, _, err = run(capsys, "hi", "--model", model_folder, "--draft-model", tmp_path / "nope")
+    assert code == 1
+    assert " ".join(err.split()) == (
+        f"error: --draft-model: model '{tmp_path / 'nope'}' is neither an embedded model "
+        "(smollm2-135m-instruct) nor an existing folder or .gguf file")
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["--early-exit", "0"], 2, "argument --early-exit: '0' is invalid: give an integer ≥ 1"),
+    (["--early-exit", "2"], 2, "--early-exit 2 is invalid: it must be in [1, 1] (the target "
+                               "has 2 layers)"),
+    (["--early-exit", "1", "--backend", "llama_cpp"], 1,
+     "error: --early-exit drafts with the target's own layers, which needs the transformers "
+     "backend, and '{folder}' runs on llama_cpp: add --backend transformers"),
+])
+def test_early_exit_layers_are_checked_before_loading(model_folder, capsys, no_loading, args,
+                                                      code, message):
+    try:
+        assert cli.main(["generate", "hi", "--model", str(model_folder), *args]) == code
+    except SystemExit as exit_info:
+        assert exit_info.code == code
+    err = " ".join(capsys.readouterr().err.split())
+    assert message.format(folder=model_folder) in err
+
+
+def test_help_says_when_token_ids_are_checked(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    note = "(repeatable; an id outside the model's vocabulary is reported once the model has loaded)"
+    for help_text in ("--stop-token-id ID end generation at this token id, besides EOS ",
+                      "--logit-bias ID=BIAS add BIAS to token ID's logit ",
+                      "--ban-token-id ID never generate token ID "):
+        assert help_text + note in out

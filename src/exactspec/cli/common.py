@@ -65,6 +65,38 @@ def positive_int(text: str) -> int:
     return value
 
 
+def check_models_before_loading(args: argparse.Namespace, drafts: dict[str, str]) -> str:
+    """What can be checked without loading a model, in a moment: ``--model`` and each of
+    ``drafts`` (flag → model name or path) exist and look like a model (see
+    :func:`~exactspec.models.check_model_path`), and the model options fit the target.
+
+    Returns:
+        the target's backend, ``transformers`` or ``llama_cpp``.
+    Raises:
+        ModelNotFoundError, ValueError: naming the flag and the bad value.
+    """
+    from exactspec.models import check_model_path, choose_backend
+
+    for flag, name in {"--model": args.model, **drafts}.items():
+        try:
+            path = check_model_path(name)
+        except (FileNotFoundError, ValueError) as error:
+            raise type(error)(f"{flag}: {error}") from None
+        if flag == "--model":
+            backend = choose_backend(path, args.backend, device=args.device, dtype=args.dtype)
+    return backend
+
+
+def check_early_exit(parser: argparse.ArgumentParser, flag: str, layers: int,
+                     num_layers: int | None) -> None:
+    """Exit through ``parser.error`` unless 1 ≤ ``layers`` < ``num_layers`` (the target's
+    layer count; None: unknown, not checked)."""
+    if layers < 1 or (num_layers is not None and layers >= num_layers):
+        known = f" (the target has {num_layers} layers)" if num_layers is not None else ""
+        upper = f"in [1, {num_layers - 1}]" if num_layers is not None else "≥ 1"
+        parser.error(f"{flag} {layers} is invalid: it must be {upper}{known}")
+
+
 def load_from_args(args: argparse.Namespace, name_or_path: str | None = None):
     """The model ``name_or_path`` (default ``--model``) with the parsed model options."""
     from exactspec.models import load_model
