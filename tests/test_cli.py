@@ -259,3 +259,35 @@ def test_help_says_when_token_ids_are_checked(capsys):
                       "--logit-bias ID=BIAS add BIAS to token ID's logit ",
                       "--ban-token-id ID never generate token ID "):
         assert help_text + note in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--samples", "0", "--quick"], "--samples 0 is invalid: it must be ≥ 1"),
+    (["--quick", "--samples", "-5"], "--samples -5 is invalid: it must be ≥ 1"),
+])
+def test_audit_sample_count_below_one_is_an_error_with_quick(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["audit", *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, args, expected", [
+    ("audit", ["--quick", "--samples", "1000"], {"samples": 1000, "greedy_tokens": 24}),
+    ("audit", ["--greedy-tokens", "0", "--quick"], {"samples": 200, "greedy_tokens": 0}),
+    ("audit", [], {"samples": 1000, "greedy_tokens": 64}),
+    ("bench", ["--quick", "--repetitions", "3"],
+     {"repetitions": 3, "per_category": 2, "max_new_tokens": 64}),
+    ("bench", ["--max-new-tokens", "16", "--quick", "--per-category", "4"],
+     {"repetitions": 1, "per_category": 4, "max_new_tokens": 16}),
+    ("bench", [], {"repetitions": 2, "per_category": 5, "max_new_tokens": 128}),
+])
+def test_explicit_flags_override_quick(command, args, expected, model_folder, monkeypatch,
+                                       capsys):
+    seen = {}
+
+    def load_from_args(parsed, name=None):
+        seen.update({key: getattr(parsed, key) for key in expected})
+        raise ValueError("stopped before loading")
+    monkeypatch.setattr(f"exactspec.cli.{command}.load_from_args", load_from_args)
+    assert cli.main([command, "--model", str(model_folder), *args]) == 1
+    assert seen == expected

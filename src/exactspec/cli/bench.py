@@ -14,6 +14,9 @@ DEFAULT_BENCH_METHODS = {
                   "llama-prompt-lookup:k=10"),
 }
 """Methods compared when no --method is given, by the target's backend."""
+FULL = {"per_category": 5, "max_new_tokens": 128, "repetitions": 2}
+QUICK = {"per_category": 2, "max_new_tokens": 64, "repetitions": 1}
+"""Run sizes without and with --quick, where the flag itself is not given."""
 
 
 def add_parser(commands) -> None:
@@ -30,8 +33,9 @@ def add_parser(commands) -> None:
     bench.add_argument("--category", action="append", default=None, metavar="GROUP",
                        help="task group to run (repeatable; default all): multi-turn "
                             "conversation, translation, summarization, qa, math_reasoning, rag")
-    bench.add_argument("--per-category", type=int, default=5, metavar="N",
-                       help="questions per group (default 5)")
+    bench.add_argument("--per-category", type=int, default=None, metavar="N",
+                       help=f"questions per group (default {FULL['per_category']}; "
+                            f"{QUICK['per_category']} with --quick)")
     bench.add_argument("--method", action="append", default=None, metavar="SPEC",
                        help="method to compare (repeatable): plain, prompt-lookup:k=4[:ngram=2-3], "
                             "draft:MODEL:k=4, early-exit:L:k=4, hf-plain, hf-prompt-lookup:k=10, "
@@ -39,16 +43,22 @@ def add_parser(commands) -> None:
                             "llama-plain, llama-prompt-lookup:k=10 (llama_cpp backend). Default "
                             "on transformers: " + " ".join(DEFAULT_BENCH_METHODS["transformers"])
                             + "; on llama_cpp: " + " ".join(DEFAULT_BENCH_METHODS["llama_cpp"]))
-    bench.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    bench.add_argument("--max-new-tokens", type=int, default=None,
+                       help=f"default {FULL['max_new_tokens']} ({QUICK['max_new_tokens']} with "
+                            "--quick)")
     bench.add_argument("--temperature", type=float, default=0.0,
                        help="0 = greedy (the default; identity with plain decoding is checked)")
-    bench.add_argument("--repetitions", type=int, default=2, help="default 2")
+    bench.add_argument("--repetitions", type=int, default=None,
+                       help=f"default {FULL['repetitions']} ({QUICK['repetitions']} with --quick)")
     bench.add_argument("--seed", type=int, default=0, help="default 0")
     bench.add_argument("--output", default="bench-results", metavar="DIR",
                        help="where results.json, report.md and the plots go (default bench-results)")
     bench.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     bench.add_argument("--quick", action="store_true",
-                       help="smoke run: 2 questions per group, 64 new tokens, 1 repetition")
+                       help=f"smoke run: {QUICK['per_category']} questions per group, "
+                            f"{QUICK['max_new_tokens']} new tokens, {QUICK['repetitions']} "
+                            "repetition; --per-category, --max-new-tokens and --repetitions "
+                            "given explicitly override these")
     add_model_options(bench)
     bench.set_defaults(subparser=bench)
 
@@ -63,8 +73,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from exactspec.bench import load_questions, parse_method, run_bench, write_report
     from exactspec.bench.methods import is_peer
 
-    if args.quick:
-        args.per_category, args.max_new_tokens, args.repetitions = 2, 64, 1
+    for name in FULL:  # explicit flags win over --quick's sizes
+        if getattr(args, name) is None:
+            setattr(args, name, (QUICK if args.quick else FULL)[name])
     for name in ("per_category", "repetitions"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: it must be ≥ 1")
