@@ -291,3 +291,70 @@ def test_explicit_flags_override_quick(command, args, expected, model_folder, mo
     monkeypatch.setattr(f"exactspec.cli.{command}.load_from_args", load_from_args)
     assert cli.main([command, "--model", str(model_folder), *args]) == 1
     assert seen == expected
+
+
+def test_ctrl_c_during_generate_is_one_line_and_status_130(model_folder, capsys, monkeypatch):
+    from exactspec import SpeculativeGenerator
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # what Python raises on SIGINT
+    monkeypatch.setattr(SpeculativeGenerator, "generate_samples", interrupted)
+    code, out, err = run(capsys, "abc", "--model", model_folder, "--json")
+    assert (code, out, err) == (130, "", "interrupted\n")
+
+
+def bench(capsys, tmp_path, model_folder, *args):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"question_id": i, "category": group,
+                                               "turns": ["abc abc abd abc"]})
+                                   for i, group in enumerate(["qa", "rag", "qa"])))
+    code = cli.main(["bench", "--model", str(model_folder), "--questions", str(questions),
+                     "--method", "plain", "--method", "prompt-lookup:k=2", "--max-new-tokens",
+                     "6", "--repetitions", "1", "--output", str(tmp_path / "out"), *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ctrl_c_during_bench_keeps_the_finished_questions(model_folder, tmp_path, capsys,
+                                                          monkeypatch):
+    import exactspec.bench.runner as runner
+
+    blocks = []
+    run_block = runner._run_block
+
+    def interrupted_in_the_second(*args, **kwargs):
+        blocks.append(args[0].question_id)
+        if len(blocks) == 2:
+            raise KeyboardInterrupt
+        return run_block(*args, **kwargs)
+    monkeypatch.setattr(runner, "_run_block", interrupted_in_the_second)
+    code, out, err = bench(capsys, tmp_path, model_folder)
+    assert code == 130 and err.endswith("\ninterrupted\n")
+    incomplete = "**Incomplete: interrupted (Ctrl-C) after 1 of 3 question runs"
+    assert out.startswith(f"# exactspec bench\n\n{incomplete}")
+    assert (tmp_path / "out" / "report.md").read_text().startswith(
+        f"# exactspec bench\n\n{incomplete}")
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]
+
+
+def test_bench_with_unstable_measurements_says_so_and_exits_3(model_folder, tmp_path, capsys,
+                                                              monkeypatch):
+    monkeypatch.setattr("exactspec.bench.runner.measure_forward_cost",
+                        lambda *args: {1: 3.656, 2: 0.390, 3: 0.379})
+    code, out, err = bench(capsys, tmp_path, model_folder)
+    assert code == 3
+    headline = ("Unstable measurements: something else was probably using the CPU; re-run "
+                "with nothing else running before trusting these figures.")
+    assert out.startswith(f"# exactspec bench\n\n**{headline}**\n\n- target forward cost falls "
+                          "as more tokens are scored: 3 tokens took 379.0 ms, 9.6× less than "
+                          "1 (3656.0 ms)\n")
+    assert f"warning: {headline}\n- target forward cost falls" in " ".join(err.split(" "))
+
+
+def test_bench_checks_method_models_before_loading(model_folder, tmp_path, capsys, no_loading):
+    code, _, err = bench(capsys, tmp_path, model_folder, "--method", f"draft:{tmp_path}/nope")
+    assert code == 1 and " ".join(err.split()) == (
+        f"error: --method draft:{tmp_path}/nope: model '{tmp_path}/nope' is neither an embedded "
+        "model (smollm2-135m-instruct) nor an existing folder or .gguf file")
+    code, _, err = bench(capsys, tmp_path, model_folder, "--method", "early-exit:0")
+    assert code == 1 and "error: method 'early-exit:0' is invalid: L = 0 must be ≥ 1" in err

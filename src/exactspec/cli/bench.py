@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from exactspec.cli.common import add_model_options, load_from_args
+from exactspec.cli.common import (EXIT_STATUSES, EXIT_UNSTABLE, add_model_options,
+                                  check_models_before_loading, load_from_args)
 
 DEFAULT_BENCH_METHODS = {
     "transformers": ("plain", "prompt-lookup:k=4", "prompt-lookup:k=6:policy=auto", "hf-plain",
@@ -26,7 +27,12 @@ def add_parser(commands) -> None:
                     "(transformers generate() with its own prompt lookup / assistant model, or "
                     "llama-cpp-python's generate() with its prompt-lookup draft) on "
                     "Spec-Bench-format questions, interleaved, on one model. Writes results.json, "
-                    "report.md and PNG plots to --output.")
+                    "report.md and PNG plots to --output. Timings disturbed by other work on the "
+                    "machine (a forward cost falling as more tokens are scored, repetitions "
+                    "disagreeing, a method's tokens/s far from the others' in a group) are "
+                    "reported at the top of report.md and in the exit status. Ctrl-C keeps "
+                    "the questions finished, marked incomplete.",
+        epilog=EXIT_STATUSES)
     bench.add_argument("--questions", metavar="PATH", default=None,
                        help="Spec-Bench-format JSONL (e.g. Spec-Bench's data/spec_bench/question.jsonl);"
                             " default: exactspec's own 12-prompt set")
@@ -67,11 +73,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from importlib.resources import files
 
     from rich.console import Console
+    from rich.markup import escape
 
     from exactspec import SamplingParams
     from exactspec.backends.llama_cpp_backend import LlamaCppBackend, LlamaCppNotInstalledError
     from exactspec.bench import load_questions, parse_method, run_bench, write_report
-    from exactspec.bench.methods import is_peer
+    from exactspec.bench.methods import is_peer, parse_method_spec
+    from exactspec.bench.report import UNSTABLE_HEADLINE
 
     for name in FULL:  # explicit flags win over --quick's sizes
         if getattr(args, name) is None:
@@ -85,6 +93,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                 max_new_tokens=args.max_new_tokens)
         questions = load_questions(args.questions or files("exactspec.bench") / "prompts.jsonl",
                                    args.category, args.per_category)
+        specs = [parse_method_spec(spec) for spec in args.method or ()]
+        check_models_before_loading(args, {f"--method {spec.spec}": spec.model
+                                           for spec in specs if spec.model})
         with console.status(f"Loading {args.model} …"):
             target = load_from_args(args)
             load = lambda name: load_from_args(args, name)
@@ -105,5 +116,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     summary = write_report(results, args.output)
     console.print(f"wrote {', '.join(summary['files'])}", highlight=False)
     print((Path(args.output) / "report.md").read_text())
+    if summary["unstable"]:
+        console.print("[bold yellow]warning:[/] " + escape(
+            "\n".join([UNSTABLE_HEADLINE] + [f"- {line}" for line in summary["unstable"]])),
+            highlight=False)
+    if results.incomplete:
+        raise KeyboardInterrupt  # the report says what was kept; exit as interrupted
     failures = sum(e["mismatches"] for m, e in summary["overall"].items() if not is_peer(m))
-    return 1 if failures else 0
+    return 1 if failures else EXIT_UNSTABLE if summary["unstable"] else 0

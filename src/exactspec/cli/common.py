@@ -8,6 +8,14 @@ from exactspec.models import BACKENDS, DEFAULT_MODEL, EMBEDDED_MODELS
 
 DEFAULT_K = 4
 DEFAULT_NGRAM = (2, 3)
+EXIT_UNSTABLE = 3
+"""``bench``'s exit status when its measurements look disturbed (and nothing failed)."""
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C (128 + SIGINT, as shells report it)."""
+EXIT_STATUSES = ("Exit status: 0 success; 1 an error (the message names it), a greedy "
+                 "identity failure (bench) or an audit verdict other than 'exact'; 2 bad "
+                 f"arguments; {EXIT_UNSTABLE} unstable measurements (bench); "
+                 f"{EXIT_INTERRUPTED} interrupted (Ctrl-C).")
 
 
 def ngram_range(text: str) -> tuple[int, int]:

@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from exactspec.cli.common import (DEFAULT_K, DEFAULT_NGRAM, add_model_options,
+from exactspec.cli.common import (DEFAULT_K, DEFAULT_NGRAM, EXIT_STATUSES, add_model_options,
                                   add_policy_option, check_early_exit,
                                   check_models_before_loading, has_chat_template,
                                   load_from_args, logit_bias, ngram_range, positive_int)
@@ -23,7 +23,8 @@ def add_parser(commands) -> None:
         description="Generate a continuation of PROMPT with exact speculative decoding and print "
                     "the text, then a one-line summary (tokens, tokens/s, acceptance rate, mean "
                     "acceptance length) on stderr. By default the drafter is prompt lookup "
-                    "(n-gram matching in the prompt and the generated text).")
+                    "(n-gram matching in the prompt and the generated text).",
+        epilog=EXIT_STATUSES)
     gen.add_argument("prompt", metavar="PROMPT", help="the prompt text; '-' reads it from stdin")
     add_model_options(gen)
     spec = gen.add_argument_group("speculation")
