@@ -358,3 +358,16 @@ def test_bench_checks_method_models_before_loading(model_folder, tmp_path, capsy
         "model (smollm2-135m-instruct) nor an existing folder or .gguf file")
     code, _, err = bench(capsys, tmp_path, model_folder, "--method", "early-exit:0")
     assert code == 1 and "error: method 'early-exit:0' is invalid: L = 0 must be ≥ 1" in err
+
+
+def test_generate_prints_the_slow_decoding_warning(model_folder, capsys, monkeypatch):
+    seen = []
+
+    def warning(target, num_tokens, seconds):
+        seen.append((num_tokens, seconds > 0))
+        return "decoding ran at 0.5 tokens/s [...] (--threads 1)"
+    monkeypatch.setattr("exactspec.backends.llama_cpp_backend.slow_decoding_warning", warning)
+    code, _, err = run(capsys, "abc", "--model", model_folder, "--max-new-tokens", 5, "-n", 2,
+                       "--temperature", 1, "--ignore-eos")
+    assert code == 0 and seen == [(10, True)]
+    assert err.endswith("warning: decoding ran at 0.5 tokens/s [...] (--threads 1)\n")

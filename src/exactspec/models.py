@@ -231,7 +231,9 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
         dtype: transformers only: ``float32`` (the default; greedy output bit-identical to
             plain decoding), ``bfloat16`` or ``float16`` (faster on some hardware, greedy
             identity may break on near-tied logits).
-        threads: llama.cpp only: CPU threads (default: every core this process may use).
+        threads: llama.cpp only: CPU threads (default: half the cores this process may use;
+            all of them are faster on an idle machine but collapse when another process
+            takes a core, see README).
     Returns:
         a :class:`~exactspec.backends.base.Backend`.
     Raises:

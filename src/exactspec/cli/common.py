@@ -59,7 +59,16 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                             "float32 keeps greedy output bit-identical to plain decoding (others "
                             "may flip near-tied tokens)")
     model.add_argument("--threads", type=positive_int, default=None,
-                       help="llama_cpp backend only: CPU threads (default: all cores)")
+                       help="llama_cpp backend only: CPU threads (default: half the cores, "
+                            f"here {_default_threads()}). All cores are faster on an idle "
+                            "machine, but collapse (e.g. 100× slower) while another process "
+                            "uses the CPU: then use fewer than the free cores")
+
+
+def _default_threads() -> int:
+    from exactspec.backends.llama_cpp_backend import default_threads
+
+    return default_threads()
 
 
 def positive_int(text: str) -> int:

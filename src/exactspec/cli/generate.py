@@ -93,10 +93,12 @@ def add_parser(commands) -> None:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     from exactspec import (DraftModelProposer, EarlyExitProposer, PromptLookupProposer,
                            SamplingParams, SpeculativeGenerator, UnsupportedModelError)
-    from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
+    from exactspec.backends.llama_cpp_backend import (LlamaCppNotInstalledError,
+                                                      slow_decoding_warning)
     from exactspec.models import ModelNotFoundError, layer_count, resolve_model_path
 
     try:
@@ -178,4 +180,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(result.text, flush=True)
         console.print(f"{result.stats.summary()} · finish: {result.finish_reason} · {method} · {target.description}",
                       highlight=False, soft_wrap=True)
+    warning = slow_decoding_warning(
+        target, sum(r.stats.num_generated_tokens for r in results),
+        sum(r.stats.total_seconds - r.stats.prefill_seconds for r in results))
+    if warning:
+        console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False)
     return 0
