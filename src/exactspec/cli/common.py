@@ -106,12 +106,13 @@ def check_models_before_loading(args: argparse.Namespace, drafts: dict[str, str]
 
 def check_early_exit(parser: argparse.ArgumentParser, flag: str, layers: int,
                      num_layers: int | None) -> None:
-    """Exit through ``parser.error`` unless 1 ≤ ``layers`` < ``num_layers`` (the target's
-    layer count; None: unknown, not checked)."""
-    if layers < 1 or (num_layers is not None and layers >= num_layers):
-        known = f" (the target has {num_layers} layers)" if num_layers is not None else ""
-        upper = f"in [1, {num_layers - 1}]" if num_layers is not None else "≥ 1"
-        parser.error(f"{flag} {layers} is invalid: it must be {upper}{known}")
+    """Exit through ``parser.error`` (status 2) unless 1 ≤ ``layers`` < ``num_layers``, the
+    target's layer count (None: unknown, then only ≥ 1 is checked)."""
+    if num_layers is not None and not 1 <= layers < num_layers:
+        parser.error(f"{flag} {layers} is invalid: it must be in [1, {num_layers - 1}] (the "
+                     f"target has {num_layers} layers)")
+    if layers < 1:
+        parser.error(f"{flag} {layers} is invalid: it must be ≥ 1")
 
 
 def load_from_args(args: argparse.Namespace, name_or_path: str | None = None):

@@ -133,7 +133,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                              f"the transformers backend, and {args.model!r} runs on "
                              f"{backend}: add --backend transformers")
     except (ModelNotFoundError, ValueError) as error:
-        console.print(f"[bold red]error:[/] {error}", highlight=False, markup=True)
+        console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
         return 1
     if args.early_exit is not None:
         check_early_exit(parser, "--early-exit", args.early_exit,
