@@ -7,8 +7,10 @@ import json
 import pytest
 
 from exactspec import SamplingParams
-from exactspec.bench import GROUPS, load_questions, parse_method, run_bench, write_report
-from exactspec.bench.methods import Method, Outcome
+from exactspec.bench import (GROUPS, BenchResults, Record, load_questions, parse_method,
+                             run_bench, summarize, write_report)
+from exactspec.bench.methods import Method, Outcome, parse_method_spec
+from exactspec.bench.report import instabilities
 
 from conftest import tiny_backend
 
@@ -122,3 +124,112 @@ def test_bench_on_llama_cpp_with_its_peers(questions_file, tmp_path):
     assert summary["overall"]["prompt-lookup:k=4:policy=auto"]["policy"] == "auto"
     with pytest.raises(ValueError, match="needs the llama_cpp backend"):
         parse_method("llama-plain", tiny_backend(0), None)
+
+
+def synthetic(tokens_per_second: dict[str, list[float]], forward_seconds=None,
+              group="qa") -> BenchResults:
+    """Results of one question of 100 tokens per method and repetition, at the given
+    tokens/s (one entry per repetition)."""
+    results = BenchResults({}, {}, forward_seconds or {1: 0.010, 2: 0.012, 3: 0.014})
+    for method, rates in tokens_per_second.items():
+        for repetition, rate in enumerate(rates):
+            results.records.append(Record(1, group, method, repetition, 100, 100 / rate,
+                                          [0] * 100, None))
+    return results
+
+
+def test_quiet_measurements_are_not_flagged():
+    results = synthetic({"plain": [20.0, 21.0], "prompt-lookup:k=4": [30.0, 29.0],
+                         "hf-plain": [18.0, 19.5]})
+    assert instabilities(results, summarize(results)) == []
+
+
+def test_non_monotone_cost_model_is_flagged():
+    results = synthetic({"plain": [20.0], "prompt-lookup:k=4": [24.0]},
+                        forward_seconds={1: 3.656, 2: 0.390, 5: 0.379})
+    assert instabilities(results, summarize(results)) == [
+        "target forward cost falls as more tokens are scored: 5 tokens took 379.0 ms, 9.6× "
+        "less than 1 (3656.0 ms)"]
+
+
+def test_repetitions_disagreeing_are_flagged():
+    results = synthetic({"plain": [20.0, 21.0], "prompt-lookup:k=4": [30.0, 12.0]})
+    assert instabilities(results, summarize(results)) == [
+        "prompt-lookup:k=4 on qa: repetitions disagree 2.5× (30.0, 12.0 tokens/s)"]
+
+
+def test_a_method_far_from_the_others_in_its_group_is_flagged():
+    results = synthetic({"plain": [2.0], "prompt-lookup:k=4": [53.6]})  # 26.8×, 1 repetition
+    assert instabilities(results, summarize(results)) == [
+        "plain on qa: 2.0 tokens/s, 26.8× below the other methods' median (53.6)",
+        "prompt-lookup:k=4 on qa: 53.6 tokens/s, 26.8× above the other methods' median (2.0)"]
+
+
+def test_unstable_measurements_head_the_report(tmp_path):
+    results = synthetic({"plain": [20.0, 21.0], "prompt-lookup:k=4": [30.0, 12.0]})
+    summary = write_report(results, tmp_path)
+    report = (tmp_path / "report.md").read_text()
+    assert report.startswith(
+        "# exactspec bench\n\n**Unstable measurements: something else was probably using the "
+        "CPU; re-run with nothing else running before trusting these figures.**\n\n"
+        "- prompt-lookup:k=4 on qa: repetitions disagree 2.5× (30.0, 12.0 tokens/s)\n")
+    assert json.loads((tmp_path / "results.json").read_text())["unstable"] == summary["unstable"]
+
+
+def interrupted_after(calls: int, methods: list[Method]) -> list[Method]:
+    """``methods`` whose runs raise KeyboardInterrupt (as Ctrl-C does) from run ``calls``
+    + 1 on."""
+    made = []
+
+    def wrap(method):
+        def run(prompt_ids, params):
+            made.append(method.name)
+            if len(made) > calls:
+                raise KeyboardInterrupt
+            return method.run(prompt_ids, params)
+        return Method(method.name, method.kind, method.k, run)
+    return [wrap(method) for method in methods]
+
+
+def test_ctrl_c_keeps_the_questions_finished_marked_incomplete(questions_file, tmp_path):
+    target = tiny_backend(21)
+    methods = [parse_method(spec, target, None) for spec in ("plain", "prompt-lookup:k=2")]
+    # 2 warm-up runs, then question 1 (both methods), then the first method of question 2
+    results = run_bench(target, load_questions(questions_file), interrupted_after(5, methods),
+                        params=SamplingParams(max_new_tokens=6), repetitions=1, chat=False,
+                        config={}, show_progress=False)
+    assert results.incomplete == "interrupted (Ctrl-C) after 1 of 4 question runs"
+    assert [(r.question_id, r.method) for r in results.records] == [
+        (1, "plain"), (1, "prompt-lookup:k=2")]
+    write_report(results, tmp_path)
+    assert (tmp_path / "report.md").read_text().startswith(
+        "# exactspec bench\n\n**Incomplete: interrupted (Ctrl-C) after 1 of 4 question runs; "
+        "the figures cover those runs only.**\n")
+    assert json.loads((tmp_path / "results.json").read_text())["incomplete"]
+    with pytest.raises(KeyboardInterrupt):  # nothing measured yet: nothing to keep
+        run_bench(target, load_questions(questions_file), interrupted_after(3, methods),
+                  params=SamplingParams(max_new_tokens=6), repetitions=1, chat=False,
+                  config={}, show_progress=False)
+
+
+def test_files_are_replaced_whole_or_not_at_all(tmp_path):
+    from exactspec.files import replaced_atomically, write_text_atomically
+
+    path = write_text_atomically(tmp_path / "report.md", "old")
+    with pytest.raises(KeyboardInterrupt), replaced_atomically(path) as partial:
+        partial.write_text("half")
+        raise KeyboardInterrupt
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["report.md"]
+    write_text_atomically(path, "new")
+    assert path.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["report.md"]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("early-exit:0", "method 'early-exit:0' is invalid: L = 0 must be ≥ 1"),
+    ("prompt-lookup:policy=fast", "method 'prompt-lookup:policy=fast' is invalid: policy "
+                                  "'fast' is not one of auto, constant, heuristic, confidence"),
+])
+def test_method_specs_are_checked_without_a_model(spec, message):
+    with pytest.raises(ValueError) as error:
+        parse_method_spec(spec)
+    assert str(error.value) == message

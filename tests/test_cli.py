@@ -203,3 +203,184 @@ def test_audit_bad_arguments(args, message, capsys):
 def test_audit_bad_proposer_is_named(model_folder, capsys):
     assert cli.main(["audit", "--model", str(model_folder), "--proposer", "magic"]) == 1
     assert "proposer 'magic' is invalid" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Makes loading any model a test failure: the checks must come first."""
+    def load_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+    monkeypatch.setattr("exactspec.models.load_model", load_model)
+
+
+def test_model_folder_without_model_files_is_named(tmp_path, capsys, no_loading):
+    code, _, err = run(capsys, "hi", "--model", tmp_path)
+    assert code == 1
+    assert " ".join(err.split()) == (
+        f"error: --model: model folder '{tmp_path}' lacks config.json, weights (*.safetensors "
+        "or *.bin) and a tokenizer (tokenizer.json, tokenizer.model or vocab.json): a model is "
+        "an embedded model name (smollm2-135m-instruct), a Hugging Face model folder "
+        "(config.json, *.safetensors or *.bin weights, tokenizer.json or tokenizer.model) or a "
+        ".gguf file")
+
+
+def test_file_that_is_not_gguf_is_refused_before_converting(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("EXACTSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    fake = tmp_path / "fake.gguf"
+    fake.write_text("<html>not found</html>")
+    for backend in ("transformers", "auto"):
+        code, _, err = run(capsys, "hi", "--model", fake, "--backend", backend)
+        assert code == 1 and "Converting" not in err
+        assert " ".join(err.split()) == (f"error: --model: '{fake}' is not a GGUF file: it "
+                                         "starts with b'<htm', not b'GGUF'")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_missing_draft_model_is_named_before_loading_the_target(model_folder, tmp_path, capsys,
+                                                               no_loading):
+    code, _, err = run(capsys, "hi", "--model", model_folder, "--draft-model", tmp_path / "nope")
+    assert code == 1
+    assert " ".join(err.split()) == (
+        f"error: --draft-model: model '{tmp_path / 'nope'}' is neither an embedded model "
+        "(smollm2-135m-instruct) nor an existing folder or .gguf file")
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["--early-exit", "0"], 2, "argument --early-exit: '0' is invalid: give an integer ≥ 1"),
+    (["--early-exit", "2"], 2, "--early-exit 2 is invalid: it must be in [1, 1] (the target "
+                               "has 2 layers)"),
+    (["--early-exit", "1", "--backend", "llama_cpp"], 1,
+     "error: --early-exit drafts with the target's own layers, which needs the transformers "
+     "backend, and '{folder}' runs on llama_cpp: add --backend transformers"),
+])
+def test_early_exit_layers_are_checked_before_loading(model_folder, capsys, no_loading, args,
+                                                      code, message):
+    try:
+        assert cli.main(["generate", "hi", "--model", str(model_folder), *args]) == code
+    except SystemExit as exit_info:
+        assert exit_info.code == code
+    err = " ".join(capsys.readouterr().err.split())
+    assert message.format(folder=model_folder) in err
+
+
+def test_help_says_when_token_ids_are_checked(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    note = "(repeatable; an id outside the model's vocabulary is reported once the model has loaded)"
+    for help_text in ("--stop-token-id ID end generation at this token id, besides EOS ",
+                      "--logit-bias ID=BIAS add BIAS to token ID's logit ",
+                      "--ban-token-id ID never generate token ID "):
+        assert help_text + note in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--samples", "0", "--quick"], "--samples 0 is invalid: it must be ≥ 1"),
+    (["--quick", "--samples", "-5"], "--samples -5 is invalid: it must be ≥ 1"),
+])
+def test_audit_sample_count_below_one_is_an_error_with_quick(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["audit", *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, args, expected", [
+    ("audit", ["--quick", "--samples", "1000"], {"samples": 1000, "greedy_tokens": 24}),
+    ("audit", ["--greedy-tokens", "0", "--quick"], {"samples": 200, "greedy_tokens": 0}),
+    ("audit", [], {"samples": 1000, "greedy_tokens": 64}),
+    ("bench", ["--quick", "--repetitions", "3"],
+     {"repetitions": 3, "per_category": 2, "max_new_tokens": 64}),
+    ("bench", ["--max-new-tokens", "16", "--quick", "--per-category", "4"],
+     {"repetitions": 1, "per_category": 4, "max_new_tokens": 16}),
+    ("bench", [], {"repetitions": 2, "per_category": 5, "max_new_tokens": 128}),
+])
+def test_explicit_flags_override_quick(command, args, expected, model_folder, monkeypatch,
+                                       capsys):
+    seen = {}
+
+    def load_from_args(parsed, name=None):
+        seen.update({key: getattr(parsed, key) for key in expected})
+        raise ValueError("stopped before loading")
+    monkeypatch.setattr(f"exactspec.cli.{command}.load_from_args", load_from_args)
+    assert cli.main([command, "--model", str(model_folder), *args]) == 1
+    assert seen == expected
+
+
+def test_ctrl_c_during_generate_is_one_line_and_status_130(model_folder, capsys, monkeypatch):
+    from exactspec import SpeculativeGenerator
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # what Python raises on SIGINT
+    monkeypatch.setattr(SpeculativeGenerator, "generate_samples", interrupted)
+    code, out, err = run(capsys, "abc", "--model", model_folder, "--json")
+    assert (code, out, err) == (130, "", "interrupted\n")
+
+
+def bench(capsys, tmp_path, model_folder, *args):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"question_id": i, "category": group,
+                                               "turns": ["abc abc abd abc"]})
+                                   for i, group in enumerate(["qa", "rag", "qa"])))
+    code = cli.main(["bench", "--model", str(model_folder), "--questions", str(questions),
+                     "--method", "plain", "--method", "prompt-lookup:k=2", "--max-new-tokens",
+                     "6", "--repetitions", "1", "--output", str(tmp_path / "out"), *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ctrl_c_during_bench_keeps_the_finished_questions(model_folder, tmp_path, capsys,
+                                                          monkeypatch):
+    import exactspec.bench.runner as runner
+
+    blocks = []
+    run_block = runner._run_block
+
+    def interrupted_in_the_second(*args, **kwargs):
+        blocks.append(args[0].question_id)
+        if len(blocks) == 2:
+            raise KeyboardInterrupt
+        return run_block(*args, **kwargs)
+    monkeypatch.setattr(runner, "_run_block", interrupted_in_the_second)
+    code, out, err = bench(capsys, tmp_path, model_folder)
+    assert code == 130 and err.endswith("\ninterrupted\n")
+    incomplete = "**Incomplete: interrupted (Ctrl-C) after 1 of 3 question runs"
+    assert out.startswith(f"# exactspec bench\n\n{incomplete}")
+    assert (tmp_path / "out" / "report.md").read_text().startswith(
+        f"# exactspec bench\n\n{incomplete}")
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]
+
+
+def test_bench_with_unstable_measurements_says_so_and_exits_3(model_folder, tmp_path, capsys,
+                                                              monkeypatch):
+    monkeypatch.setattr("exactspec.bench.runner.measure_forward_cost",
+                        lambda *args: {1: 3.656, 2: 0.390, 3: 0.379})
+    code, out, err = bench(capsys, tmp_path, model_folder)
+    assert code == 3
+    headline = ("Unstable measurements: something else was probably using the CPU; re-run "
+                "with nothing else running before trusting these figures.")
+    assert out.startswith(f"# exactspec bench\n\n**{headline}**\n\n- target forward cost falls "
+                          "as more tokens are scored: 3 tokens took 379.0 ms, 9.6× less than "
+                          "1 (3656.0 ms)\n")
+    assert f"warning: {headline}\n- target forward cost falls" in " ".join(err.split(" "))
+
+
+def test_bench_checks_method_models_before_loading(model_folder, tmp_path, capsys, no_loading):
+    code, _, err = bench(capsys, tmp_path, model_folder, "--method", f"draft:{tmp_path}/nope")
+    assert code == 1 and " ".join(err.split()) == (
+        f"error: --method draft:{tmp_path}/nope: model '{tmp_path}/nope' is neither an embedded "
+        "model (smollm2-135m-instruct) nor an existing folder or .gguf file")
+    code, _, err = bench(capsys, tmp_path, model_folder, "--method", "early-exit:0")
+    assert code == 1 and "error: method 'early-exit:0' is invalid: L = 0 must be ≥ 1" in err
+
+
+def test_generate_prints_the_slow_decoding_warning(model_folder, capsys, monkeypatch):
+    seen = []
+
+    def warning(target, num_tokens, seconds):
+        seen.append((num_tokens, seconds > 0))
+        return "decoding ran at 0.5 tokens/s [...] (--threads 1)"
+    monkeypatch.setattr("exactspec.backends.llama_cpp_backend.slow_decoding_warning", warning)
+    code, _, err = run(capsys, "abc", "--model", model_folder, "--max-new-tokens", 5, "-n", 2,
+                       "--temperature", 1, "--ignore-eos")
+    assert code == 0 and seen == [(10, True)]
+    assert err.endswith("warning: decoding ran at 0.5 tokens/s [...] (--threads 1)\n")

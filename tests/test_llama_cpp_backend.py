@@ -171,3 +171,38 @@ def test_llama_cpp_python_sampling_with_its_prompt_lookup_agrees_with_the_refere
     assert audit_distribution(target, WrongTemperature(), [prompt], params, 800, 0.01).rejected
     with pytest.raises(ValueError, match="applies top-k, top-p and min-p before the temperature"):
         engine.sample(prompt, dataclasses.replace(params, top_p=0.9), 1)
+
+
+@pytest.mark.parametrize("cores, threads", [(1, 1), (2, 1), (3, 1), (8, 4)])
+def test_default_threads_leave_half_the_cores_free(monkeypatch, cores, threads):
+    import os
+
+    from exactspec.backends.llama_cpp_backend import default_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert default_threads() == threads
+
+
+def test_decoding_far_below_the_load_time_check_names_threads():
+    from types import SimpleNamespace
+
+    from exactspec.backends.llama_cpp_backend import slow_decoding_warning
+
+    loaded = lambda threads: SimpleNamespace(seconds_per_token_at_load=0.0125,
+                                             llama=SimpleNamespace(n_threads=threads))
+    assert slow_decoding_warning(loaded(2), 32, 64.0) == (
+        "decoding ran at 0.5 tokens/s, 160× slower than llama.cpp scored tokens when it loaded "
+        "(80 tokens/s) with 2 threads: another process is probably using the CPU, and "
+        "llama.cpp's threads wait for each other when one loses its core; try fewer threads "
+        "(--threads 1)")
+    assert slow_decoding_warning(loaded(2), 32, 1.5) is None  # 21 tokens/s: within 5×
+    assert slow_decoding_warning(loaded(1), 32, 64.0) is None  # one thread: nothing to wait for
+    assert slow_decoding_warning(SimpleNamespace(), 32, 64.0) is None  # another backend
+
+
+@needs_llama_cpp
+def test_load_time_check_is_timed(tmp_path):
+    from tiny_gguf import write_tiny_gguf
+
+    backend = LlamaCppBackend.load(write_tiny_gguf(tiny_model(0), tmp_path / "t.gguf"), threads=1)
+    assert 0 < backend.seconds_per_token_at_load < 60

@@ -84,6 +84,103 @@ def resolve_model_path(name_or_path: str) -> Path:
         f"({', '.join(EMBEDDED_MODELS)}) nor an existing folder or .gguf file")
 
 
+MODEL_FORMS = (f"a model is an embedded model name ({', '.join(EMBEDDED_MODELS)}), a Hugging "
+               "Face model folder (config.json, *.safetensors or *.bin weights, tokenizer.json "
+               "or tokenizer.model) or a .gguf file")
+"""What ``--model`` (and a draft model) accepts, for error messages."""
+FOLDER_PARTS = {
+    "config.json": ("config.json",),
+    "weights (*.safetensors or *.bin)": ("*.safetensors", "*.bin"),
+    "a tokenizer (tokenizer.json, tokenizer.model or vocab.json)":
+        ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "*.tiktoken"),
+}
+"""What a Hugging Face model folder needs → file name patterns, any of which provides it."""
+GGUF_MAGIC = b"GGUF"
+"""The first four bytes of every GGUF file."""
+
+
+def check_model_path(name_or_path: str) -> Path:
+    """:func:`resolve_model_path`, then the checks that need no model loaded: a folder has
+    a config, weights and a tokenizer; a file is a ``.gguf`` file that starts with the GGUF
+    magic bytes. Reads at most 4 bytes of a file.
+
+    Returns:
+        the model's path.
+    Raises:
+        ModelNotFoundError: if the model cannot be found, or a folder lacks a config,
+            weights or a tokenizer (the message names what is missing and what a model is).
+        ValueError: if a file is not a GGUF file.
+    """
+    path = resolve_model_path(name_or_path)
+    if path.is_dir():
+        check_model_folder(path)
+    elif path.suffix != ".gguf":
+        raise ValueError(f"model file {str(path)!r} is not a .gguf file: {MODEL_FORMS}")
+    else:
+        check_gguf_file(path)
+    return path
+
+
+def check_model_folder(path: Path) -> None:
+    """Raise unless folder ``path`` has a config, weights and a tokenizer (file names only
+    are looked at, see :data:`FOLDER_PARTS`).
+
+    Raises:
+        ModelNotFoundError: naming the folder, what it lacks, and what a model is.
+    """
+    missing = [part for part, patterns in FOLDER_PARTS.items()
+               if not any(any(path.glob(pattern)) for pattern in patterns)]
+    if missing:
+        raise ModelNotFoundError(f"model folder {str(path)!r} lacks {_and(missing)}: "
+                                 f"{MODEL_FORMS}")
+
+
+def check_gguf_file(path: Path) -> None:
+    """Raise unless ``path`` starts with the GGUF magic bytes (reads 4 bytes).
+
+    Raises:
+        ValueError: naming the file, if it is not a GGUF file.
+        OSError: if it cannot be read.
+    """
+    with open(path, "rb") as file:
+        magic = file.read(len(GGUF_MAGIC))
+    if magic != GGUF_MAGIC:
+        raise ValueError(f"{str(path)!r} is not a GGUF file: it starts with {magic!r}, "
+                         f"not {GGUF_MAGIC!r}")
+
+
+def layer_count(path: Path) -> int | None:
+    """Decoder layers of the model at ``path`` (a checked folder or ``.gguf`` file) from
+    its ``config.json`` or GGUF metadata, without loading weights; None if not stated.
+    A GGUF file's header is read in full (about 1 to 3 s for the embedded model, whose
+    vocabulary it holds).
+    """
+    if path.is_dir():
+        import json
+
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        for section in (config, config.get("text_config") or {}):
+            for key in ("num_hidden_layers", "n_layer", "num_layers"):
+                if isinstance(section.get(key), int):
+                    return section[key]
+        return None
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    architecture = reader.get_field("general.architecture")
+    if architecture is None:
+        return None
+    count = reader.get_field(f"{architecture.contents()}.block_count")
+    return int(count.contents()) if count is not None else None
+
+
+def _and(parts: list[str]) -> str:
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
 BACKENDS = ("auto", "transformers", "llama_cpp")
 """Runtimes :func:`load_model` knows; ``auto`` picks one per model (see :func:`choose_backend`)."""
 
@@ -139,17 +236,21 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
             :mod:`~exactspec.backends.batch_invariant`. The backend's ``batch_invariant``
             says whether greedy output is bit-identical to plain decoding on this choice,
             dtype and device.
-        threads: llama.cpp only: CPU threads (default: every core this process may use).
+        threads: llama.cpp only: CPU threads (default: half the cores this process may use;
+            all of them are faster on an idle machine but collapse when another process
+            takes a core, see README).
     Returns:
         a :class:`~exactspec.backends.base.Backend`.
     Raises:
-        ModelNotFoundError: if the model cannot be found (the message says how to get it).
-        ValueError: for a bad backend, device or dtype, or options the backend cannot use.
+        ModelNotFoundError: if the model cannot be found (the message says how to get it),
+            or a folder lacks a config, weights or a tokenizer (see :func:`check_model_path`).
+        ValueError: for a file that is not GGUF, a bad backend, device or dtype, or options
+            the backend cannot use.
         LlamaCppNotInstalledError: for ``llama_cpp`` without llama-cpp-python (the message
             gives the install command).
         UnsupportedModelError: if the model's KV cache cannot be rolled back.
     """
-    path = resolve_model_path(name_or_path)
+    path = check_model_path(name_or_path)
     if choose_backend(path, backend, device=device, dtype=dtype, kernels=kernels) == "llama_cpp":
         from exactspec.backends.llama_cpp_backend import LlamaCppBackend
 

@@ -13,8 +13,9 @@ style of llama.cpp's ``common/speculative.h``:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -63,7 +64,7 @@ class Backend(Protocol):
         num_cached_tokens: tokens currently in the KV cache.
         batch_invariant: whether a block of tokens scored in one ``forward`` gets
             bit-identical logits to the same tokens scored one at a time, as measured on the
-            loaded model by :func:`scores_blocks_like_single_tokens`. The engine refuses to
+            loaded model by :func:`check_batch_invariance`. The engine refuses to
             speculate on a backend where it is False unless told to accept rounding
             differences.
         batch_variance_fix: what to tell a user whose backend is not batch-invariant.
@@ -106,19 +107,29 @@ class Backend(Protocol):
         ...
 
 
-def scores_blocks_like_single_tokens(backend: Backend, num_tokens: int = 9) -> bool:
-    """Whether ``num_tokens`` tokens scored in one ``forward`` get bit-identical logits to
-    the same tokens scored one at a time after the same one-token prefix. 9 tokens reach the
-    batched kernels llama.cpp builds switch to from 4 rows on and span two of the
-    transformers backend's fixed-size blocks. Leaves the cache empty.
+class BatchInvarianceCheck(NamedTuple):
+    """What :func:`check_batch_invariance` found.
 
-    Returns:
-        True when every logit is bit for bit equal.
+    Attributes:
+        invariant: every logit of the block equals the single-token one bit for bit.
+        seconds_per_token: mean seconds of the single-token forwards (a speed reference).
     """
+
+    invariant: bool
+    seconds_per_token: float
+
+
+def check_batch_invariance(backend: Backend, num_tokens: int = 9) -> BatchInvarianceCheck:
+    """Score ``num_tokens`` tokens in one ``forward`` and the same tokens one at a time after
+    the same one-token prefix, and compare. 9 tokens reach the batched kernels llama.cpp
+    builds switch to from 4 rows on and span two of the transformers backend's fixed-size
+    blocks. Leaves the cache empty."""
     token_ids = [(7 * i + 1) % backend.vocab_size for i in range(num_tokens + 1)]
     backend.prefill(token_ids[:1])
     block = backend.forward(token_ids[1:])  # [num_tokens, vocab]
     backend.prefill(token_ids[:1])
+    start = time.perf_counter()
     singles = torch.cat([backend.forward([token]) for token in token_ids[1:]])
+    seconds_per_token = (time.perf_counter() - start) / num_tokens
     backend.prefill([])
-    return torch.equal(block, singles)
+    return BatchInvarianceCheck(torch.equal(block, singles), seconds_per_token)

@@ -24,7 +24,7 @@ kernels whose reduction order cannot depend on the number of tokens:
   residual additions) already works row by row.
 
 Nothing here is trusted blindly: the backend checks bit-identity on the loaded model
-(:func:`~exactspec.backends.base.scores_blocks_like_single_tokens`) and the engine refuses to
+(:func:`~exactspec.backends.base.check_batch_invariance`) and the engine refuses to
 speculate where it fails. Prefill (filling the cache with the prompt) keeps the fast kernels:
 its cache entries are shared by plain and speculative decoding alike.
 

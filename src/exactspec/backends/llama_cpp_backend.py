@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from exactspec.backends.base import UnsupportedModelError, scores_blocks_like_single_tokens
+from exactspec.backends.base import UnsupportedModelError, check_batch_invariance
 
 INSTALL_HINT = ("CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --no-cache-dir "
                 "'llama-cpp-python==0.3.36'")
@@ -73,8 +73,36 @@ def llama_cpp_available() -> bool:
 
 
 def default_threads() -> int:
-    """CPU cores this process may use (llama-cpp-python's own default is half of them)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """Half the CPU cores this process may use, at least 1 (llama-cpp-python's own default,
+    over the cores this process may use). Not all of them: llama.cpp's threads wait for
+    each other many times per token, so when another process takes a core one of them
+    waits for it, and decoding collapses (on 2 cores with one busy process: 0.9 tokens/s
+    with 2 threads, 27 with 1; idle, 2 threads are 1.6× faster than 1; README)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // 2)
+
+
+SLOW_DECODING_FACTOR = 5.0
+"""How many times slower than the load-time check decoding must run to be warned about."""
+
+
+def slow_decoding_warning(backend, num_tokens: int, seconds: float) -> str | None:
+    """A warning when ``num_tokens`` decoded in ``seconds`` (prefill excluded) ran more than
+    :data:`SLOW_DECODING_FACTOR` × slower than the single-token forwards timed when
+    ``backend`` loaded, on more than one thread: the sign of another process taking a core
+    (see :func:`default_threads`); it names ``--threads``. None otherwise, and for
+    backends other than llama.cpp."""
+    at_load = getattr(backend, "seconds_per_token_at_load", None)
+    threads = getattr(getattr(backend, "llama", None), "n_threads", 1)
+    if not at_load or threads < 2 or num_tokens < 1 or seconds <= 0:
+        return None
+    rate, expected = num_tokens / seconds, 1 / at_load
+    if rate * SLOW_DECODING_FACTOR >= expected:
+        return None
+    return (f"decoding ran at {rate:.1f} tokens/s, {expected / rate:.0f}× slower than llama.cpp "
+            f"scored tokens when it loaded ({expected:.0f} tokens/s) with {threads} threads: "
+            "another process is probably using the CPU, and llama.cpp's threads wait for each "
+            "other when one loses its core; try fewer threads (--threads 1)")
 
 
 class LlamaCppTokenizer:
@@ -126,6 +154,8 @@ class LlamaCppBackend:
     Attributes:
         batch_invariant: whether a batch of tokens gets bit-identical logits to single-token
             forwards, checked at construction (see the module docstring).
+        seconds_per_token_at_load: mean seconds of that check's single-token forwards, the
+            speed :func:`slow_decoding_warning` compares decoding with.
     Raises:
         UnsupportedModelError: for recurrent or hybrid models (their state cannot roll back).
     """
@@ -158,7 +188,7 @@ class LlamaCppBackend:
         self._batch_capacity = int(llama.n_batch)
         self._batch = llama_cpp.llama_batch_init(self._batch_capacity, 0, 1)
         self._num_cached = 0
-        self.batch_invariant = scores_blocks_like_single_tokens(self)
+        self.batch_invariant, self.seconds_per_token_at_load = check_batch_invariance(self)
 
     @classmethod
     def load(cls, path: str | Path, *, threads: int | None = None,
@@ -167,7 +197,8 @@ class LlamaCppBackend:
 
         Args:
             path: the GGUF file.
-            threads: CPU threads for llama.cpp (default: every core this process may use).
+            threads: CPU threads for llama.cpp (default: :func:`default_threads`, half the
+                cores this process may use).
             context_length: KV cache size in tokens (default: the model's own context,
                 at most :data:`DEFAULT_CONTEXT_LENGTH`).
         Raises:

@@ -22,7 +22,7 @@ import tempfile
 
 import torch
 
-from exactspec.backends.base import UnsupportedModelError, scores_blocks_like_single_tokens
+from exactspec.backends.base import UnsupportedModelError, check_batch_invariance
 from exactspec.backends.batch_invariant import KERNELS, kernel_mode, use_exactspec_kernels
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class TransformersBackend:
         self._new_cache = lambda: DynamicCache(config=model.config)
         _check_rollback(model, self._new_cache())
         self._cache = self._new_cache()
-        self.batch_invariant = scores_blocks_like_single_tokens(self)
+        self.batch_invariant = check_batch_invariance(self).invariant
         self.batch_variance_fix = (
             "These are the fast kernels: load the model with kernels='batch-invariant' (the "
             "default; --kernels batch-invariant)." if kernels == "fast" else
@@ -142,8 +142,9 @@ class TransformersBackend:
                 the cache (see :func:`converted_gguf_folder`).
             kernels: ``batch-invariant`` (the default) or ``fast``, see the class.
         Raises:
-            FileNotFoundError: if ``path`` does not exist.
-            ValueError: for an unknown dtype or device.
+            FileNotFoundError: if ``path`` does not exist, or a folder lacks a config,
+                weights or a tokenizer (``ModelNotFoundError``, naming what is missing).
+            ValueError: for an unknown dtype or device, or a ``.gguf`` file that is not GGUF.
             UnsupportedModelError: if the cache cannot be rolled back.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -159,6 +160,10 @@ class TransformersBackend:
             path = path / gguf_file
         if path.suffix == ".gguf":
             path = converted_gguf_folder(path)
+        elif path.is_dir():
+            from exactspec.models import check_model_folder
+
+            check_model_folder(path)
         hf_logging.disable_progress_bar()  # callers show their own progress indicator
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
@@ -214,11 +219,17 @@ def converted_gguf_folder(gguf_path: Path) -> Path:
     the file's name, size and modification time and on the transformers version, so a
     changed file or converter gives a new folder. The weights are bit-identical to loading
     the GGUF file directly. If the cache cannot be written, the GGUF file is converted in a
-    temporary folder each time.
+    temporary folder each time. A failed or interrupted conversion leaves no folder behind.
+
+    Raises:
+        ValueError: if ``gguf_path`` does not start with the GGUF magic bytes (checked first).
     """
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from exactspec.models import check_gguf_file
+
+    check_gguf_file(gguf_path)
     stat = gguf_path.stat()
     key = f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers{transformers.__version__}"
     folder = cache_root() / "converted" / key
@@ -238,15 +249,21 @@ def converted_gguf_folder(gguf_path: Path) -> Path:
         staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".partial-"))
     except OSError:  # cache not writable: convert into a temporary folder every time
         staging = Path(tempfile.mkdtemp(prefix="exactspec-converted-"))
-    with _quiet_gguf_reader():
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-    if staging.parent != folder.parent:
-        return staging
     try:
-        staging.rename(folder)  # atomic: a reader never sees a half-written folder
-    except OSError:  # another process converted it first
+        with _quiet_gguf_reader():
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+        if staging.parent != folder.parent:
+            return staging
+        try:
+            staging.rename(folder)  # atomic: a reader never sees a half-written folder
+        except OSError:  # another process converted it first
+            if not (folder / "config.json").is_file():
+                raise
+    except BaseException:  # failed or interrupted (Ctrl-C): leave nothing behind
         shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(staging, ignore_errors=True)  # still there if another process was first
     return folder
 
 

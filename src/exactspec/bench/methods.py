@@ -64,6 +64,56 @@ def is_peer(method_name: str) -> bool:
     return method_name.startswith(("hf-", "llama-"))
 
 
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method spec string taken apart (see module docstring); ``model`` is the MODEL of
+    ``draft:`` and ``hf-assistant:``, ``layers`` the L of the early-exit kinds."""
+
+    spec: str
+    kind: str
+    k: int
+    ngram: tuple[int, int]
+    layers: int
+    policy: str
+    model: str | None
+
+
+ALLOWED = ("plain, prompt-lookup:k=4[:ngram=2-3][:policy=auto], draft:MODEL:k=4, "
+           "early-exit:L:k=4, hf-plain, hf-prompt-lookup:k=10, hf-assistant:MODEL, "
+           "hf-early-exit:L, llama-plain, llama-prompt-lookup:k=10")
+
+
+def parse_method_spec(spec: str) -> MethodSpec:
+    """Take a method spec apart and check it, without any model (see module docstring).
+
+    Raises:
+        ValueError: naming the bad spec and the allowed forms.
+    """
+    from exactspec.speculation_length import POLICIES
+
+    kind, *parts = spec.split(":")
+    options = dict(part.split("=", 1) for part in parts if "=" in part)
+    positional = [part for part in parts if "=" not in part]
+    if kind not in KINDS or (kind in WITH_ARGUMENT) != bool(positional) \
+            or len(positional) > 1 or set(options) - {"k", "ngram", "policy"}:
+        raise ValueError(f"method {spec!r} is invalid: use one of {ALLOWED}")
+    try:
+        k = int(options.get("k", 10 if kind in ("hf-prompt-lookup", "llama-prompt-lookup") else 4))
+        low, high = (int(n) for n in options.get("ngram", "2-3").split("-"))
+        layers = int(positional[0]) if kind in ("early-exit", "hf-early-exit") else 0
+    except ValueError:
+        raise ValueError(f"method {spec!r} is invalid: k, L and ngram (MIN-MAX) take "
+                         "integers") from None
+    if kind in ("early-exit", "hf-early-exit") and layers < 1:
+        raise ValueError(f"method {spec!r} is invalid: L = {layers} must be ≥ 1")
+    policy = options.get("policy", "constant")
+    if policy not in POLICIES:
+        raise ValueError(f"method {spec!r} is invalid: policy {policy!r} is not one of "
+                         f"{', '.join(POLICIES)}")
+    model = positional[0] if kind in ("draft", "hf-assistant") else None
+    return MethodSpec(spec, kind, k, (low, high), layers, policy, model)
+
+
 def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend], *,
                  allow_batch_variance: bool = False) -> Method:
     """Build a :class:`Method` from its spec string (see module docstring);
@@ -72,30 +122,15 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
     Raises:
         ValueError: naming the bad spec and the allowed forms.
     """
-    kind, *parts = spec.split(":")
-    options = dict(part.split("=", 1) for part in parts if "=" in part)
-    positional = [part for part in parts if "=" not in part]
-    allowed = "plain, prompt-lookup:k=4[:ngram=2-3][:policy=auto], draft:MODEL:k=4, " \
-              "early-exit:L:k=4, " \
-              "hf-plain, hf-prompt-lookup:k=10, hf-assistant:MODEL, hf-early-exit:L, " \
-              "llama-plain, llama-prompt-lookup:k=10"
-    if kind not in KINDS or (kind in WITH_ARGUMENT) != bool(positional) \
-            or len(positional) > 1 or set(options) - {"k", "ngram", "policy"}:
-        raise ValueError(f"method {spec!r} is invalid: use one of {allowed}")
-    try:
-        k = int(options.get("k", 10 if kind in ("hf-prompt-lookup", "llama-prompt-lookup") else 4))
-        low, high = (int(n) for n in options.get("ngram", "2-3").split("-"))
-        layers = int(positional[0]) if kind in ("early-exit", "hf-early-exit") else 0
-    except ValueError:
-        raise ValueError(f"method {spec!r} is invalid: k, L and ngram (MIN-MAX) take "
-                         "integers") from None
-    policy = options.get("policy", "constant")
+    parsed = parse_method_spec(spec)
+    kind, k, (low, high), layers, policy = (parsed.kind, parsed.k, parsed.ngram, parsed.layers,
+                                            parsed.policy)
     if kind == "plain":
         return _ours(spec, kind, 0, SpeculativeGenerator(target, None))
     if kind == "prompt-lookup":
         proposer = PromptLookupProposer(low, high)
     elif kind == "draft":
-        proposer = DraftModelProposer(load_model(positional[0]), target)
+        proposer = DraftModelProposer(load_model(parsed.model), target)
     elif kind == "early-exit":
         proposer = EarlyExitProposer(target, layers)
     if kind in ("prompt-lookup", "draft", "early-exit"):
@@ -110,7 +145,7 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
     if kind == "hf-prompt-lookup":
         extra = {"prompt_lookup_num_tokens": k}
     elif kind == "hf-assistant":
-        assistant = load_model(positional[0]).model
+        assistant = load_model(parsed.model).model
         assistant.generation_config.num_assistant_tokens = k
         extra = {"assistant_model": assistant}
     elif kind == "hf-early-exit":

@@ -15,19 +15,36 @@ c(n) of scoring n tokens (plain decoding costs c(1) a token):
                        acceptance length × c(1) / mean over cycles of (c(drafted + 1) + d):
                        what a perfect implementation of the same drafting reaches; the gap
                        to the measured speedup is the implementation's overhead.
+
+Unstable measurements (:func:`instabilities`): another process using the CPU distorts
+timings unevenly, so three signs of it are reported at the top of ``report.md``: a forward
+over more tokens measured much cheaper than over fewer (the cost model must rise with n),
+repetitions of one method disagreeing, and one method's tokens/s far from the others' in a
+group. The tolerances below sit well outside what quiet runs in ``results/`` show (at most
+1.36×, 1.13× and 2.45×).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 from exactspec.bench.methods import is_peer
 from exactspec.bench.questions import GROUPS
 from exactspec.bench.runner import BenchResults
+from exactspec.files import replaced_atomically, write_text_atomically
 
 OVERALL = "overall"
+UNSTABLE_HEADLINE = ("Unstable measurements: something else was probably using the CPU; "
+                     "re-run with nothing else running before trusting these figures.")
+COST_TOLERANCE = 1.5
+"""Most a forward over more tokens may be measured cheaper than one over fewer (×)."""
+REPETITION_TOLERANCE = 1.5
+"""Most one method's tokens/s in one group may differ between repetitions (max/min, ×)."""
+OUTLIER_TOLERANCE = 4.0
+"""Most a method's tokens/s in a group may differ from the other methods' median (×)."""
 
 
 def summarize(results: BenchResults) -> dict:
@@ -48,6 +65,7 @@ def summarize(results: BenchResults) -> dict:
             ratios = [a / b for a, b in zip(tps[method], tps[plain]) if b]
             entry = {
                 "tokens_per_second": statistics.median(tps[method]),
+                "tokens_per_second_per_repetition": tps[method],
                 "speedup": statistics.median(tps[method]) / statistics.median(tps[plain]),
                 "speedup_min": min(ratios), "speedup_max": max(ratios),
                 "runs": len(mine),
@@ -123,30 +141,81 @@ def _acceptance(stats: list[dict], forward_seconds: dict) -> dict:
     }
 
 
+def instabilities(results: BenchResults, summary: dict) -> list[str]:
+    """Signs that the timings were disturbed (e.g. by another process using the CPU), one
+    line each, naming the figures (see the module docstring); empty when none.
+
+    Checks: the forward cost model falls by more than :data:`COST_TOLERANCE` × as more
+    tokens are scored (worst pair); a method's tokens/s in a group differs between
+    repetitions by more than :data:`REPETITION_TOLERANCE` ×; a method's tokens/s in a group
+    is more than :data:`OUTLIER_TOLERANCE` × above or below the median of the group's
+    other methods.
+    """
+    found = []
+    cost = sorted((int(n), seconds) for n, seconds in results.forward_seconds.items())
+    pairs = [(fewer[1] / more[1], fewer, more) for i, fewer in enumerate(cost)
+             for more in cost[i + 1:] if more[1] > 0]
+    if pairs:
+        ratio, fewer, more = max(pairs)
+        if ratio > COST_TOLERANCE:
+            found.append(f"target forward cost falls as more tokens are scored: {more[0]} "
+                         f"tokens took {more[1] * 1000:.1f} ms, {ratio:.1f}× less than "
+                         f"{fewer[0]} ({fewer[1] * 1000:.1f} ms)")
+    for group, row in summary.items():
+        if group == OVERALL:
+            continue
+        for method, entry in row.items():
+            per_repetition = [t for t in entry["tokens_per_second_per_repetition"] if t > 0]
+            if len(per_repetition) > 1 \
+                    and max(per_repetition) > REPETITION_TOLERANCE * min(per_repetition):
+                found.append(f"{method} on {group}: repetitions disagree "
+                             f"{max(per_repetition) / min(per_repetition):.1f}× ("
+                             + ", ".join(f"{t:.1f}" for t in per_repetition) + " tokens/s)")
+        for method, entry in row.items():
+            others = [e["tokens_per_second"] for m, e in row.items() if m != method]
+            median = statistics.median(others) if others else 0.0
+            mine = entry["tokens_per_second"]
+            if median > 0 and mine > 0 and max(mine / median, median / mine) > OUTLIER_TOLERANCE:
+                found.append(f"{method} on {group}: {mine:.1f} tokens/s, "
+                             f"{max(mine / median, median / mine):.1f}× "
+                             f"{'above' if mine > median else 'below'} the other methods' "
+                             f"median ({median:.1f})")
+    return found
+
+
 def write_report(results: BenchResults, out_dir: str | Path) -> dict:
-    """Write ``results.json``, ``report.md`` and the PNG plots into ``out_dir``.
+    """Write ``results.json``, ``report.md`` and the PNG plots into ``out_dir``, each file
+    whole or not at all (an error or Ctrl-C while writing leaves no partial file).
 
     Returns:
-        the summary (as :func:`summarize`), with the written paths under ``"files"``.
+        the summary (as :func:`summarize`), with the written paths under ``"files"`` and
+        :func:`instabilities` under ``"unstable"``.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(results)
-    (out / "results.json").write_text(json.dumps(results.to_dict() | {"summary": summary},
-                                                 indent=1))
-    (out / "report.md").write_text(markdown(results, summary))
+    unstable = instabilities(results, summary)
+    write_text_atomically(out / "results.json", json.dumps(
+        results.to_dict() | {"summary": summary, "unstable": unstable}, indent=1))
+    write_text_atomically(out / "report.md", markdown(results, summary, unstable))
     files = [out / "results.json", out / "report.md"] + plot(results, summary, out)
-    return summary | {"files": [str(f) for f in files]}
+    return summary | {"files": [str(f) for f in files], "unstable": unstable}
 
 
-def markdown(results: BenchResults, summary: dict) -> str:
-    """The tables of ``report.md``."""
+def markdown(results: BenchResults, summary: dict, unstable: Sequence[str] = ()) -> str:
+    """The tables of ``report.md``, after the warnings: an incomplete run, ``unstable``
+    measurements (see :func:`instabilities`)."""
     methods = list(next(iter(summary.values())))
     failures = [r for r in results.records if r.matches_plain is False
                 and not is_peer(r.method)]
     cost = results.forward_seconds
-    lines = ["# exactspec bench", "",
-             f"Config: `{json.dumps(results.config)}`", "",
+    lines = ["# exactspec bench", ""]
+    if results.incomplete:
+        lines += [f"**Incomplete: {results.incomplete}; the figures cover those runs only.**",
+                  ""]
+    if unstable:
+        lines += [f"**{UNSTABLE_HEADLINE}**", ""] + [f"- {line}" for line in unstable] + [""]
+    lines += [f"Config: `{json.dumps(results.config)}`", "",
              f"Machine: `{json.dumps(results.machine)}`", "",
              "Target forward cost by tokens scored (ms): "
              + ", ".join(f"{n}: {s * 1000:.1f}" for n, s in cost.items()), "",
@@ -249,14 +318,16 @@ def plot(results: BenchResults, summary: dict, out: Path) -> list[Path]:
     ax.set_ylabel("P(accepted | drafted)")
     ax.set_ylim(0, 1)
     ax.set_title("Acceptance by draft position (all groups)")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # no speculative method: nothing to label
+        ax.legend(fontsize=8)
     files.append(_save(fig, out / "acceptance_by_position.png"))
     return files
 
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with replaced_atomically(path) as partial:
+        fig.savefig(partial, dpi=110, format=path.suffix[1:])
     import matplotlib.pyplot as plt
 
     plt.close(fig)

@@ -4,6 +4,7 @@ Interleaving (for each question and repetition: method A, B, C, then again) spre
 on a shared machine evenly over the methods. A warm-up generation per method comes first.
 Greedy runs of exactspec's speculative methods must equal plain decoding token for token;
 any difference is recorded as a failure (peers' differences are recorded too, as facts).
+Ctrl-C keeps what was measured: every method's runs on the questions finished so far.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+from rich.console import Console
 from rich.progress import Progress
 
 from exactspec.backends.base import Backend
@@ -45,6 +47,7 @@ class BenchResults:
     machine: dict
     forward_seconds: dict[int, float]  # tokens scored in one target forward → seconds
     records: list[Record] = field(default_factory=list)
+    incomplete: str | None = None  # why fewer runs than planned were made; None: all made
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,8 +108,12 @@ def run_bench(target: Backend, questions: list[Question], methods: list[Method],
               show_progress: bool = True) -> BenchResults:
     """Run every method on every question ``repetitions`` times, interleaved.
 
+    On Ctrl-C during the runs, returns what was measured with ``incomplete`` saying so:
+    every method's runs of each (question, repetition) finished, none of the one under way.
+
     Raises:
         ValueError: if no method is ``plain`` (the baseline every speedup is relative to).
+        KeyboardInterrupt: on Ctrl-C before one question was run by every method.
     """
     if not any(m.kind == "plain" for m in methods):
         raise ValueError("the methods must include 'plain' (the baseline)")
@@ -122,23 +129,40 @@ def run_bench(target: Backend, questions: list[Question], methods: list[Method],
                            measure_forward_cost(target, median_prompt, max_k + 1))
 
     total = len(questions) * repetitions * len(methods)
-    with Progress(disable=not show_progress, transient=False) as progress:
+    blocks = 0
+    with Progress(console=Console(stderr=True), disable=not show_progress,
+                  transient=False) as progress:  # stdout is for the report
         task = progress.add_task("benchmark", total=total)
-        for question in questions:
-            for repetition in range(repetitions):
-                plain_ids = None
-                for method in methods:
-                    progress.update(task, description=f"{question.group} #{question.question_id} "
-                                                      f"{method.name}")
-                    outcome = method.run(prompts[question.question_id], params)
-                    record = Record(question.question_id, question.group, method.name, repetition,
-                                    len(outcome.token_ids), outcome.seconds, outcome.token_ids,
-                                    outcome.stats)
-                    if method.kind == "plain":
-                        plain_ids = outcome.token_ids
-                    results.records.append(record)
-                    progress.advance(task)
-                if params.greedy:
-                    for record in results.records[-len(methods):]:
-                        record.matches_plain = record.token_ids == plain_ids
+        try:
+            for question in questions:
+                for repetition in range(repetitions):
+                    block = _run_block(question, repetition, prompts[question.question_id],
+                                       methods, params, progress, task)
+                    results.records.extend(block)
+                    blocks += 1
+        except KeyboardInterrupt:
+            if not results.records:
+                raise
+            results.incomplete = (f"interrupted (Ctrl-C) after {blocks} of "
+                                  f"{len(questions) * repetitions} question runs")
     return results
+
+
+def _run_block(question: Question, repetition: int, prompt_ids: list[int],
+               methods: list[Method], params: SamplingParams, progress, task) -> list[Record]:
+    """Every method once on one question; greedy outputs compared with plain decoding's."""
+    block, plain_ids = [], None
+    for method in methods:
+        progress.update(task, description=f"{question.group} #{question.question_id} "
+                                          f"{method.name}")
+        outcome = method.run(prompt_ids, params)
+        block.append(Record(question.question_id, question.group, method.name, repetition,
+                            len(outcome.token_ids), outcome.seconds, outcome.token_ids,
+                            outcome.stats))
+        if method.kind == "plain":
+            plain_ids = outcome.token_ids
+        progress.advance(task)
+    if params.greedy:
+        for record in block:
+            record.matches_plain = record.token_ids == plain_ids
+    return block

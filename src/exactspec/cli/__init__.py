@@ -8,6 +8,7 @@ import sys
 
 from exactspec import __version__
 from exactspec.cli import audit, bench, generate
+from exactspec.cli.common import EXIT_INTERRUPTED, EXIT_STATUSES
 
 COMMANDS = {"generate": generate, "bench": bench, "audit": audit}
 
@@ -16,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="exactspec",
         description="Exact speculative decoding: faster generation, the target model's output "
-                    "distribution unchanged.")
+                    "distribution unchanged.", epilog=EXIT_STATUSES)
     parser.add_argument("--version", action="version", version=f"exactspec {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS.values():
@@ -25,9 +26,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit status (see :data:`EXIT_STATUSES`), 130 after
+    Ctrl-C (one line on stderr, no traceback). Bad arguments exit with status 2 through
+    argparse (``SystemExit``)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    return COMMANDS[args.command].run(args, args.subparser)
+    try:
+        return COMMANDS[args.command].run(args, args.subparser)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from exactspec.cli.common import (DEFAULT_K, add_model_options, add_policy_optio
                                   allows_batch_variance, load_from_args)
 
 QUICK = {"samples": 200, "greedy_tokens": 24, "num_prompts": 3}
+FULL = {"samples": 1000, "greedy_tokens": 64}
+"""Test sizes when neither --quick nor the flag itself is given."""
 
 
 def add_parser(commands) -> None:
@@ -55,12 +57,15 @@ def add_parser(commands) -> None:
                            "prompt lookup drafts from the first token")
     test.add_argument("--prompts", metavar="FILE", default=None,
                       help="a text file with one prompt per line")
-    test.add_argument("--samples", type=int, default=1000,
-                      help="samples per prompt for the distribution test (default 1000)")
+    test.add_argument("--samples", type=int, default=None,
+                      help=f"samples per prompt for the distribution test, ≥ 1 (default "
+                           f"{FULL['samples']}; {QUICK['samples']} with --quick)")
     test.add_argument("--tokens", type=int, default=3, metavar="M",
                       help="new tokens per sample (default 3; ≥ 2 so that drafts are verified)")
-    test.add_argument("--greedy-tokens", type=int, default=64,
-                      help="tokens per prompt for the greedy identity check (default 64; 0 skips)")
+    test.add_argument("--greedy-tokens", type=int, default=None,
+                      help=f"tokens per prompt for the greedy identity check (default "
+                           f"{FULL['greedy_tokens']}; {QUICK['greedy_tokens']} with --quick; "
+                           "0 skips)")
     test.add_argument("--alpha", type=float, default=0.01,
                       help="false-alarm rate of the whole audit (default 0.01)")
     test.add_argument("--chat", action="store_true",
@@ -68,7 +73,8 @@ def add_parser(commands) -> None:
     test.add_argument("--quick", action="store_true",
                       help=f"{QUICK['num_prompts']} prompts, {QUICK['samples']} samples, "
                            f"{QUICK['greedy_tokens']} greedy tokens: a few minutes on the "
-                           "embedded model")
+                           "embedded model; --samples, --greedy-tokens and --prompt given "
+                           "explicitly override these")
     audit.add_argument("--output", default="audit-results", metavar="DIR",
                        help="where audit.json, report.md and the plots go (default audit-results)")
     audit.set_defaults(subparser=audit)
@@ -90,8 +96,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from exactspec.models import ModelNotFoundError
     from exactspec.proposers import PromptLookupProposer, parse_proposer
 
-    if args.quick:
-        args.samples, args.greedy_tokens = QUICK["samples"], QUICK["greedy_tokens"]
+    for name in FULL:  # explicit flags win over --quick's sizes
+        if getattr(args, name) is None:
+            setattr(args, name, (QUICK if args.quick else FULL)[name])
     for flag, value, low in (("--samples", args.samples, 1), ("--tokens", args.tokens, 2),
                              ("--greedy-tokens", args.greedy_tokens, 0),
                              ("-k", args.num_speculative_tokens, 1)):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from exactspec.cli.common import add_model_options, allows_batch_variance, load_from_args
+from exactspec.cli.common import (EXIT_STATUSES, EXIT_UNSTABLE, add_model_options,
+                                  allows_batch_variance, check_models_before_loading,
+                                  load_from_args)
 
 DEFAULT_BENCH_METHODS = {
     "transformers": ("plain", "prompt-lookup:k=4", "prompt-lookup:k=6:policy=auto", "hf-plain",
@@ -14,6 +16,9 @@ DEFAULT_BENCH_METHODS = {
                   "llama-prompt-lookup:k=10"),
 }
 """Methods compared when no --method is given, by the target's backend."""
+FULL = {"per_category": 5, "max_new_tokens": 128, "repetitions": 2}
+QUICK = {"per_category": 2, "max_new_tokens": 64, "repetitions": 1}
+"""Run sizes without and with --quick, where the flag itself is not given."""
 
 
 def add_parser(commands) -> None:
@@ -23,15 +28,21 @@ def add_parser(commands) -> None:
                     "(transformers generate() with its own prompt lookup / assistant model, or "
                     "llama-cpp-python's generate() with its prompt-lookup draft) on "
                     "Spec-Bench-format questions, interleaved, on one model. Writes results.json, "
-                    "report.md and PNG plots to --output.")
+                    "report.md and PNG plots to --output. Timings disturbed by other work on the "
+                    "machine (a forward cost falling as more tokens are scored, repetitions "
+                    "disagreeing, a method's tokens/s far from the others' in a group) are "
+                    "reported at the top of report.md and in the exit status. Ctrl-C keeps "
+                    "the questions finished, marked incomplete.",
+        epilog=EXIT_STATUSES)
     bench.add_argument("--questions", metavar="PATH", default=None,
                        help="Spec-Bench-format JSONL (e.g. Spec-Bench's data/spec_bench/question.jsonl);"
                             " default: exactspec's own 12-prompt set")
     bench.add_argument("--category", action="append", default=None, metavar="GROUP",
                        help="task group to run (repeatable; default all): multi-turn "
                             "conversation, translation, summarization, qa, math_reasoning, rag")
-    bench.add_argument("--per-category", type=int, default=5, metavar="N",
-                       help="questions per group (default 5)")
+    bench.add_argument("--per-category", type=int, default=None, metavar="N",
+                       help=f"questions per group (default {FULL['per_category']}; "
+                            f"{QUICK['per_category']} with --quick)")
     bench.add_argument("--method", action="append", default=None, metavar="SPEC",
                        help="method to compare (repeatable): plain, prompt-lookup:k=4[:ngram=2-3], "
                             "draft:MODEL:k=4, early-exit:L:k=4, hf-plain, hf-prompt-lookup:k=10, "
@@ -39,16 +50,22 @@ def add_parser(commands) -> None:
                             "llama-plain, llama-prompt-lookup:k=10 (llama_cpp backend). Default "
                             "on transformers: " + " ".join(DEFAULT_BENCH_METHODS["transformers"])
                             + "; on llama_cpp: " + " ".join(DEFAULT_BENCH_METHODS["llama_cpp"]))
-    bench.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    bench.add_argument("--max-new-tokens", type=int, default=None,
+                       help=f"default {FULL['max_new_tokens']} ({QUICK['max_new_tokens']} with "
+                            "--quick)")
     bench.add_argument("--temperature", type=float, default=0.0,
                        help="0 = greedy (the default; identity with plain decoding is checked)")
-    bench.add_argument("--repetitions", type=int, default=2, help="default 2")
+    bench.add_argument("--repetitions", type=int, default=None,
+                       help=f"default {FULL['repetitions']} ({QUICK['repetitions']} with --quick)")
     bench.add_argument("--seed", type=int, default=0, help="default 0")
     bench.add_argument("--output", default="bench-results", metavar="DIR",
                        help="where results.json, report.md and the plots go (default bench-results)")
     bench.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     bench.add_argument("--quick", action="store_true",
-                       help="smoke run: 2 questions per group, 64 new tokens, 1 repetition")
+                       help=f"smoke run: {QUICK['per_category']} questions per group, "
+                            f"{QUICK['max_new_tokens']} new tokens, {QUICK['repetitions']} "
+                            "repetition; --per-category, --max-new-tokens and --repetitions "
+                            "given explicitly override these")
     add_model_options(bench)
     bench.set_defaults(subparser=bench)
 
@@ -57,14 +74,17 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from importlib.resources import files
 
     from rich.console import Console
+    from rich.markup import escape
 
     from exactspec import SamplingParams
     from exactspec.backends.llama_cpp_backend import LlamaCppBackend, LlamaCppNotInstalledError
     from exactspec.bench import load_questions, parse_method, run_bench, write_report
-    from exactspec.bench.methods import is_peer
+    from exactspec.bench.methods import is_peer, parse_method_spec
+    from exactspec.bench.report import UNSTABLE_HEADLINE
 
-    if args.quick:
-        args.per_category, args.max_new_tokens, args.repetitions = 2, 64, 1
+    for name in FULL:  # explicit flags win over --quick's sizes
+        if getattr(args, name) is None:
+            setattr(args, name, (QUICK if args.quick else FULL)[name])
     for name in ("per_category", "repetitions"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: it must be ≥ 1")
@@ -74,6 +94,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                 max_new_tokens=args.max_new_tokens)
         questions = load_questions(args.questions or files("exactspec.bench") / "prompts.jsonl",
                                    args.category, args.per_category)
+        specs = [parse_method_spec(spec) for spec in args.method or ()]
+        check_models_before_loading(args, {f"--method {spec.spec}": spec.model
+                                           for spec in specs if spec.model})
         with console.status(f"Loading {args.model} …"):
             target = load_from_args(args)
             load = lambda name: load_from_args(args, name)
@@ -95,5 +118,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     summary = write_report(results, args.output)
     console.print(f"wrote {', '.join(summary['files'])}", highlight=False)
     print((Path(args.output) / "report.md").read_text())
+    if summary["unstable"]:
+        console.print("[bold yellow]warning:[/] " + escape(
+            "\n".join([UNSTABLE_HEADLINE] + [f"- {line}" for line in summary["unstable"]])),
+            highlight=False)
+    if results.incomplete:
+        raise KeyboardInterrupt  # the report says what was kept; exit as interrupted
     failures = sum(e["mismatches"] for m, e in summary["overall"].items() if not is_peer(m))
-    return 1 if failures else 0
+    return 1 if failures else EXIT_UNSTABLE if summary["unstable"] else 0

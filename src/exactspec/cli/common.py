@@ -9,6 +9,14 @@ from exactspec.models import BACKENDS, DEFAULT_MODEL, EMBEDDED_MODELS
 
 DEFAULT_K = 4
 DEFAULT_NGRAM = (2, 3)
+EXIT_UNSTABLE = 3
+"""``bench``'s exit status when its measurements look disturbed (and nothing failed)."""
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C (128 + SIGINT, as shells report it)."""
+EXIT_STATUSES = ("Exit status: 0 success; 1 an error (the message names it), a greedy "
+                 "identity failure (bench) or an audit verdict other than 'exact'; 2 bad "
+                 f"arguments; {EXIT_UNSTABLE} unstable measurements (bench); "
+                 f"{EXIT_INTERRUPTED} interrupted (Ctrl-C).")
 
 
 def ngram_range(text: str) -> tuple[int, int]:
@@ -61,7 +69,16 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                             "single-token logits by rounding (the load-time check failed): the "
                             "output is then exact only up to that rounding")
     model.add_argument("--threads", type=positive_int, default=None,
-                       help="llama_cpp backend only: CPU threads (default: all cores)")
+                       help="llama_cpp backend only: CPU threads (default: half the cores, "
+                            f"here {_default_threads()}). All cores are faster on an idle "
+                            "machine, but collapse (e.g. 100× slower) while another process "
+                            "uses the CPU: then use fewer than the free cores")
+
+
+def _default_threads() -> int:
+    from exactspec.backends.llama_cpp_backend import default_threads
+
+    return default_threads()
 
 
 def positive_int(text: str) -> int:
@@ -73,6 +90,40 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is invalid: give an integer ≥ 1")
     return value
+
+
+def check_models_before_loading(args: argparse.Namespace, drafts: dict[str, str]) -> str:
+    """What can be checked without loading a model, in a moment: ``--model`` and each of
+    ``drafts`` (flag → model name or path) exist and look like a model (see
+    :func:`~exactspec.models.check_model_path`), and the model options fit the target.
+
+    Returns:
+        the target's backend, ``transformers`` or ``llama_cpp``.
+    Raises:
+        ModelNotFoundError, ValueError: naming the flag and the bad value.
+    """
+    from exactspec.models import check_model_path, choose_backend
+
+    for flag, name in {"--model": args.model, **drafts}.items():
+        try:
+            path = check_model_path(name)
+        except (FileNotFoundError, ValueError) as error:
+            raise type(error)(f"{flag}: {error}") from None
+        if flag == "--model":
+            backend = choose_backend(path, args.backend, device=args.device, dtype=args.dtype,
+                                     kernels=args.kernels)
+    return backend
+
+
+def check_early_exit(parser: argparse.ArgumentParser, flag: str, layers: int,
+                     num_layers: int | None) -> None:
+    """Exit through ``parser.error`` (status 2) unless 1 ≤ ``layers`` < ``num_layers``, the
+    target's layer count (None: unknown, then only ≥ 1 is checked)."""
+    if num_layers is not None and not 1 <= layers < num_layers:
+        parser.error(f"{flag} {layers} is invalid: it must be in [1, {num_layers - 1}] (the "
+                     f"target has {num_layers} layers)")
+    if layers < 1:
+        parser.error(f"{flag} {layers} is invalid: it must be ≥ 1")
 
 
 def load_from_args(args: argparse.Namespace, name_or_path: str | None = None):

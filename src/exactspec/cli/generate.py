@@ -7,10 +7,12 @@ import json
 import logging
 import sys
 
-from exactspec.cli.common import (DEFAULT_K, DEFAULT_NGRAM, add_model_options,
-                                  add_policy_option, allows_batch_variance, has_chat_template,
-                                  load_from_args, logit_bias, ngram_range)
+from exactspec.cli.common import (DEFAULT_K, DEFAULT_NGRAM, EXIT_STATUSES, add_model_options,
+                                  add_policy_option, allows_batch_variance, check_early_exit,
+                                  check_models_before_loading, has_chat_template,
+                                  load_from_args, logit_bias, ngram_range, positive_int)
 
+CHECKED_AFTER_LOAD = "an id outside the model's vocabulary is reported once the model has loaded"
 FIELD_FLAGS = {"stop_token_ids": "--stop-token-id", "banned_token_ids": "--ban-token-id",
                "bad_words": "--bad-word"}  # SamplingParams fields whose flag is singular
 
@@ -21,7 +23,8 @@ def add_parser(commands) -> None:
         description="Generate a continuation of PROMPT with exact speculative decoding and print "
                     "the text, then a one-line summary (tokens, tokens/s, acceptance rate, mean "
                     "acceptance length) on stderr. By default the drafter is prompt lookup "
-                    "(n-gram matching in the prompt and the generated text).")
+                    "(n-gram matching in the prompt and the generated text).",
+        epilog=EXIT_STATUSES)
     gen.add_argument("prompt", metavar="PROMPT", help="the prompt text; '-' reads it from stdin")
     add_model_options(gen)
     spec = gen.add_argument_group("speculation")
@@ -32,9 +35,10 @@ def add_parser(commands) -> None:
                           f"(the default drafter, with {DEFAULT_NGRAM[0]}:{DEFAULT_NGRAM[1]})")
     how.add_argument("--draft-model", metavar="MODEL",
                      help="draft with a smaller model on the same tokenizer (name, folder or .gguf)")
-    how.add_argument("--early-exit", type=int, metavar="L",
-                     help="self-draft with the target's first L layers (shares its weights; "
-                          "transformers' assistant_early_exit)")
+    how.add_argument("--early-exit", type=positive_int, metavar="L",
+                     help="self-draft with the target's first L layers, 1 ≤ L < its layer "
+                          "count (shares its weights; transformers' assistant_early_exit; "
+                          "transformers backend only)")
     how.add_argument("--no-speculation", action="store_true",
                      help="plain decoding on the same backend, for comparison")
     spec.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K,
@@ -55,7 +59,8 @@ def add_parser(commands) -> None:
     sampling.add_argument("--stop", action="append", default=[], metavar="TEXT",
                           help="end generation at the token that completes TEXT (repeatable)")
     sampling.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
-                          help="end generation at this token id, besides EOS (repeatable)")
+                          help="end generation at this token id, besides EOS (repeatable; "
+                               f"{CHECKED_AFTER_LOAD})")
     sampling.add_argument("--ignore-eos", action="store_true",
                           help="keep generating after the model's EOS token")
     sampling.add_argument("--repetition-penalty", type=float, default=1.0,
@@ -65,11 +70,12 @@ def add_parser(commands) -> None:
     sampling.add_argument("--frequency-penalty", type=float, default=0.0,
                           help="OpenAI's frequency penalty over the output, in [-2, 2]")
     sampling.add_argument("--logit-bias", action="append", type=logit_bias, default=[],
-                          metavar="ID=BIAS", help="add BIAS to token ID's logit (repeatable)")
+                          metavar="ID=BIAS", help="add BIAS to token ID's logit (repeatable; "
+                                                  f"{CHECKED_AFTER_LOAD})")
     sampling.add_argument("--bad-word", action="append", default=[], metavar="TEXT",
                           help="never generate TEXT (repeatable)")
     sampling.add_argument("--ban-token-id", action="append", type=int, default=[], metavar="ID",
-                          help="never generate token ID (repeatable)")
+                          help=f"never generate token ID (repeatable; {CHECKED_AFTER_LOAD})")
     sampling.add_argument("-n", "--num-samples", type=int, default=1, metavar="N",
                           help="independent samples of the same prompt (sharing its prefill)")
     out = gen.add_argument_group("output")
@@ -87,11 +93,13 @@ def add_parser(commands) -> None:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     from exactspec import (DraftModelProposer, EarlyExitProposer, PromptLookupProposer,
                            SamplingParams, SpeculativeGenerator, UnsupportedModelError)
-    from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
-    from exactspec.models import ModelNotFoundError
+    from exactspec.backends.llama_cpp_backend import (LlamaCppNotInstalledError,
+                                                      slow_decoding_warning)
+    from exactspec.models import ModelNotFoundError, layer_count, resolve_model_path
 
     try:
         params = SamplingParams(
@@ -117,6 +125,19 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("PROMPT is empty: give some text")
 
     console = Console(stderr=True, soft_wrap=True)
+    try:  # what can be checked before the (slow) loading
+        backend = check_models_before_loading(
+            args, {"--draft-model": args.draft_model} if args.draft_model else {})
+        if args.early_exit is not None and backend != "transformers":
+            raise ValueError(f"--early-exit drafts with the target's own layers, which needs "
+                             f"the transformers backend, and {args.model!r} runs on "
+                             f"{backend}: add --backend transformers")
+    except (ModelNotFoundError, ValueError) as error:
+        console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
+        return 1
+    if args.early_exit is not None:
+        check_early_exit(parser, "--early-exit", args.early_exit,
+                         layer_count(resolve_model_path(args.model)))
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("exactspec").setLevel(logging.INFO)
     try:
@@ -160,4 +181,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(result.text, flush=True)
         console.print(f"{result.stats.summary()} · finish: {result.finish_reason} · {method} · {target.description}",
                       highlight=False, soft_wrap=True)
+    warning = slow_decoding_warning(
+        target, sum(r.stats.num_generated_tokens for r in results),
+        sum(r.stats.total_seconds - r.stats.prefill_seconds for r in results))
+    if warning:
+        console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False)
     return 0
