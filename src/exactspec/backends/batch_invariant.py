@@ -6,17 +6,17 @@ compares the result with what plain decoding (one token per forward) would have 
 PyTorch's CPU kernels choose their blocking, vector width and thread split from the shapes:
 a matrix product over 4 rows sums in a different order from one over 2 rows, and
 ``scaled_dot_product_attention`` over a block of queries differs from one query. The logits
-of the same token then differ in the last bits (about 2e-5 to 6e-5 on SmolLM2 in float32),
+of the same token then differ in the last bits (results/kernels-2026-11-30),
 enough to flip a near-tied greedy argmax and to change the sampling probabilities slightly.
 Following He et al. 2025 ("Defeating Nondeterminism in LLM Inference", Thinking Machines
 Lab: batch-invariant matmul, attention and norms), every decode-phase forward here runs
-kernels whose reduction order cannot depend on the number of tokens:
+kernels whose reduction order cannot depend on the number of tokens (design notes:
+this docstring; measurements: ``results/kernels-2026-11-30``):
 
 - **Linear layers**: the product is computed on blocks of exactly :data:`FIXED_ROWS` rows
   (the last block zero-padded), as ``W @ block.T``. Every call then has the same shape, so
   the kernel, its blocking and its thread split are the same, and row i's result depends on
-  row i alone. A plain step (1 row) pays for :data:`FIXED_ROWS` rows; on a memory-bound CPU
-  that costs little, because the weights are streamed once either way.
+  row i alone.
 - **Attention**: each query row is computed as a one-query problem over exactly the keys it
   may see (``[Hkv, g, d] @ [Hkv, d, L_i]``, softmax, ``@ V[:L_i]``), the same shapes a
   one-token forward at that position uses.
@@ -31,7 +31,7 @@ its cache entries are shared by plain and speculative decoding alike.
 The ``fast`` kernels (the alternative, :data:`KERNELS`) are PyTorch's own, except that on a
 CPU in float32 a product over at most :data:`SKINNY_MAX_ROWS` rows is computed as
 ``(W @ x.T).T``, which streams the weights once in their stored order (MKL's ``x @ W.T``
-repacks them on every call and costs about twice as much for 2–9 rows; a single row is
+repacks them on every call, which costs more for a few rows; a single row is
 computed as two identical rows, faster there than MKL's one-row path). They are faster but
 not batch-invariant, so with them greedy identity holds only up to rounding.
 """
@@ -48,9 +48,11 @@ from torch import nn
 
 KERNELS = ("batch-invariant", "fast")
 """Kernel choices of the transformers backend (``batch-invariant`` is the default)."""
-FIXED_ROWS = 8
-"""Rows of every decode-phase matrix product in batch-invariant mode (a verification of up
-to 7 drafts costs one product, as a plain step does)."""
+FIXED_ROWS = 2
+"""Rows of every decode-phase matrix product in batch-invariant mode. A plain step (padded
+to this many rows) then costs what the fast kernels' plain step costs, and a verification
+of n tokens costs ceil(n / FIXED_ROWS) products; wider blocks make verification cheaper and
+plain steps dearer (measured trade-off: results/kernels-2026-11-30)."""
 SKINNY_MAX_ROWS = 16
 """The fast kernels compute products over at most this many rows as ``(W @ x.T).T``."""
 ATTENTION = "exactspec"
