@@ -161,6 +161,7 @@ def test_transformers_sampling_agrees_with_the_reference_and_a_wrong_one_is_caug
 
     class WrongTemperature:  # transformers sampling at 1.1 where 0.8 was asked for
         name, drafted, accepted = "wrong", None, None
+        drafted_per_position = accepted_per_position = None
 
         def sample(self, prompt_ids, asked, n):
             return engine.sample(prompt_ids, dataclasses.replace(asked, temperature=1.1), n)
@@ -175,6 +176,7 @@ def test_greedy_check_reports_the_first_divergence_with_logits(target, prompts):
 
     class OffByOne:
         name, drafted, accepted = "off", None, None
+        drafted_per_position = accepted_per_position = None
 
         def sample(self, prompt_ids, params, n):
             ids = list(engine.sample(prompt_ids, params, 1)[0])
@@ -185,6 +187,21 @@ def test_greedy_check_reports_the_first_divergence_with_logits(target, prompts):
     assert not check.identical and check.position == 5
     assert check.engine_token == (check.plain_token + 1) % target.vocab_size
     assert check.plain_logit > check.engine_logit
+
+
+def test_drafts_are_counted_only_while_sampling(target, prompts):
+    """The greedy check drafts too; the distribution test reports only its own drafts."""
+    engine = ExactspecEngine(SpeculativeGenerator(target, PromptLookupProposer(1, 3), 3,
+                                                  "constant"), "ok")
+    check_greedy(target, engine, prompts, 20)
+    greedy_drafted, greedy_per_position = engine.drafted, list(engine.drafted_per_position)
+    assert greedy_drafted > 0
+    test = audit_distribution(target, engine, prompts, PARAMS, 100, ALPHA)
+    assert test.drafted == engine.drafted - greedy_drafted > 0
+    assert test.drafted_per_position == [a - b for a, b in zip(engine.drafted_per_position,
+                                                               greedy_per_position)]
+    assert sum(test.drafted_per_position) == test.drafted
+    assert sum(test.accepted_per_position) == test.accepted
 
 
 def test_verdict_and_report(tmp_path, target, prompts):

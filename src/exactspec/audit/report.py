@@ -57,8 +57,14 @@ def markdown(result: AuditResult, decode) -> str:
         lines += ["", f"## {title}: {test.engine}", ""]
         if test.drafted is not None:
             rate = test.accepted / test.drafted if test.drafted else float("nan")
-            lines.append(f"Drafted tokens: {test.drafted}, accepted: {test.accepted} "
-                         f"(acceptance rate {rate:.3f}).")
+            lines.append(f"While sampling, drafted tokens: {test.drafted}, accepted: "
+                         f"{test.accepted} (acceptance rate {rate:.3f}).")
+            if test.drafted_per_position:
+                lines += ["", "| block position | " + " | ".join(
+                    str(i + 1) for i in range(len(test.drafted_per_position))) + " |",
+                    "|---" * (len(test.drafted_per_position) + 1) + "|",
+                    "| drafted | " + " | ".join(map(str, test.drafted_per_position)) + " |",
+                    "| accepted | " + " | ".join(map(str, test.accepted_per_position)) + " |"]
             lines.append("")
         lines += ["| prompt | samples | bins | G | p-value | rejected (Holm) | TV [95 % CI] "
                   "| detectable TV |", "|---|---|---|---|---|---|---|---|"]

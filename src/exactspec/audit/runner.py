@@ -9,11 +9,12 @@ check on a broken control, ending in one verdict.
 3. Power check: the same test on a broken control (e.g. accept every draft) must reject;
    the smallest total-variation deviation each sample size detects is reported.
 Verdict: ``exact`` only when nothing deviates, the control is caught and the engine
-really drafted; ``NOT exact`` on any deviation; otherwise ``inconclusive``.
+really drafted while sampling; ``NOT exact`` on any deviation; otherwise ``inconclusive``.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -70,12 +71,21 @@ class PromptTest:
 
 @dataclass
 class EngineTest:
-    """Every prompt's distribution test of one engine, and its speculation counts."""
+    """Every prompt's distribution test of one engine, and how much it drafted while
+    sampling them (None when the engine does not report it).
+
+    Attributes:
+        drafted, accepted: draft tokens proposed and accepted in this phase only.
+        drafted_per_position, accepted_per_position: ``[k]`` the same per draft position
+            (position i of a block, 0-based).
+    """
 
     engine: str
     prompts: list[PromptTest]
     drafted: int | None
     accepted: int | None
+    drafted_per_position: list[int] | None = None
+    accepted_per_position: list[int] | None = None
 
     @property
     def rejected(self) -> bool:
@@ -129,9 +139,11 @@ def audit_distribution(target: Backend, engine: EngineUnderTest, prompts: Sequen
                       progress: Progress = lambda n: None, chunk: int = 50) -> EngineTest:
     """Sample ``num_samples`` continuations of ``params.max_new_tokens`` tokens per prompt
     from ``engine`` and test each prompt against the exact reference; Holm over prompts.
+    The drafting counts are this phase's only.
 
     Seeds: chunk c of prompt i uses seed ``params.seed + 1000 * i + c``.
     """
+    before = _speculation_counts(engine)
     tests = []
     for index, prompt_ids in enumerate(prompts):
         pipeline = LogitsPipeline(params, list(prompt_ids), target.vocab_size,
@@ -147,7 +159,21 @@ def audit_distribution(target: Backend, engine: EngineUnderTest, prompts: Sequen
         tests.append(_fit(index, reference.outcomes, counts, num_samples, alpha, len(prompts)))
     for test, rejected in zip(tests, holm([t.fit.p_value for t in tests], alpha)):
         test.rejected = rejected
-    return EngineTest(engine.name, tests, engine.drafted, engine.accepted)
+    after = _speculation_counts(engine)
+    counts = [None if a is None else _minus(a, b) for a, b in zip(after, before)]
+    return EngineTest(engine.name, tests, *counts)
+
+
+def _speculation_counts(engine: EngineUnderTest) -> list:
+    return [copy.copy(getattr(engine, name)) for name in
+            ("drafted", "accepted", "drafted_per_position", "accepted_per_position")]
+
+
+def _minus(after, before):
+    """``after - before`` for counts or lists of counts."""
+    if isinstance(after, list):
+        return [a - b for a, b in zip(after, before)]
+    return after - before
 
 
 def _fit(index: int, outcomes: dict, counts: Counter, num_samples: int, alpha: float,
