@@ -191,6 +191,17 @@ def test_zero_probability_tokens_are_impossible_whatever_the_p_value():
     assert fit.positions[0].p_value > 0.01  # one sample in 1000 moves no p-value
 
 
+def test_prefixes_allowing_one_token_are_only_checked_for_impossible_tokens():
+    """The first token is forced (top-p keeps one token): its samples are not put in the
+    remainder, whose PIT would be noise; a different first token is impossible."""
+    probs = lambda prefix: np.array([1.0, 0, 0]) if not prefix else np.array([0.5, 0.3, 0.2])
+    samples = draw(probs, 200, 2, np.random.default_rng(0))
+    first = fit_synthetic(samples, probs, 2).positions[0]
+    assert (first.forced_samples, first.remainder_samples, first.dof) == (200, 0, 0)
+    fit = fit_synthetic(samples[1:] + [(1, 0)], probs, 2)
+    assert [(i.prefix, i.token, i.count) for i in fit.impossible] == [((), 1, 1)]
+
+
 def test_holm_step_down():
     assert holm([0.01, 0.04, 0.03, 0.005], 0.05) == [True, False, False, True]
     assert holm([0.04, 0.04], 0.05) == [False, False]

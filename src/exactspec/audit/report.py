@@ -58,20 +58,22 @@ def markdown(result: AuditResult, decode) -> str:
     level = result.distribution.level
     lines += ["", "**Power.** A sampler whose next-token distribution at token j differs from "
               "the target's by a mean total variation of at least the row's *detectable TV* "
-              "(mean over the prefixes reached, weighted by how often each is reached, on the "
-              "bins tested) is caught with probability ≥ 0.8, in the least favourable direction"
-              + (f" (at Holm's first-step level {level:.2g})." if level else "."), ""]
+              "(mean over the prefixes tested on their own, weighted by how often each is "
+              "reached, on the bins tested) is caught with probability ≥ 0.8, in the least "
+              "favourable direction" + (f" (at Holm's first-step level {level:.2g})." if level
+                                        else "."), ""]
     lines += ["Each row tests one token position: at every prefix the samples reached, the "
-              "next tokens drawn against the target's exact conditional distribution (chi-square; "
-              "tokens expected ≥ 5 times have their own bin, rarer ones are pooled), summed "
-              "over the prefixes; the samples at prefixes too rarely reached to have 2 bins "
-              "(*remainder*) are tested together by their randomized probability integral "
-              "transform (uniform under the target); Holm's correction over all rows. "
-              "*pooled*: expected share of the samples in pooled bins. *mean TV* (over the "
-              "prefixes tested on their own): the "
-              "observed distance, which is > 0 at finite samples even for a correct sampler "
-              "(about sqrt(dof / samples) / 2). A sampled token of probability 0 under the "
-              "target fails the audit whatever the p-values.", ""]
+              "next tokens drawn against the target's exact conditional distribution "
+              "(chi-square; tokens expected ≥ 5 times have their own bin, rarer ones are "
+              "pooled), summed over the prefixes; the samples at prefixes reached too rarely "
+              "to have 2 bins (*remainder*) are tested together by their randomized "
+              "probability integral transform (uniform under the target); Holm's correction "
+              "over all rows. *forced*: share of the samples at prefixes after which the "
+              "target allows a single token (only checked for impossible tokens). *pooled*: "
+              "expected share of the samples in pooled bins. *mean TV* (over the prefixes "
+              "tested on their own): the observed distance, which is > 0 at finite samples "
+              "even for a correct sampler (about sqrt(dof / samples) / 2). A sampled token of "
+              "probability 0 under the target fails the audit whatever the p-values.", ""]
     lines += ["Prompts:", ""]
     lines += [f"{i}. {prompt!r}" for i, prompt in enumerate(config.get("prompts", []))]
     lines.append("")
@@ -101,17 +103,18 @@ def _engine_test(test: EngineTest, decode) -> list[str]:
                          f"{describe_impossible(impossible, decode)}")
     if any(p.impossible for p in test.prompts):
         lines.append("")
-    lines += ["| prompt | token | samples | prefixes tested | remainder | pooled | dof | X² "
-              "| p-value | rejected (Holm) | mean TV | detectable TV |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| prompt | token | samples | prefixes tested | remainder | forced | pooled | dof "
+              "| X² | p-value | rejected (Holm) | mean TV | detectable TV |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in test.prompts:
         for f in p.positions:
-            remainder = f.remainder_samples / f.num_samples if f.num_samples else 0.0
+            share = lambda count: f"{count / f.num_samples:.1%}" if f.num_samples else "–"
+            detectable = "–" if f.detectable_tv == float("inf") else f"{f.detectable_tv:.3f}"
             lines.append(
                 f"| {p.prompt_index} | {f.position} | {f.num_samples} | {f.num_nodes} "
-                f"| {remainder:.1%} | {f.pooled_share:.1%} | {f.dof} | {f.statistic:.1f} "
-                f"| {f.p_value:.3g} | {'**yes**' if f.rejected else 'no'} | {f.tv:.3f} "
-                f"| {f.detectable_tv:.3f} |")
+                f"| {share(f.remainder_samples)} | {share(f.forced_samples)} "
+                f"| {f.pooled_share:.1%} | {f.dof} | {f.statistic:.1f} | {f.p_value:.3g} "
+                f"| {'**yes**' if f.rejected else 'no'} | {f.tv:.3f} | {detectable} |")
     return lines
 
 

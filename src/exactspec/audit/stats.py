@@ -30,7 +30,9 @@ their nodes, and at one node the law of U is as far from uniform, in total varia
 the sampler from the target; the U of a position are binned into up to
 :data:`REMAINDER_BINS` equal-width bins (each expected ≥ 5 times) and their chi-square
 statistic and dof are added to the position's (only when fewer than 10 such samples sit
-at a depth do they go untested).
+at a depth do they go untested). Prefixes after which the target allows a single token
+carry no information beyond the check for impossible tokens, so they are left out of the
+remainder (their U would be pure noise).
 
 **Power, in the least favourable direction.** Asymptotically the power of a chi-square
 (Pearson or G) goodness-of-fit test depends only on its dof and the noncentrality
@@ -99,6 +101,7 @@ class NodeFit:
         merged: whether the pooled tokens were merged into the last token's bin (they
             were expected fewer than 5 times together).
         pooled_mass: exact probability of the tokens without a bin of their own.
+        support: tokens of probability > 0 (1: the target allows a single token here).
         statistic: Pearson's X² (0 for an untested node).
         dof: bins - 1, or 0 when the node is not tested (fewer than 2 bins).
         tv: total variation between the empirical and exact bin distributions.
@@ -111,6 +114,7 @@ class NodeFit:
     counts: list[int]
     merged: bool
     pooled_mass: float
+    support: int
     statistic: float
     dof: int
     tv: float
@@ -130,7 +134,8 @@ def node_fit(counts: Mapping[int, int], probs: np.ndarray,
     pooled_mass = max(0.0, 1.0 - sum(exact))
     pooled_count = n - sum(observed)
     merged = False
-    if np.count_nonzero(probs) > len(own) or pooled_count:  # some tokens share a bin
+    support = int(np.count_nonzero(probs))
+    if support > len(own) or pooled_count:  # some tokens share a bin
         merged = bool(tokens) and pooled_mass * n < min_expected
         if merged:  # the smallest bin absorbs the rest
             exact[-1] += pooled_mass
@@ -144,7 +149,7 @@ def node_fit(counts: Mapping[int, int], probs: np.ndarray,
     tv = 0.5 * float(np.abs(obs - exp).sum()) / n
     dof = len(tokens) - 1
     statistic = float(((obs - exp) ** 2 / exp).sum()) if dof else 0.0
-    return NodeFit(n, tokens, exact, observed, merged, pooled_mass, statistic, dof, tv,
+    return NodeFit(n, tokens, exact, observed, merged, pooled_mass, support, statistic, dof, tv,
                    impossible)
 
 
@@ -159,7 +164,9 @@ class PositionFit:
         num_nodes: prefixes tested on their own at this depth (nodes with ≥ 2 bins).
         num_tested: samples at those nodes (n_j of the power statement).
         remainder_samples: samples at the other nodes (< 2 bins), tested together by
-            their randomized PIT.
+            their randomized PIT, except at nodes where the target allows one token.
+        forced_samples: samples at nodes where the target allows one token (only checked
+            for impossible tokens).
         remainder_dof: the remainder test's dof (0: too few samples to test, < 10).
         statistic: X²_j, the nodes' and the remainder's.
         dof: dof_j, the nodes' and the remainder's (0: nothing to test at this position).
@@ -180,6 +187,7 @@ class PositionFit:
     num_tested: int
     remainder_samples: int
     remainder_dof: int
+    forced_samples: int
     statistic: float
     dof: int
     p_value: float
@@ -258,7 +266,7 @@ def fit_tree(samples: Sequence[Sequence[int]], num_tokens: int, stop_ids: Collec
     for prefix, probs in conditionals(sorted(children)):
         fit = node_fit(children[prefix], probs)
         fits[len(prefix)].append(fit)
-        if not fit.dof:
+        if not fit.dof and fit.support > 1:
             remainder[len(prefix)].append(pit_values(children[prefix], probs, rng))
         impossible += [Impossible(prefix, t, c, "probability 0") for t, c in fit.impossible.items()]
         if not prefix:
@@ -298,7 +306,8 @@ def _position(position: int, fits: list[NodeFit], remainder: np.ndarray) -> Posi
     p_value = float(stats.chi2.sf(statistic, dof)) if dof else 1.0
     tv = sum(f.num_samples * f.tv for f in tested) / n_tested if n_tested else 0.0
     pooled = sum(f.num_samples * f.pooled_mass for f in tested)
-    return PositionFit(position, n, len(tested), n_tested, len(remainder), remainder_dof,
+    forced = sum(f.num_samples for f in fits if f.support == 1)
+    return PositionFit(position, n, len(tested), n_tested, len(remainder), remainder_dof, forced,
                        statistic, dof, p_value, tv, pooled / n if n else 0.0)
 
 
