@@ -1,9 +1,12 @@
-"""Goodness-of-fit helper for the statistical exactness tests (chi-square, scipy.stats)."""
+"""Goodness-of-fit helpers for the statistical exactness tests: a chi-square test of one
+distribution (scipy.stats), and the audit's per-position test of whole continuations."""
 
 from __future__ import annotations
 
 import numpy as np
 from scipy import stats
+
+from exactspec.audit import ExactspecEngine, audit_distribution
 
 ALPHA = 1e-4
 """False-alarm rate of each test: seeds are fixed, so a pass or fail is reproducible; a
@@ -27,3 +30,16 @@ def gof_pvalue(counts, probs, min_expected: float = 5.0) -> float:
     if len(obs) < 2:
         return 1.0
     return float(stats.chisquare(obs, exp).pvalue)
+
+
+def audit_positions(target, generator, prompt_ids, params, num_samples: int,
+                    alpha: float = ALPHA):
+    """``num_samples`` continuations of ``prompt_ids`` (``params.max_new_tokens`` tokens)
+    from ``generator`` (a SpeculativeGenerator or a broken one), tested as the audit tests
+    them (:mod:`exactspec.audit.stats`): at every position, the tokens drawn after each
+    sampled prefix against the target's exact conditional, Holm over the positions at
+    ``alpha``, and any token of probability 0 flagged. Returns the
+    :class:`~exactspec.audit.runner.EngineTest`: ``rejected``, the per-position tests and
+    the per-block-position drafted and accepted counts."""
+    return audit_distribution(target, ExactspecEngine(generator, "under test"), [prompt_ids],
+                              params, num_samples, alpha)

@@ -164,6 +164,7 @@ def test_llama_cpp_python_sampling_with_its_prompt_lookup_agrees_with_the_refere
 
     class WrongTemperature:
         name, drafted, accepted = "wrong", None, None
+        drafted_per_position = accepted_per_position = None
 
         def sample(self, prompt_ids, asked, n):
             return engine.sample(prompt_ids, dataclasses.replace(asked, temperature=1.1), n)

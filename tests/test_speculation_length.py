@@ -1,16 +1,18 @@
 """Speculation-length policies: their logic on synthetic traces, and exactness under them."""
 
 import random
+from collections import Counter
 
 import pytest
 
 from exactspec import (DraftModelProposer, PromptLookupProposer, SamplingParams,
                        SpeculativeGenerator)
-from exactspec.audit import ExactspecEngine, audit_distribution
+from exactspec.audit import (BROKEN_VERIFIERS, BrokenGenerator, ExactspecEngine,
+                             audit_distribution)
 from exactspec.speculation_length import (AutoPolicy, ConfidencePolicy, HeuristicPolicy,
                                           make_policy)
 
-from conftest import RandomProposer, ScriptedProposer, tiny_backend
+from conftest import RandomProposer, ScriptedProposer, perturbed_backend, tiny_backend
 
 
 def run_trace(policy, cycles, alpha, forward_seconds, draft_seconds_per_token=0.0):
@@ -140,29 +142,33 @@ def test_k_zero_calls_no_drafter():
     assert drafter.calls == 0 and result.stats.chosen_k_histogram[0] == 10
 
 
-def test_distribution_test_passes_under_auto_with_varying_k():
-    """auto changes k from cycle to cycle (acceptance-driven); the committed tokens still
-    follow the target exactly (the audit's G-test with Holm, 3 tokens per sample)."""
+@pytest.mark.parametrize("broken", [None, *BROKEN_VERIFIERS])
+def test_distribution_test_passes_under_auto_with_varying_k(broken):
+    """auto changes k from cycle to cycle (acceptance-driven) with a draft model that agrees
+    often: drafts are accepted at every block position, and every position of the committed
+    tokens follows the target exactly (the audit's per-position test with Holm, 4 tokens
+    per sample). The broken verifiers under auto must be caught."""
     target = tiny_backend(0)
     policy = AutoPolicy(3)
     policy.forward_seconds = [None, 0.1, 0.104, 0.108, 0.112]  # cheap verification
-    engine = ExactspecEngine(SpeculativeGenerator(target, PromptLookupProposer(1, 2), 3, policy),
-                             "auto")
-    params = SamplingParams(temperature=0.8, top_k=12, seed=0, max_new_tokens=3)
-    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [7, 8, 7, 8, 7]]
-    histogram = [0] * 4
-    original = engine.generator._decode
+    chosen, choose = Counter(), policy.choose
 
-    def counting_decode(*args):
-        result = original(*args)
-        for k, n in enumerate(result.stats.chosen_k_histogram):
-            histogram[k] += n
-        return result
+    def counting_choose():
+        k = choose()
+        chosen[k] += 1
+        return k
 
-    engine.generator._decode = counting_decode
-    test = audit_distribution(target, engine, prompts, params, 500, 0.01)
-    assert sum(1 for n in histogram if n) >= 2, histogram
-    assert not test.rejected, [p.fit for p in test.prompts]
+    policy.choose = counting_choose
+    proposer = DraftModelProposer(perturbed_backend(target, noise=0.03), target)
+    generator = (BrokenGenerator(target, proposer, 3, policy, broken=broken) if broken
+                 else SpeculativeGenerator(target, proposer, 3, policy))
+    params = SamplingParams(temperature=0.8, top_k=12, seed=0, max_new_tokens=4)
+    test = audit_distribution(target, ExactspecEngine(generator, "auto"),
+                              [[1, 2, 3, 1, 2, 3, 1, 2], [7, 8, 7, 8, 7]], params, 500, 0.01)
+    assert test.rejected == (broken is not None), [p.positions for p in test.prompts]
+    if not broken:
+        assert sum(n >= 0.05 * chosen.total() for n in chosen.values()) >= 2, chosen  # k varies
+        assert min(test.accepted_per_position) >= 30, (test.accepted_per_position, chosen)
 
 
 def test_unmeasured_costs_come_from_a_line_through_the_measured_ones():

@@ -28,11 +28,15 @@ class EngineUnderTest(Protocol):
         name: how reports call it.
         drafted, accepted: draft tokens proposed and accepted so far, when the engine
             reports them (None otherwise), to show that speculation really happened.
+        drafted_per_position, accepted_per_position: ``[k]`` the same per position in
+            the drafted block (0-based), or None.
     """
 
     name: str
     drafted: int | None
     accepted: int | None
+    drafted_per_position: list[int] | None
+    accepted_per_position: list[int] | None
 
     def sample(self, prompt_ids: Sequence[int], params: SamplingParams,
                num_samples: int) -> list[tuple[int, ...]]:
@@ -48,13 +52,20 @@ class ExactspecEngine:
     def __init__(self, generator: SpeculativeGenerator, name: str) -> None:
         self.generator, self.name = generator, name
         self.drafted = self.accepted = 0
+        self.drafted_per_position = [0] * generator.num_speculative_tokens
+        self.accepted_per_position = [0] * generator.num_speculative_tokens
 
     def sample(self, prompt_ids: Sequence[int], params: SamplingParams,
                num_samples: int) -> list[tuple[int, ...]]:
         results = self.generator.generate_samples(list(prompt_ids), params, n=num_samples)
         for result in results:
-            self.drafted += result.stats.drafted_tokens
-            self.accepted += result.stats.accepted_tokens
+            stats = result.stats
+            self.drafted += stats.drafted_tokens
+            self.accepted += stats.accepted_tokens
+            for i, (d, a) in enumerate(zip(stats.drafted_per_position,
+                                           stats.accepted_per_position)):
+                self.drafted_per_position[i] += d
+                self.accepted_per_position[i] += a
         return [tuple(result.token_ids) for result in results]
 
 
@@ -73,6 +84,7 @@ class TransformersGenerateEngine:
             raise ValueError(f"engine {name!r} needs the transformers backend")
         self.target, self.name, self.generate_kwargs = target, name, generate_kwargs
         self.drafted = self.accepted = None
+        self.drafted_per_position = self.accepted_per_position = None
 
     def sample(self, prompt_ids: Sequence[int], params: SamplingParams,
                num_samples: int) -> list[tuple[int, ...]]:
@@ -127,6 +139,7 @@ class LlamaCppGenerateEngine:
         self.eos = set(target.eos_token_ids)
         self.name = name
         self.drafted = self.accepted = None
+        self.drafted_per_position = self.accepted_per_position = None
 
     def sample(self, prompt_ids: Sequence[int], params: SamplingParams,
                num_samples: int) -> list[tuple[int, ...]]:

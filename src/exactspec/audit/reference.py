@@ -1,87 +1,58 @@
-"""The exact reference: the target's processed probabilities of every likely m-token
-continuation of a prompt, computed from its logits (no sampling).
+"""The exact reference: the target's processed next-token distribution after each sampled
+prefix of a prompt's continuation, computed from its logits (no sampling).
 
-P(x₁..x_m) = Π_j p(x_j | prompt, x_<j), each factor the target's logits at that position
-passed through the same :class:`~exactspec.logits_pipeline.LogitsPipeline` that decoding
-uses (penalties, bans, temperature, top-k, top-p, min-p). Prefixes are expanded depth first
-while they are expected at least ``min_expected`` times in ``num_samples`` samples, so the
-outcome bins are fixed by the reference alone, never by the samples (a data-chosen binning
-would bias the test). A continuation ending with an EOS or stop token id stops there (stop strings are not
-audited).
+p(· | prompt, x_<j) is the target's logits after ``prompt + x_<j`` passed through the
+same :class:`~exactspec.logits_pipeline.LogitsPipeline` that decoding uses (penalties,
+bans, temperature, top-k, top-p, min-p), with the true history. The logits are computed
+as plain decoding computes them, one token per forward pass on the cached context: the
+prefixes are visited depth first (sorted order), so each costs one single-token forward
+and the cache is rolled back between branches, never re-encoded. The reference is then
+plain decoding by construction, whether or not the backend scores a block of tokens
+bit-identically to single tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 
-import torch
+import numpy as np
 
-from exactspec.audit.stats import MIN_EXPECTED
 from exactspec.backends.base import Backend
 from exactspec.logits_pipeline import LogitsPipeline
 
-OTHER = ()
-"""The outcome key of the pooled bin: every continuation not listed on its own."""
 
-
-@dataclass
-class Reference:
-    """Exact probabilities of the listed continuations; ``OTHER`` holds the rest.
-
-    Attributes:
-        outcomes: continuation (tuple of ≤ m token ids) → exact probability; the key
-            ``OTHER`` (the empty tuple) holds 1 − the sum of the others.
-        num_forwards: target forward passes the enumeration took.
-    """
-
-    outcomes: dict[tuple[int, ...], float]
-    num_forwards: int
-
-    def key(self, token_ids: Sequence[int]) -> tuple[int, ...]:
-        """The outcome a sampled continuation falls in."""
-        token_ids = tuple(token_ids)
-        return token_ids if token_ids in self.outcomes else OTHER
-
-
-def exact_reference(target: Backend, prompt_ids: Sequence[int], pipeline: LogitsPipeline,
-                    num_tokens: int, num_samples: int,
-                    min_expected: float = MIN_EXPECTED) -> Reference:
-    """Enumerate the likely ``num_tokens``-token continuations of ``prompt_ids``.
+def next_token_probs(target: Backend, prompt_ids: Sequence[int], pipeline: LogitsPipeline,
+                     prefixes: Sequence[tuple[int, ...]]) -> Iterator[tuple[tuple[int, ...],
+                                                                             np.ndarray]]:
+    """The exact next-token distribution after ``prompt_ids + prefix`` for each prefix.
 
     Args:
         target: the target backend (its cache is reset).
-        prompt_ids: ``[prompt_len]`` the prompt as the model sees it.
+        prompt_ids: ``[prompt_len]`` the prompt as the model sees it (non-empty).
         pipeline: built for ``prompt_ids`` and the audited sampling parameters.
-        num_tokens: m, continuation length (≥ 1).
-        num_samples: the sample size the bins are sized for.
+        prefixes: continuations to score, sorted, every prefix of one listed before it
+            (as :func:`~exactspec.audit.stats.fit_tree` passes them).
+    Yields:
+        ``(prefix, probs)``, ``probs`` ``[vocab]`` float64 summing to 1, in the order given.
     Raises:
-        ValueError: if ``num_tokens`` < 1 or the prompt is empty.
+        ValueError: if the prompt is empty or a prefix's parent was not listed before it.
     """
-    if num_tokens < 1 or not prompt_ids:
-        raise ValueError("the reference needs num_tokens ≥ 1 and a non-empty prompt")
+    if not prompt_ids:
+        raise ValueError("the reference needs a non-empty prompt")
     prompt_ids = list(prompt_ids)
-    params = pipeline.params
-    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(target.eos_token_ids))
     target.prefill(prompt_ids[:-1])
-    outcomes: dict[tuple[int, ...], float] = {}
-    stack: list[tuple[tuple[int, ...], float]] = [((), 1.0)]
-    forwards = 0
-    while stack:
-        prefix, prefix_prob = stack.pop()
-        logits = target.forward([prompt_ids[-1], *prefix], num_logits=1)  # [1, vocab]
-        target.rollback(len(prefix) + 1)
-        forwards += 1
-        history = prompt_ids + list(prefix)
-        probs = pipeline.probs(pipeline.process(logits, history))[0].double()  # [vocab]
-        support = torch.nonzero(probs > 0).flatten().tolist()
-        for token, p in zip(support, probs[support].tolist()):
-            outcome, prob = (*prefix, token), prefix_prob * p
-            if prob * num_samples < min_expected:
-                continue
-            if len(outcome) == num_tokens or token in stop_ids:
-                outcomes[outcome] = prob
-            else:
-                stack.append((outcome, prob))
-    outcomes[OTHER] = max(0.0, 1.0 - sum(outcomes.values()))
-    return Reference(outcomes, forwards)
+    path: tuple[int, ...] | None = None  # the continuation in the cache after the prompt
+    for prefix in prefixes:
+        if not prefix:
+            target.rollback(target.num_cached_tokens - (len(prompt_ids) - 1))
+            logits = target.forward(prompt_ids[-1:])
+        else:
+            if path is None or path[: len(prefix) - 1] != prefix[:-1]:
+                raise ValueError(f"prefix {prefix} comes before its parent: pass prefixes "
+                                 "sorted and closed under taking prefixes")
+            target.rollback(len(path) - (len(prefix) - 1))
+            logits = target.forward(prefix[-1:])
+        path = prefix
+        probs = pipeline.probs(pipeline.process(logits, prompt_ids + list(prefix)))[0]
+        probs = probs.double().cpu().numpy()
+        yield prefix, probs / probs.sum()

@@ -3,25 +3,29 @@ check on a broken control, ending in one verdict.
 
 1. Greedy identity: the engine at temperature 0 against exactspec's plain decoding, token
    for token; the first divergence is reported with both tokens' logits.
-2. Distribution test: per prompt, ``num_samples`` samples of the first m tokens against
-   the exact reference (:mod:`exactspec.audit.reference`), G-test over bins fixed by the
-   reference; p-values combined over prompts with Holm at ``alpha``.
+2. Distribution test: per prompt, ``num_samples`` samples of the first m tokens; at each
+   position, the next tokens drawn after each sampled prefix against the target's exact
+   conditional (:mod:`exactspec.audit.reference`), chi-square tests summed per position
+   (:mod:`exactspec.audit.stats`); Holm at ``alpha`` over every (prompt, position). A
+   sampled continuation of probability 0 under the target fails at once.
 3. Power check: the same test on a broken control (e.g. accept every draft) must reject;
-   the smallest total-variation deviation each sample size detects is reported.
+   for each position the smallest mean deviation detected with power 0.8 in the least
+   favourable direction is reported.
 Verdict: ``exact`` only when nothing deviates, the control is caught and the engine
-really drafted; ``NOT exact`` on any deviation; otherwise ``inconclusive``.
+really drafted while sampling; ``NOT exact`` on any deviation; otherwise ``inconclusive``.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from exactspec.audit.engines import EngineUnderTest
-from exactspec.audit.reference import OTHER, exact_reference
-from exactspec.audit.stats import FitResult, detectable_tv, goodness_of_fit, holm, pool_bins
+from exactspec.audit.reference import next_token_probs
+from exactspec.audit.stats import (Impossible, NodeFit, PositionFit, detectable_tv, fit_tree,
+                                   holm)
 from exactspec.backends.base import Backend
 from exactspec.engine import SpeculativeGenerator
 from exactspec.logits_pipeline import LogitsPipeline
@@ -47,35 +51,49 @@ class GreedyCheck:
 
 @dataclass
 class PromptTest:
-    """The distribution test of one engine on one prompt.
+    """The distribution test of one engine on one prompt: one test per position of the
+    continuation (see :mod:`exactspec.audit.stats`).
 
     Attributes:
-        outcomes: ``[bins]`` the outcome bins, most probable first; a bin is a list of
-            continuations (token-id tuples), ``[]`` standing for "every other continuation".
-        exact: ``[bins]`` exact probability of each bin.
-        counts: ``[bins]`` samples that fell in each bin.
-        fit: the G-test and total-variation distance.
-        detectable_tv: the smallest deviation this sample size detects with power 0.8.
-        rejected: whether Holm's procedure rejects this prompt at the audit's alpha.
+        prompt_index: which prompt.
+        num_samples: continuations drawn.
+        positions: ``[m]`` the per-position tests (Holm's decision in ``rejected``).
+        impossible: continuations of probability 0 under the target (each one fails
+            the audit).
+        first: the first-token test (its bins, exact probabilities and counts: the plot).
     """
 
     prompt_index: int
-    outcomes: list[list[tuple[int, ...]]]
-    exact: list[float]
-    counts: list[int]
-    fit: FitResult
-    detectable_tv: float
-    rejected: bool = False
+    num_samples: int
+    positions: list[PositionFit]
+    impossible: list[Impossible]
+    first: NodeFit | None
+
+    @property
+    def rejected(self) -> bool:
+        return bool(self.impossible) or any(p.rejected for p in self.positions)
 
 
 @dataclass
 class EngineTest:
-    """Every prompt's distribution test of one engine, and its speculation counts."""
+    """Every prompt's distribution test of one engine, and how much it drafted while
+    sampling them (None when the engine does not report it).
+
+    Attributes:
+        drafted, accepted: draft tokens proposed and accepted in this phase only.
+        drafted_per_position, accepted_per_position: ``[k]`` the same per draft position
+            (position i of a block, 0-based).
+        level: the level of Holm's first step (alpha / number of tests), at which the
+            detectable deviations are stated.
+    """
 
     engine: str
     prompts: list[PromptTest]
     drafted: int | None
     accepted: int | None
+    drafted_per_position: list[int] | None = None
+    accepted_per_position: list[int] | None = None
+    level: float | None = None
 
     @property
     def rejected(self) -> bool:
@@ -125,68 +143,93 @@ def check_greedy(target: Backend, engine: EngineUnderTest, prompts: Sequence[Seq
 
 
 def audit_distribution(target: Backend, engine: EngineUnderTest, prompts: Sequence[Sequence[int]],
-                      params: SamplingParams, num_samples: int, alpha: float,
-                      progress: Progress = lambda n: None, chunk: int = 50) -> EngineTest:
+                       params: SamplingParams, num_samples: int, alpha: float,
+                       progress: Progress = lambda n: None, chunk: int = 50) -> EngineTest:
     """Sample ``num_samples`` continuations of ``params.max_new_tokens`` tokens per prompt
-    from ``engine`` and test each prompt against the exact reference; Holm over prompts.
+    from ``engine`` and test each position of each prompt against the exact conditionals;
+    Holm over every (prompt, position) test. The drafting counts are this phase's only.
 
     Seeds: chunk c of prompt i uses seed ``params.seed + 1000 * i + c``.
     """
+    before = _speculation_counts(engine)
     tests = []
     for index, prompt_ids in enumerate(prompts):
-        pipeline = LogitsPipeline(params, list(prompt_ids), target.vocab_size,
-                                  target.eos_token_ids, [], target.device)
-        reference = exact_reference(target, prompt_ids, pipeline, params.max_new_tokens,
-                                    num_samples)
-        counts: Counter = Counter()
+        samples: list[tuple[int, ...]] = []
         for c, start in enumerate(range(0, num_samples, chunk)):
             size = min(chunk, num_samples - start)
             seeded = dataclasses.replace(params, seed=(params.seed or 0) + 1000 * index + c)
-            counts.update(reference.key(s) for s in engine.sample(prompt_ids, seeded, size))
+            samples += engine.sample(prompt_ids, seeded, size)
             progress(size)
-        tests.append(_fit(index, reference.outcomes, counts, num_samples, alpha, len(prompts)))
-    for test, rejected in zip(tests, holm([t.fit.p_value for t in tests], alpha)):
-        test.rejected = rejected
-    return EngineTest(engine.name, tests, engine.drafted, engine.accepted)
+        tests.append(fit_prompt(target, prompt_ids, params, samples, index))
+    level = decide(tests, alpha)
+    after = _speculation_counts(engine)
+    counts = [None if a is None else _minus(a, b) for a, b in zip(after, before)]
+    return EngineTest(engine.name, tests, *counts, level=level)
 
 
-def _fit(index: int, outcomes: dict, counts: Counter, num_samples: int, alpha: float,
-         num_prompts: int) -> PromptTest:
-    """Pool the reference's outcomes into bins and run the G-test."""
-    keys = list(outcomes)
-    bins = pool_bins([outcomes[k] for k in keys], num_samples)
-    num_bins = int(bins.max()) + 1
-    grouped: list[list[tuple[int, ...]]] = [[] for _ in range(num_bins)]
-    exact, observed = [0.0] * num_bins, [0] * num_bins
-    for key, b in zip(keys, bins):
-        grouped[b].append(key)
-        exact[b] += outcomes[key]
-        observed[b] += counts.get(key, 0)
-    fit = goodness_of_fit(observed, exact, seed=index)
-    # Holm's first step compares the smallest p-value with alpha / number of prompts.
-    detectable = detectable_tv(exact, num_samples, alpha / num_prompts)
-    return PromptTest(index, [sorted(g, key=lambda k: k == OTHER) for g in grouped], exact,
-                      observed, fit, detectable)
+def fit_prompt(target: Backend, prompt_ids: Sequence[int], params: SamplingParams,
+               samples: Sequence[Sequence[int]], index: int = 0) -> PromptTest:
+    """The per-position tests of one prompt's ``samples`` against the target's exact
+    conditionals (undecided: :func:`decide` applies Holm)."""
+    pipeline = LogitsPipeline(params, list(prompt_ids), target.vocab_size, target.eos_token_ids,
+                              [], target.device)
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos
+                                             else set(target.eos_token_ids))
+    fit = fit_tree(samples, params.max_new_tokens, stop_ids,
+                   lambda prefixes: next_token_probs(target, prompt_ids, pipeline, prefixes),
+                   seed=index)
+    return PromptTest(index, fit.num_samples, fit.positions, fit.impossible, fit.first)
 
 
-def verdict(result: AuditResult) -> AuditResult:
-    """Fill ``result.verdict`` and ``result.reasons`` (see module docstring)."""
+def decide(tests: Sequence[PromptTest], alpha: float) -> float:
+    """Holm at ``alpha`` over every position test with something to test; fill each one's
+    ``rejected`` and ``detectable_tv`` (at the level of Holm's first step, returned)."""
+    family = [p for test in tests for p in test.positions if p.dof]
+    level = alpha / max(1, len(family))
+    for position, rejected in zip(family, holm([p.p_value for p in family], alpha)):
+        position.rejected = rejected
+        position.detectable_tv = detectable_tv(position.dof, position.num_tested, level)
+    return level
+
+
+def _speculation_counts(engine: EngineUnderTest) -> list:
+    return [copy.copy(getattr(engine, name)) for name in
+            ("drafted", "accepted", "drafted_per_position", "accepted_per_position")]
+
+
+def _minus(after, before):
+    """``after - before`` for counts or lists of counts."""
+    if isinstance(after, list):
+        return [a - b for a, b in zip(after, before)]
+    return after - before
+
+
+def verdict(result: AuditResult, decode: Callable[[list[int]], str] | None = None) -> AuditResult:
+    """Fill ``result.verdict`` and ``result.reasons`` (see module docstring); ``decode``
+    (token ids → text) names impossible continuations in words."""
     deviations, doubts = [], []
     for check in result.greedy:
         if not check.identical:
             deviations.append(f"greedy output of prompt {check.prompt_index} differs from plain "
                               f"decoding at token {check.position}")
     for test in result.distribution.prompts:
-        if test.rejected:
-            deviations.append(f"prompt {test.prompt_index}: samples deviate from the exact "
-                              f"distribution (p = {test.fit.p_value:.2e}, TV = {test.fit.tv:.3f})")
+        for impossible in test.impossible:
+            deviations.append(f"prompt {test.prompt_index}: impossible continuation in "
+                              f"{impossible.count} of {test.num_samples} samples: "
+                              f"{describe_impossible(impossible, decode)}")
+        for position in test.positions:
+            if position.rejected:
+                deviations.append(
+                    f"prompt {test.prompt_index}, token {position.position}: the next-token "
+                    f"distribution deviates from the target's (p = {position.p_value:.2e}, "
+                    f"mean TV = {position.tv:.3f})")
     if result.control is None:
         doubts.append("no broken control was run, so the test's power is unchecked")
     elif not result.control.rejected:
         doubts.append(f"the broken control ({result.control.engine}) was not caught: the sample "
                       "size is too small to trust a pass")
-    drafted, samples = result.distribution.drafted, sum(
-        p.fit.num_samples for p in result.distribution.prompts)
+    drafted = result.distribution.drafted
+    samples = sum(p.num_samples for p in result.distribution.prompts)
     if drafted is not None and drafted < samples:
         doubts.append(f"the engine drafted {drafted} tokens in {samples} samples: speculation was "
                       "barely exercised, so mostly plain decoding was tested (use --policy "
@@ -197,3 +240,17 @@ def verdict(result: AuditResult) -> AuditResult:
         "(this engine does not report how much it drafted)"]
     result.verdict = "NOT exact" if deviations else "inconclusive" if doubts else "exact"
     return result
+
+
+def describe_impossible(impossible: Impossible,
+                        decode: Callable[[list[int]], str] | None = None) -> str:
+    """E.g. ``after the prefix [12, 7] 'ab', token 3 'c': probability 0``, or ``at the
+    first token, token 3 'c': probability 0``."""
+    def show(token_ids) -> str:
+        return f"{list(token_ids)}" + (f" {decode(list(token_ids))!r}" if decode else "")
+
+    token = "" if impossible.token is None else f", token {impossible.token}" + (
+        f" {decode([impossible.token])!r}" if decode else "")
+    where = (f"after the prefix {show(impossible.prefix)}" if impossible.prefix
+             else "at the first token")
+    return f"{where}{token}: {impossible.reason}"

@@ -18,10 +18,13 @@ def add_parser(commands) -> None:
     audit = commands.add_parser(
         "audit", help="test that speculative decoding keeps the target's distribution exactly",
         description="Audit exactness on a real model: (1) greedy output token for token equal to "
-                    "plain decoding; (2) samples of the first --tokens tokens of each prompt "
-                    "against the target's exact processed probabilities (G-test, Holm's "
-                    "correction over prompts, total-variation distance); (3) a power check: the "
-                    "same test on a deliberately broken verifier must fail. Writes audit.json, "
+                    "plain decoding; (2) samples of the first --tokens tokens of each prompt: "
+                    "at each position, the tokens drawn after every sampled prefix against the "
+                    "target's exact processed conditional probabilities (chi-square tests "
+                    "summed per position, Holm's correction over prompts and positions; a "
+                    "token of probability 0 fails at once), with the smallest deviation each "
+                    "test detects; (3) a power check: the same test on a deliberately broken "
+                    "verifier must fail. Writes audit.json, "
                     "report.md and one plot per prompt to --output. Exit status 0 only for the "
                     "verdict 'exact'.")
     add_model_options(audit)
@@ -174,7 +177,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             ValueError) as error:
         console.print(f"[bold red]error:[/] {error}", highlight=False)
         return 1
-    result = verdict(AuditResult(config, greedy, tests[0], tests[1] if control else None))
+    result = verdict(AuditResult(config, greedy, tests[0], tests[1] if control else None),
+                     tokenizer.decode)
     files = write_audit_report(result, args.output, tokenizer.decode)
     print(files[1].read_text())
     console.print(f"wrote {', '.join(str(f) for f in files)}", highlight=False)
