@@ -7,7 +7,6 @@ import pytest
 from exactspec import DraftModelProposer, PromptLookupProposer, SamplingParams, SpeculativeGenerator
 from exactspec.proposers.early_exit import EarlyExitProposer
 
-from conftest import tiny_model
 
 PROMPT = "abc abc abd abc abcd, abc abc abd abc"
 DRAFTERS = {"prompt-lookup": ("auto", "constant", "heuristic"),
