@@ -81,7 +81,7 @@ class RandomProposer(Proposer):
         self.vocab = vocab
         self.rng = torch.Generator().manual_seed(seed)
 
-    def propose(self, token_ids, k, pipeline, generator) -> Proposal:
+    def propose(self, token_ids, k, pipeline, rng, min_confidence=0.0) -> Proposal:
         return Proposal(torch.randint(self.vocab, (k,), generator=self.rng).tolist())
 
 
@@ -92,7 +92,7 @@ class ScriptedProposer(Proposer):
     def __init__(self, reference: Sequence[int]) -> None:
         self.reference = list(reference)
 
-    def propose(self, token_ids, k, pipeline, generator) -> Proposal:
+    def propose(self, token_ids, k, pipeline, rng, min_confidence=0.0) -> Proposal:
         n = len(token_ids)
         if self.reference[:n] != list(token_ids):
             return EMPTY_PROPOSAL

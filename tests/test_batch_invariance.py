@@ -19,7 +19,7 @@ PROMPT = "the cat sat on the mat"
 class FixedDrafter(Proposer):
     """Drafts ``k`` copies of one token: every cycle scores a block of k + 1 tokens."""
 
-    def propose(self, token_ids, k, pipeline, generator):
+    def propose(self, token_ids, k, pipeline, rng, min_confidence=0.0):
         return Proposal([5] * k)
 
 
@@ -78,7 +78,7 @@ def test_near_tie_flips_on_the_fast_kernels_and_never_on_the_batch_invariant_one
 
 
 def test_sampling_probabilities_are_bit_identical_in_a_block():
-    from exactspec.sampling import logits_to_probs
+    from exactspec.logits_pipeline import logits_to_probs
 
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20)
     single, block = first_row_logits(backend("batch-invariant"), 6)

@@ -185,8 +185,8 @@ class LyingProposer(Proposer):
     def __init__(self, inner):
         self.inner = inner
 
-    def propose(self, token_ids, k, pipeline, generator):
-        proposal = self.inner.propose(token_ids, k, pipeline, generator)
+    def propose(self, token_ids, k, pipeline, rng, min_confidence=0.0):
+        proposal = self.inner.propose(token_ids, k, pipeline, rng, min_confidence)
         if proposal.probs is None:
             return proposal
         return Proposal(proposal.token_ids, torch.full_like(proposal.probs,

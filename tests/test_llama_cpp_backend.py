@@ -187,10 +187,13 @@ def test_default_threads_leave_half_the_cores_free(monkeypatch, cores, threads):
 def test_decoding_far_below_the_load_time_check_names_threads():
     from types import SimpleNamespace
 
-    from exactspec.backends.llama_cpp_backend import slow_decoding_warning
+    from exactspec.backends.llama_cpp_backend import LlamaCppBackend, slow_decoding_warning
 
-    loaded = lambda threads: SimpleNamespace(seconds_per_token_at_load=0.0125,
-                                             llama=SimpleNamespace(n_threads=threads))
+    def loaded(threads):
+        backend = LlamaCppBackend.__new__(LlamaCppBackend)  # what the load-time check left
+        backend.seconds_per_token_at_load = 0.0125
+        backend.llama = SimpleNamespace(n_threads=threads)
+        return backend
     assert slow_decoding_warning(loaded(2), 32, 64.0) == (
         "decoding ran at 0.5 tokens/s, 160× slower than llama.cpp scored tokens when it loaded "
         "(80 tokens/s) with 2 threads: another process is probably using the CPU, and "

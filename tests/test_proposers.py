@@ -6,12 +6,12 @@ import torch
 from exactspec import (DraftModelProposer, PromptLookupProposer, SamplingParams,
                        SpeculativeGenerator, UnsupportedModelError)
 from exactspec.logits_pipeline import LogitsPipeline
-from exactspec.sampling import make_generator
+from exactspec.sampling import make_rng
 
 from conftest import CharTokenizer, tiny_backend, tiny_model
 
 GREEDY = SamplingParams()
-G = make_generator(0)
+G = make_rng(0)
 
 
 def pipe(params, vocab=64):
@@ -59,7 +59,7 @@ def test_draft_with_padded_vocabulary(draft_vocab):
     draft = tiny_backend(model=tiny_model(5, vocab=draft_vocab), tokenizer_vocab=60)
     proposer = DraftModelProposer(draft, target)
     for params in (GREEDY, SamplingParams(temperature=1.0, seed=0)):
-        proposal = proposer.propose([1, 2, 3], 6, pipe(params), make_generator(0))
+        proposal = proposer.propose([1, 2, 3], 6, pipe(params), make_rng(0))
         assert len(proposal.token_ids) == 6 and max(proposal.token_ids) < 60
         if proposal.probs is not None:
             assert proposal.probs.shape == (6, 64)

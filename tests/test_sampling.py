@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from exactspec.sampling import (SamplingParams, check_finite, greedy_tokens, logits_to_probs,
-                                make_generator, sample_from_probs)
+from exactspec.logits_pipeline import check_finite, greedy_tokens, logits_to_probs
+from exactspec.sampling import SamplingParams, make_rng, sample_from_probs
 
 from gof import ALPHA, gof_pvalue
 
@@ -91,8 +91,8 @@ def test_greedy_and_non_finite():
 
 def test_sample_from_probs_follows_the_distribution_and_skips_zeros():
     probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
-    generator = make_generator(1)
-    draws = sample_from_probs(probs.expand(50_000, -1), generator)
+    rng = make_rng(1)
+    draws = sample_from_probs(probs.expand(50_000, -1), rng)
     counts = torch.bincount(draws, minlength=6)
     assert counts[probs == 0].sum() == 0
     assert gof_pvalue(counts, probs) > ALPHA
@@ -101,9 +101,9 @@ def test_sample_from_probs_follows_the_distribution_and_skips_zeros():
 
 
 def test_seeded_generators_repeat():
-    a = torch.rand(4, generator=make_generator(7))
-    b = torch.rand(4, generator=make_generator(7))
-    c = torch.rand(4, generator=make_generator(8))
+    a = torch.rand(4, generator=make_rng(7))
+    b = torch.rand(4, generator=make_rng(7))
+    c = torch.rand(4, generator=make_rng(8))
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 

@@ -82,7 +82,7 @@ def test_min_new_tokens_with_a_drafter_that_proposes_eos_early():
     target = tiny_backend(model=target.model, eos=[eos])
 
     class EosDrafter(Proposer):
-        def propose(self, token_ids, k, pipeline, generator):
+        def propose(self, token_ids, k, pipeline, rng, min_confidence=0.0):
             return Proposal([eos] * k)
 
     assert plain(target, SamplingParams(max_new_tokens=30)).token_ids == free.token_ids[:2]

@@ -21,7 +21,7 @@ def run_trace(policy, cycles, alpha, forward_seconds, draft_seconds_per_token=0.
     rng = random.Random(0)
     chosen = []
     for _ in range(cycles):
-        k = policy.choose()
+        k = policy.choose().k
         chosen.append(k)
         accepted = 0
         while accepted < k and rng.random() < alpha:
@@ -56,36 +56,36 @@ def test_auto_counts_the_draft_cost():
 def test_auto_retries_drafting_after_a_run_of_plain_steps():
     policy = AutoPolicy(4)
     run_trace(policy, 20, alpha=0.0, forward_seconds=lambda n: 0.1 + 0.01 * n)
-    assert policy.choose() == 0
+    assert policy.choose().k == 0
     for _ in range(120):  # plain steps: evidence decays back to the prior
         policy.observe(0, 0, 0.0, 0.11)
-    assert policy.choose() > 0
+    assert policy.choose().k > 0
 
 
 def test_auto_without_timings_uses_the_prior_and_acceptance_alone():
     policy = AutoPolicy(4)
     for _ in range(30):
-        policy.observe(policy.choose(), 0, None, None)
-    assert policy.choose() == 0 and policy.forward_seconds == [None] * 6
+        policy.observe(policy.choose().k, 0, None, None)
+    assert policy.choose().k == 0 and policy.forward_seconds == [None] * 6
 
 
 def test_heuristic_schedule():
     policy = HeuristicPolicy(k_max=6, k_min=1)
     ks = []
     for accepted_all in (False, False, True, True, True, False):
-        k = policy.choose()
+        k = policy.choose().k
         ks.append(k)
         policy.observe(k, k if accepted_all else 0, 0.0, 0.1)
-    assert ks == [6, 5, 4, 6, 6, 6] and policy.choose() == 5
+    assert ks == [6, 5, 4, 6, 6, 6] and policy.choose().k == 5
     for _ in range(10):
-        policy.observe(policy.choose(), 0, 0.0, 0.1)
-    assert policy.choose() == 1
+        policy.observe(policy.choose().k, 0, 0.0, 0.1)
+    assert policy.choose().k == 1
 
 
 def test_bad_policy_names_and_confidence_misuse():
     with pytest.raises(ValueError, match="policy 'fast' is invalid"):
         make_policy("fast", 4)
-    with pytest.raises(ValueError, match="needs a draft-model proposer"):
+    with pytest.raises(ValueError, match="needs a drafter with probabilities"):
         SpeculativeGenerator(tiny_backend(0), PromptLookupProposer(), 4, "confidence")
     with pytest.raises(ValueError, match="min_confidence"):
         ConfidencePolicy(4, 1.5)
@@ -98,8 +98,8 @@ def test_confidence_stops_the_draft_early():
     drafted = {}
     for threshold in (0.0, 0.3):
         proposer = DraftModelProposer(tiny_backend(1), target)
-        generator = SpeculativeGenerator(target, proposer, 4, ConfidencePolicy(4, 0.5))
-        proposer.min_confidence = threshold
+        policy = ConfidencePolicy(4, threshold) if threshold else "constant"
+        generator = SpeculativeGenerator(target, proposer, 4, policy)
         drafted[threshold] = generator.generate(prompt, params).stats.drafted_tokens
     assert drafted[0.3] < drafted[0.0]
 
@@ -110,7 +110,7 @@ def test_greedy_identity_under_every_policy(policy):
     params = SamplingParams(max_new_tokens=40)
     plain = SpeculativeGenerator(target, None).generate([3, 1, 4, 1, 5], params).token_ids
     for proposer in (DraftModelProposer(tiny_backend(2), target), ScriptedProposer([3, 1, 4, 1, 5] + plain)):
-        if policy == "confidence" and not hasattr(proposer, "min_confidence"):
+        if policy == "confidence" and not proposer.supports_min_confidence:
             continue
         result = SpeculativeGenerator(target, proposer, 4, policy).generate([3, 1, 4, 1, 5], params)
         assert result.token_ids == plain
@@ -128,10 +128,11 @@ def counted(proposer):
     return proposer
 
 
-def plain_steps_only() -> AutoPolicy:
-    """An auto policy (k_max 4) that always chooses k = 0."""
-    policy = AutoPolicy(4)
-    policy.choose = lambda: 0
+def plain_steps_only(peek: bool = False) -> AutoPolicy:
+    """An auto policy (k_max 4) that always chooses k = 0: scoring 2 or more tokens costs
+    10⁴ plain steps."""
+    policy = AutoPolicy(4, peek=peek)
+    policy.forward_seconds[1:] = [0.01, 100.0, 100.0, 100.0, 100.0]
     return policy
 
 
@@ -154,9 +155,9 @@ def test_distribution_test_passes_under_auto_with_varying_k(broken):
     chosen, choose = Counter(), policy.choose
 
     def counting_choose():
-        k = choose()
-        chosen[k] += 1
-        return k
+        choice = choose()
+        chosen[choice.k] += 1
+        return choice
 
     policy.choose = counting_choose
     proposer = DraftModelProposer(perturbed_backend(target, noise=0.03), target)
@@ -180,9 +181,9 @@ def test_unmeasured_costs_come_from_a_line_through_the_measured_ones():
     assert policy.forward_cost(2) == pytest.approx(0.0235)
     assert policy.forward_cost(5) == pytest.approx(0.046)
     policy.tested, policy.accepted = [100.0] * 8, [40.0] * 8
-    assert policy.choose() == 0
+    assert policy.choose().k == 0
     policy.accepted = [90.0] * 8  # high acceptance pays even at these costs
-    assert policy.choose() > 0
+    assert policy.choose().k > 0
     policy.forward_seconds[3] = 0.010  # a measured dip never gives a negative slope
     assert policy.forward_cost(2) > 0 and policy.forward_cost(4) >= policy.forward_cost(3)
 
@@ -193,15 +194,15 @@ def test_peeks_at_a_free_drafter_resume_drafting_when_acceptance_rises():
     and drafting resumes."""
     policy = AutoPolicy(4)
     policy.forward_seconds[1:6] = [0.016, 0.028, 0.036, 0.044, 0.053]
-    assert policy.choose() == 0
+    assert policy.choose().k == 0
     for _ in range(16):
         policy.observe(0, 0, None, None)
         policy.observe_peek(True)
-    assert policy.choose() > 0
+    assert policy.choose().k > 0
     for _ in range(200):
         policy.observe(0, 0, None, None)
         policy.observe_peek(False)
-    assert policy.choose() == 0
+    assert policy.choose().k == 0
 
 
 def test_a_free_drafter_is_peeked_at_every_eighth_plain_step_and_never_verified():
@@ -213,7 +214,7 @@ def test_a_free_drafter_is_peeked_at_every_eighth_plain_step_and_never_verified(
 
     oracle = counted(ScriptedProposer([1, 2, 3] + plain))
     oracle.drafts_for_free = True
-    policy = plain_steps_only()
+    policy = plain_steps_only(peek=True)
     result = SpeculativeGenerator(target, oracle, 4, policy).generate([1, 2, 3], params)
     assert result.token_ids == plain and result.stats.drafted_tokens == 0
     assert oracle.calls == -(-20 // PEEK_INTERVAL)  # plain steps 0, 8, 16

@@ -5,14 +5,15 @@ controls that the same test must reject."""
 import pytest
 import torch
 
-from exactspec.sampling import SamplingParams, logits_to_probs, make_generator
+from exactspec.logits_pipeline import logits_to_probs
+from exactspec.sampling import SamplingParams, make_rng
 from exactspec.verification import (PADDING_TOKEN_ID, greedy_accept_length, greedy_verify,
                                     rejection_sample)
 
 from gof import ALPHA, gof_pvalue
 
 
-def reference_rejection_sample(draft_ids, draft_probs, target_probs, generator,
+def reference_rejection_sample(draft_ids, draft_probs, target_probs, rng,
                                variant: str = "correct"):
     """Leviathan et al. Algorithm 1, one row and one position at a time, in Python floats.
 
@@ -24,8 +25,8 @@ def reference_rejection_sample(draft_ids, draft_probs, target_probs, generator,
     """
     batch, k = draft_ids.shape
     vocab = target_probs.shape[-1]
-    u_accept = torch.rand((batch, k), dtype=torch.float64, generator=generator).tolist()
-    u_final = torch.rand((batch, 1), dtype=torch.float64, generator=generator)[:, 0].tolist()
+    u_accept = torch.rand((batch, k), dtype=torch.float64, generator=rng).tolist()
+    u_final = torch.rand((batch, 1), dtype=torch.float64, generator=rng)[:, 0].tolist()
     outputs, accepted_counts = [], []
     for b in range(batch):
         out = []
@@ -82,16 +83,16 @@ def random_case(seed, batch, k, vocab, point_mass=False, sparse=False):
 @pytest.mark.parametrize("point_mass,sparse", [(False, False), (True, False), (False, True)])
 def test_fast_matches_reference(seed, k, point_mass, sparse):
     draft_ids, draft_probs, target_probs = random_case(seed, 16, k, 12, point_mass, sparse)
-    fast = rejection_sample(draft_ids, draft_probs, target_probs, make_generator(seed))
+    fast = rejection_sample(draft_ids, draft_probs, target_probs, make_rng(seed))
     ref_out, ref_accepted = reference_rejection_sample(draft_ids, draft_probs, target_probs,
-                                                       make_generator(seed))
+                                                       make_rng(seed))
     assert torch.equal(fast.num_accepted, ref_accepted)
     assert torch.equal(fast.output_token_ids, ref_out)
 
 
 def test_output_layout():
     draft_ids, draft_probs, target_probs = random_case(3, 64, 4, 10)
-    out, accepted = rejection_sample(draft_ids, draft_probs, target_probs, make_generator(0))
+    out, accepted = rejection_sample(draft_ids, draft_probs, target_probs, make_rng(0))
     assert out.shape == (64, 5) and accepted.shape == (64,)
     assert 0 < accepted.float().mean() < 4  # both accepting and rejecting rows occur
     for b in range(64):
@@ -104,7 +105,7 @@ def test_zero_draft_probability_is_rejected_never_divided():
     target = torch.tensor([[[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]]])
     draft = torch.tensor([[[0.0, 1.0, 0.0]]])  # token 0 drafted although q(0) = 0
     for seed in range(50):
-        out, accepted = rejection_sample(torch.tensor([[0]]), draft, target, make_generator(seed))
+        out, accepted = rejection_sample(torch.tensor([[0]]), draft, target, make_rng(seed))
         assert accepted.item() == 0
         assert out[0, 0].item() == 0  # residual max(0, p - q) = [0.5, 0, 0]
 
@@ -112,7 +113,7 @@ def test_zero_draft_probability_is_rejected_never_divided():
 def test_zero_target_probability_is_never_accepted():
     target = torch.tensor([[[0.0, 1.0], [0.5, 0.5]]])
     for seed in range(200):
-        out, accepted = rejection_sample(torch.tensor([[0]]), None, target, make_generator(seed))
+        out, accepted = rejection_sample(torch.tensor([[0]]), None, target, make_rng(seed))
         assert accepted.item() == 0 and out[0, 0].item() == 1
 
 
@@ -120,7 +121,7 @@ def test_identical_distributions_accept_everything_and_never_nan():
     _, _, target = random_case(0, 32, 4, 9)
     draft_probs = target[:, :4].clone()
     draft_ids = torch.multinomial(draft_probs.reshape(-1, 9), 1).reshape(32, 4)
-    out, accepted = rejection_sample(draft_ids, draft_probs, target, make_generator(0))
+    out, accepted = rejection_sample(draft_ids, draft_probs, target, make_rng(0))
     assert (accepted == 4).all() and (out >= 0).all()
 
 
@@ -130,17 +131,17 @@ def test_zero_residual_mass_samples_from_p():
     # elsewhere: the residual is 0 everywhere, so the final token comes from p.
     target = torch.tensor([[[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]])
     draft = torch.tensor([[[0.0, 1.0, 0.0]]])
-    out, accepted = rejection_sample(torch.tensor([[2]]), draft, target, make_generator(0))
+    out, accepted = rejection_sample(torch.tensor([[2]]), draft, target, make_rng(0))
     assert accepted.item() == 0 and out[0].tolist() == [1, PADDING_TOKEN_ID]
 
 
 def test_shape_errors():
     with pytest.raises(ValueError, match=r"target_probs has shape"):
         rejection_sample(torch.zeros(1, 2, dtype=torch.long), None, torch.rand(1, 2, 5),
-                         make_generator(0))
+                         make_rng(0))
     with pytest.raises(ValueError, match=r"draft_probs has shape"):
         rejection_sample(torch.zeros(1, 2, dtype=torch.long), torch.rand(1, 3, 5),
-                         torch.rand(1, 3, 5), make_generator(0))
+                         torch.rand(1, 3, 5), make_rng(0))
     with pytest.raises(ValueError, match=r"greedy_verify needs"):
         greedy_verify(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long))
 
@@ -162,7 +163,7 @@ N = 40_000
 
 def committed_distributions(sampler, draft_ids, draft_probs, target_probs):
     """Counts of the first committed token, and of the second given the first accepted."""
-    out, accepted = sampler(draft_ids, draft_probs, target_probs, make_generator(1234))
+    out, accepted = sampler(draft_ids, draft_probs, target_probs, make_rng(1234))
     vocab = target_probs.shape[-1]
     first = torch.bincount(out[:, 0], minlength=vocab)
     second = torch.bincount(out[accepted >= 1, 1], minlength=vocab)
@@ -230,11 +231,11 @@ def test_q_from_the_unfiltered_draft_is_caught():
 
 
 def test_greedy_accept_length_agrees_with_greedy_verify():
-    generator = torch.Generator().manual_seed(0)
+    rng = torch.Generator().manual_seed(0)
     for k in range(6):
         for _ in range(50):
-            target = torch.randint(0, 3, (1, k + 1), generator=generator)
-            draft = torch.randint(0, 3, (1, k), generator=generator)
+            target = torch.randint(0, 3, (1, k + 1), generator=rng)
+            draft = torch.randint(0, 3, (1, k), generator=rng)
             expected = greedy_verify(draft, target)
             n = greedy_accept_length(draft[0].tolist(), target[0].tolist())
             assert n == int(expected.num_accepted[0])

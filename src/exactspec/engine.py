@@ -22,16 +22,18 @@ from typing import Literal, NamedTuple
 import torch
 
 from exactspec.backends.base import Backend, UnsupportedModelError
-from exactspec.logits_pipeline import LogitsPipeline
+from exactspec.logits_pipeline import LogitsPipeline, check_finite, greedy_tokens
 from exactspec.metrics import GenerationStats
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
-from exactspec.sampling import SamplingParams, check_finite, make_generator
-from exactspec.speculation_length import (DEFAULT_POLICY, PEEK_INTERVAL, ConfidencePolicy,
-                                          SpeculationLengthPolicy, make_policy)
+from exactspec.sampling import SamplingParams, make_rng
+from exactspec.speculation_length import (DEFAULT_POLICY, Choice, SpeculationLengthPolicy,
+                                          make_policy)
 from exactspec.stopping import StopChecker
 from exactspec.verification import greedy_accept_length, rejection_sample
 
 FinishReason = Literal["stop", "length"]
+PLAIN_STEP = Choice(0)
+"""The cycle of plain decoding (no drafter, or k_max = 0)."""
 
 
 class TokenLogprob(NamedTuple):
@@ -137,16 +139,14 @@ class SpeculativeGenerator:
         self.target = target
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
-        self.policy = (make_policy(policy, self.num_speculative_tokens) if isinstance(policy, str)
-                       else policy)
-        if isinstance(self.policy, ConfidencePolicy) and proposer is not None:
-            if not hasattr(proposer, "min_confidence"):
-                raise ValueError("the confidence policy needs a draft-model proposer (prompt "
-                                 "lookup has no probabilities): use auto or heuristic")
-            proposer.min_confidence = self.policy.min_confidence
-        # See AutoPolicy.observe_peek: only for drafters that cost no model call.
-        self._peeks = (getattr(proposer, "drafts_for_free", False)
-                       and hasattr(self.policy, "observe_peek"))
+        self.policy = (make_policy(policy, self.num_speculative_tokens,
+                                   proposer is not None and proposer.drafts_for_free)
+                       if isinstance(policy, str) else policy)
+        if (self.policy.min_confidence and proposer is not None
+                and not proposer.supports_min_confidence):
+            raise ValueError(f"the {self.policy.name} policy needs a drafter with probabilities "
+                             f"of its own (a draft model); {type(proposer).__name__} has none: "
+                             "use the auto or heuristic policy")
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                  chat: bool = False) -> GenerationResult:
@@ -186,7 +186,7 @@ class SpeculativeGenerator:
         pipeline = LogitsPipeline(params, prompt_token_ids, self.target.vocab_size,
                                   self.target.eos_token_ids, self._bad_words_ids(params.bad_words),
                                   self.target.device)
-        generator = make_generator(params.seed, self.target.device)
+        rng = make_rng(params.seed, self.target.device)
         self.target.prefill(prompt_token_ids[:-1])
         timed = params.greedy or params.seed is None  # see SpeculationLengthPolicy.reset
         self.policy.reset(timed)
@@ -196,13 +196,13 @@ class SpeculativeGenerator:
         results = []
         for _ in range(n):
             self.target.rollback(self.target.num_cached_tokens - (len(prompt_token_ids) - 1))
-            results.append(self._decode(prompt_token_ids, pipeline, generator, timed, start,
+            results.append(self._decode(prompt_token_ids, pipeline, rng, timed, start,
                                         prefill_seconds))
             start, prefill_seconds = time.perf_counter(), 0.0
         return results
 
     def _decode(self, prompt_token_ids: list[int], pipeline: LogitsPipeline,
-                generator: torch.Generator, timed: bool, start: float,
+                rng: torch.Generator, timed: bool, start: float,
                 prefill_seconds: float) -> GenerationResult:
         """The speculative loop for one sample; the target's cache holds the prompt but its
         last token."""
@@ -225,42 +225,35 @@ class SpeculativeGenerator:
             if room <= 0:
                 finish_reason = "length"
                 break
-            k = min(self.policy.choose(), room - 1) if self.num_speculative_tokens else 0
+            choice = self.policy.choose() if self.num_speculative_tokens else PLAIN_STEP
+            k = min(choice.k, room - 1)
 
             t0 = time.perf_counter()
             proposal = peek = EMPTY_PROPOSAL
             if k:
-                proposal = self.proposer.propose(tokens, k, pipeline, generator)
-            elif self._peeks and stats.chosen_k_histogram[0] % PEEK_INTERVAL == 0:
-                peek = self.proposer.propose(tokens, 1, pipeline, generator)  # never verified
+                proposal = self.proposer.propose(tokens, k, pipeline, rng,
+                                                 self.policy.min_confidence)
+            elif choice.peek:
+                peek = self.proposer.propose(tokens, 1, pipeline, rng)  # never verified
             t1 = time.perf_counter()
             logits = self.target.forward([tokens[-1], *proposal.token_ids])  # [k+1, vocab]
-            forward_end = time.perf_counter()
-            committed, num_accepted, committed_logprobs = self._verify(tokens, proposal, logits,
-                                                                       pipeline, generator)
             t2 = time.perf_counter()
-
-            num_emitted = 0
-            for token in committed:
-                tokens.append(token)
-                if logprobs is not None:
-                    logprobs.append(committed_logprobs[num_emitted])
-                num_emitted += 1
-                if stopper.is_stop(tokens, num_prompt_tokens):
-                    finish_reason = "stop"
-                    break
+            committed, num_accepted, committed_logprobs = self._verify(tokens, proposal, logits,
+                                                                       pipeline, rng)
+            t3 = time.perf_counter()
+            num_emitted, finish_reason = self._commit(tokens, committed, committed_logprobs,
+                                                      logprobs, stopper, num_prompt_tokens)
             self.target.rollback(len(proposal) - num_accepted)
-            if self.proposer is not None:
+            if self.num_speculative_tokens:
                 self.proposer.observe(num_accepted)
                 self.policy.observe(len(proposal), num_accepted, (t1 - t0) if timed else None,
-                                    (t2 - t1) if timed else None)
+                                    (t3 - t1) if timed else None)
                 if peek.token_ids:
                     self.policy.observe_peek(committed[0] == peek.token_ids[0])
 
-            stats.draft_seconds += t1 - t0
-            stats.verify_seconds += t2 - t1
-            stats.target_forward_seconds += forward_end - t1
-            stats.record_cycle(len(proposal), num_accepted, num_emitted, k)
+            stats.record_cycle(len(proposal), num_accepted, num_emitted, k,
+                               draft_seconds=t1 - t0, verify_seconds=t3 - t1,
+                               target_forward_seconds=t2 - t1)
             if stats.cycles == 1:
                 stats.ttft_seconds = time.perf_counter() - start
         stats.total_seconds = time.perf_counter() - start
@@ -271,9 +264,24 @@ class SpeculativeGenerator:
             finish_reason=finish_reason, stop_reason=stopper.stop_reason,
             prompt_token_ids=tokens[:num_prompt_tokens], stats=stats, logprobs=logprobs)
 
+    @staticmethod
+    def _commit(tokens: list[int], committed: list[int],
+                committed_logprobs: list[TokenLogprob] | None,
+                logprobs: list[TokenLogprob] | None, stopper: StopChecker,
+                num_prompt_tokens: int) -> tuple[int, FinishReason | None]:
+        """Append ``committed`` to ``tokens`` (and their logprobs to ``logprobs``) up to the
+        first stop. Returns the number emitted and ``"stop"`` if a stop ended generation."""
+        for num_emitted, token in enumerate(committed, start=1):
+            tokens.append(token)
+            if logprobs is not None:
+                logprobs.append(committed_logprobs[num_emitted - 1])
+            if stopper.is_stop(tokens, num_prompt_tokens):
+                return num_emitted, "stop"
+        return len(committed), None
+
     def _verify(self, tokens: list[int], proposal: Proposal, logits: torch.Tensor,
                 pipeline: LogitsPipeline,
-                generator: torch.Generator) -> tuple[list[int], int, list[TokenLogprob] | None]:
+                rng: torch.Generator) -> tuple[list[int], int, list[TokenLogprob] | None]:
         """Process every row of ``logits`` (``[k+1, vocab]``, the target's scores of
         ``[tokens[-1], *drafts]`` from one forward pass) with its true history, and run the
         rejection sampler. Returns the committed tokens, the number of accepted drafts, and
@@ -281,7 +289,7 @@ class SpeculativeGenerator:
         check_finite(logits)
         processed = pipeline.process(logits, tokens, proposal.token_ids)  # [k+1, vocab]
         if pipeline.params.greedy:
-            target_token_ids = pipeline.greedy_tokens(processed).tolist()  # one host sync
+            target_token_ids = greedy_tokens(processed).tolist()  # one host sync
             committed = target_token_ids[: greedy_accept_length(proposal.token_ids,
                                                                 target_token_ids) + 1]
         else:
@@ -289,7 +297,7 @@ class SpeculativeGenerator:
                                            device=logits.device)  # [1, k]
             target_probs = pipeline.probs(processed).unsqueeze(0)  # [1, k+1, vocab]
             draft_probs = None if proposal.probs is None else proposal.probs.unsqueeze(0)
-            result = self.rejection_sampler(draft_token_ids, draft_probs, target_probs, generator)
+            result = self.rejection_sampler(draft_token_ids, draft_probs, target_probs, rng)
             committed = [t for t in result.output_token_ids[0].tolist() if t >= 0]  # one sync
         committed_logprobs = None
         if pipeline.params.logprobs is not None:

@@ -1,6 +1,7 @@
-"""The full logits pipeline of one sequence, applied identically at every verified position.
+"""The logits chain, whole: from a model's raw logits to the processed distribution that
+committed tokens follow, applied identically at every verified position of one sequence.
 
-Speculation scores k+1 positions in one pass; the exactness contract (DESIGN.md) requires
+Speculation scores k+1 positions in one pass; the exactness contract (docs/design.md) requires
 each row to be processed exactly as plain decoding would process it at that position:
 with the *true history* = prompt + committed tokens + the drafted tokens before it. (A
 penalty that sees only the last accepted token is the classic bug this avoids.)
@@ -15,8 +16,11 @@ Order, for each row (plain decoding uses the same order, the same code):
     4. bans                    banned_token_ids, bad words (the last token of a bad word is
                                masked when the history ends with the rest of it), and,
                                until min_new_tokens tokens exist, EOS and stop_token_ids.
-    5. warpers                 temperature → top-k → top-p → min-p (:mod:`exactspec.sampling`).
-Greedy decoding takes the argmax after step 4. Raw logits are never modified in place.
+    5. warpers                 temperature → top-k → top-p → min-p (the order of Hugging
+                               Face transformers' logits warpers), then softmax
+                               (:func:`warp_scores`, :func:`logits_to_probs`).
+Greedy decoding takes the argmax after step 4 (:func:`greedy_tokens`). Raw logits are
+never modified in place.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from exactspec.sampling import SamplingParams, greedy_tokens, logits_to_probs, warp_scores
+from exactspec.sampling import SamplingParams
 
 
 class LogitsPipeline:
@@ -116,10 +120,6 @@ class LogitsPipeline:
                              "banned_token_ids and min_new_tokens together leave nothing)")
         return scores
 
-    def greedy_tokens(self, processed: torch.Tensor) -> torch.Tensor:
-        """``[n, vocab]`` processed logits → ``[n]`` argmax tokens."""
-        return greedy_tokens(processed)
-
     def probs(self, processed: torch.Tensor) -> torch.Tensor:
         """``[n, vocab]`` processed logits → ``[n, vocab]`` sampling distribution (step 5)."""
         return logits_to_probs(processed, self.params)
@@ -153,3 +153,77 @@ class LogitsPipeline:
     def _counts(self, token_ids: Sequence[int]) -> torch.Tensor:
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
         return torch.bincount(ids, minlength=self.vocab_size).float()
+
+
+def check_finite(logits: torch.Tensor) -> None:
+    """Raise ValueError if ``logits`` hold NaN or ±inf (a broken model or a bad dtype).
+
+    The sum is finite whenever every element is (barring overflow, which the element-wise
+    check then clears), and costs a tenth of ``isfinite(...).all()`` on a 49k vocabulary.
+    """
+    if not math.isfinite(float(logits.sum())) and not bool(torch.isfinite(logits).all()):
+        raise ValueError(
+            "the model produced non-finite logits (NaN or inf); exact sampling is impossible. "
+            "Check the model file and try --dtype float32."
+        )
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy choice: ``argmax`` over the last axis (first index wins a tie).
+
+    Args:
+        logits: ``[..., vocab]`` raw logits.
+    Returns:
+        ``[...]`` int64 token ids.
+    """
+    return logits.argmax(dim=-1)
+
+
+def warp_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature → top-k → top-p → min-p: scaled logits with filtered tokens at -inf.
+
+    The input is never modified in place.
+
+    Args:
+        logits: ``[..., vocab]`` logits (any float dtype).
+        params: sampling parameters with ``temperature > 0``.
+    Returns:
+        ``[..., vocab]`` float32 scores; ``softmax`` of them is the sampling distribution.
+        Each row keeps at least its most likely token.
+    Raises:
+        ValueError: if ``params`` is greedy (use :func:`greedy_tokens`).
+    """
+    if params.greedy:
+        raise ValueError("warping needs temperature > 0; greedy uses greedy_tokens")
+    scores = logits.float() / params.temperature
+    vocab = scores.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth_best = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth_best, -math.inf)
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        # Drop the low tail whose total mass is ≤ 1 - top_p; the top token always stays.
+        drop_sorted = cumulative <= 1 - params.top_p
+        drop_sorted[..., -1] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, -math.inf)
+    if params.min_p > 0:
+        probs = scores.softmax(dim=-1)
+        threshold = params.min_p * probs.amax(dim=-1, keepdim=True)
+        scores = scores.masked_fill(probs < threshold, -math.inf)
+    return scores
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The sampling distribution: ``softmax(warp_scores(logits, params))``.
+
+    Args:
+        logits: ``[..., vocab]`` logits (after any history-dependent processing).
+        params: sampling parameters with ``temperature > 0``.
+    Returns:
+        ``[..., vocab]`` float32 probabilities; filtered tokens have probability exactly 0.
+    Raises:
+        ValueError: if ``params`` is greedy.
+    """
+    return warp_scores(logits, params).softmax(dim=-1)

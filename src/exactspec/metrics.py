@@ -1,6 +1,6 @@
 """Generation statistics: the figures that explain the speed of speculative decoding.
 
-Definitions follow DESIGN.md's glossary:
+Definitions follow the glossary of docs/design.md:
     acceptance rate          accepted drafted tokens / drafted tokens (0..1).
     mean acceptance length   committed tokens / cycles (1.0 for plain decoding, ≤ k+1).
     per-position acceptance  P(draft position i accepted | position i was drafted).
@@ -66,11 +66,16 @@ class GenerationStats:
         self.chosen_k_histogram = self.chosen_k_histogram or [0] * (k + 1)
 
     def record_cycle(self, num_drafted: int, num_accepted: int, num_emitted: int,
-                     chosen_k: int | None = None) -> None:
+                     chosen_k: int | None = None, *, draft_seconds: float = 0.0,
+                     verify_seconds: float = 0.0, target_forward_seconds: float = 0.0) -> None:
         """Add one cycle: ``num_drafted`` proposed, ``num_accepted`` accepted by verification,
         ``num_emitted`` tokens emitted (≤ num_accepted + 1; fewer when a stop cut the cycle),
-        ``chosen_k`` the policy's k (default: num_drafted).
+        ``chosen_k`` the policy's k (default: num_drafted), and the cycle's seconds (see the
+        attributes of the same names).
         """
+        self.draft_seconds += draft_seconds
+        self.verify_seconds += verify_seconds
+        self.target_forward_seconds += target_forward_seconds
         accepted = min(num_accepted, num_emitted)
         self.chosen_k_histogram[num_drafted if chosen_k is None else chosen_k] += 1
         self.cycles += 1

@@ -152,8 +152,7 @@ def check_gguf_file(path: Path) -> None:
 def layer_count(path: Path) -> int | None:
     """Decoder layers of the model at ``path`` (a checked folder or ``.gguf`` file) from
     its ``config.json`` or GGUF metadata, without loading weights; None if not stated.
-    A GGUF file's header is read in full (about 1 to 3 s for the embedded model, whose
-    vocabulary it holds).
+    A GGUF file's header is read in full (it holds the vocabulary, so this takes a moment).
     """
     if path.is_dir():
         import json
@@ -190,8 +189,8 @@ def choose_backend(path: Path, backend: str = "auto", *, device: str = "auto",
     """The runtime for the model at ``path``: ``backend`` itself unless it is ``auto``.
 
     ``auto`` picks llama.cpp for a ``.gguf`` file on a CPU-only machine when llama-cpp-python
-    is installed and neither a torch dtype nor torch kernels were asked for: on 2 CPU cores it decodes the embedded
-    model about 7× faster than transformers in float32 (README). Everything else (model
+        is installed and neither a torch dtype nor torch kernels were asked for: there it decodes
+    several times faster than transformers in float32 (README). Everything else (model
     folders, a GPU, an explicit dtype, llama-cpp-python absent) gets transformers.
 
     Raises:

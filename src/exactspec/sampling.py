@@ -1,15 +1,11 @@
-"""Sampling parameters and the logits → probabilities pipeline.
+"""Sampling parameters and the sampling primitives: the seeded random number generator
+and the exact draw from a distribution.
 
-The exactness contract (DESIGN.md) says committed tokens follow the target's *processed*
-distribution. This module defines the history-free part of that processing (the warpers)
-and the sampling primitives; :mod:`exactspec.logits_pipeline` adds the history-dependent
-processors (penalties, bias, bans, min_new_tokens) and applies the whole chain identically
-to the target at every verified position and to a draft model's logits.
-
-Order of the warpers (the order of Hugging Face transformers' logits warpers):
-temperature → top-k → top-p → min-p → softmax.
-Temperature 0 means greedy decoding: the token is ``argmax`` of the processed logits and no
-probabilities are computed.
+The exactness contract (docs/design.md) says committed tokens follow the target's *processed*
+distribution; the whole chain that processes logits into that distribution (penalties, bias,
+bans, then the warpers temperature → top-k → top-p → min-p) is
+:mod:`exactspec.logits_pipeline`. Temperature 0 means greedy decoding: the token is
+``argmax`` of the processed logits and no probabilities are computed.
 """
 
 from __future__ import annotations
@@ -36,7 +32,7 @@ class SamplingParams:
             probability reaches top_p; 1.0 disables. Must lie in (0, 1].
         min_p: Drop tokens whose probability is below ``min_p × max probability``;
             0 disables. Must lie in [0, 1].
-        seed: Seed of the random generator (an int ≥ 0), or None for a fresh random seed.
+        seed: Seed of the random number rng (an int ≥ 0), or None for a fresh random seed.
             The same seed gives the same output on the same backend and device.
         max_new_tokens: Most tokens to generate (tokens). Must be ≥ 1.
         min_new_tokens: EOS, stop token ids and stop strings are suppressed until this many
@@ -147,106 +143,32 @@ def _check(ok: bool, name: str, value: object, allowed: str) -> None:
         raise ValueError(f"SamplingParams.{name} = {value!r} is invalid: it must be {allowed}")
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+def make_rng(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A ``torch.Generator`` on ``device`` seeded with ``seed`` (a random seed when None)."""
-    generator = torch.Generator(device=device)
+    rng = torch.Generator(device=device)
     if seed is None:
-        generator.seed()
+        rng.seed()
     else:
-        generator.manual_seed(seed)
-    return generator
+        rng.manual_seed(seed)
+    return rng
 
 
-def check_finite(logits: torch.Tensor) -> None:
-    """Raise ValueError if ``logits`` hold NaN or ±inf (a broken model or a bad dtype).
-
-    The sum is finite whenever every element is (barring overflow, which the element-wise
-    check then clears), and costs a tenth of ``isfinite(...).all()`` on a 49k vocabulary.
-    """
-    if not math.isfinite(float(logits.sum())) and not bool(torch.isfinite(logits).all()):
-        raise ValueError(
-            "the model produced non-finite logits (NaN or inf); exact sampling is impossible. "
-            "Check the model file and try --dtype float32."
-        )
-
-
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """Greedy choice: ``argmax`` over the last axis (first index wins a tie).
-
-    Args:
-        logits: ``[..., vocab]`` raw logits.
-    Returns:
-        ``[...]`` int64 token ids.
-    """
-    return logits.argmax(dim=-1)
-
-
-def warp_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature → top-k → top-p → min-p: scaled logits with filtered tokens at -inf.
-
-    The input is never modified in place.
-
-    Args:
-        logits: ``[..., vocab]`` logits (any float dtype).
-        params: sampling parameters with ``temperature > 0``.
-    Returns:
-        ``[..., vocab]`` float32 scores; ``softmax`` of them is the sampling distribution.
-        Each row keeps at least its most likely token.
-    Raises:
-        ValueError: if ``params`` is greedy (use :func:`greedy_tokens`).
-    """
-    if params.greedy:
-        raise ValueError("warping needs temperature > 0; greedy uses greedy_tokens")
-    scores = logits.float() / params.temperature
-    vocab = scores.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth_best = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth_best, -math.inf)
-    if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
-        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        # Drop the low tail whose total mass is ≤ 1 - top_p; the top token always stays.
-        drop_sorted = cumulative <= 1 - params.top_p
-        drop_sorted[..., -1] = False
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        scores = scores.masked_fill(drop, -math.inf)
-    if params.min_p > 0:
-        probs = scores.softmax(dim=-1)
-        threshold = params.min_p * probs.amax(dim=-1, keepdim=True)
-        scores = scores.masked_fill(probs < threshold, -math.inf)
-    return scores
-
-
-def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The sampling distribution: ``softmax(warp_scores(logits, params))``.
-
-    Args:
-        logits: ``[..., vocab]`` logits (after any history-dependent processing).
-        params: sampling parameters with ``temperature > 0``.
-    Returns:
-        ``[..., vocab]`` float32 probabilities; filtered tokens have probability exactly 0.
-    Raises:
-        ValueError: if ``params`` is greedy.
-    """
-    return warp_scores(logits, params).softmax(dim=-1)
-
-
-def sample_from_probs(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def sample_from_probs(probs: torch.Tensor, rng: torch.Generator) -> torch.Tensor:
     """Draw one token per row, by inverse CDF in float64 with one uniform per row.
 
     Exact for any non-negative weights (they need not sum to 1); a zero-weight token is
-    never returned. Consumes exactly ``batch`` float64 uniforms from ``generator``.
+    never returned. Consumes exactly ``batch`` float64 uniforms from ``rng``.
 
     Args:
         probs: ``[batch, vocab]`` non-negative weights, each row with positive mass.
-        generator: the random source.
+        rng: the random source.
     Returns:
         ``[batch]`` int64 token ids.
     """
     probs = probs.double()
     cdf = probs.cumsum(dim=-1)  # [batch, vocab]
     uniforms = torch.rand((probs.shape[0], 1), dtype=torch.float64, device=probs.device,
-                          generator=generator)
+                          generator=rng)
     tokens = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).squeeze(-1)
     # u·total can round up to total itself: fall back to the last token with mass.
     vocab = probs.shape[-1]

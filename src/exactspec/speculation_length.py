@@ -38,7 +38,7 @@ verification rule is untouched, so every policy keeps the target's distribution 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 POLICIES = ("auto", "constant", "heuristic", "confidence")
 DEFAULT_POLICY = "auto"
@@ -51,10 +51,30 @@ PRIOR_COST_PER_TOKEN = 0.1
 1 + 0.1 (n − 1) single-token forwards (so drafting pays when α > 0.1)."""
 
 
+class Choice(NamedTuple):
+    """A policy's decision for the next cycle.
+
+    Attributes:
+        k: tokens to draft, in 0..k_max (0 = a plain step; the engine may lower it near a
+            limit).
+        peek: on a plain step, ask the drafter for the one token it would draft, never to
+            verify it, only to learn whether the step committed it (see
+            :meth:`SpeculationLengthPolicy.observe_peek`).
+    """
+
+    k: int
+    peek: bool = False
+
+
 class SpeculationLengthPolicy(Protocol):
-    """Chooses k before each cycle and learns from what the cycle did."""
+    """Chooses k before each cycle and learns from what the cycle did. Policies subclass it
+    to inherit the defaults."""
 
     name: str
+    min_confidence: float = 0.0
+    """A drafter with probabilities of its own stops drafting once its probability for the
+    token it would draft falls below this (0 = never; see
+    :attr:`~exactspec.proposers.base.Proposer.supports_min_confidence`)."""
 
     def reset(self, timed: bool) -> None:
         """Start a new generation: forget what the previous one taught about the sequence
@@ -64,8 +84,8 @@ class SpeculationLengthPolicy(Protocol):
         seed alone and a seed reproduces the output on any generator, fresh or reused."""
         ...
 
-    def choose(self) -> int:
-        """k for the next cycle, in 0..k_max (the engine may lower it near a limit)."""
+    def choose(self) -> Choice:
+        """What the next cycle does: k, and whether a plain step peeks."""
         ...
 
     def observe(self, num_drafted: int, num_accepted: int, draft_seconds: float | None,
@@ -75,8 +95,12 @@ class SpeculationLengthPolicy(Protocol):
         in an untimed generation, see :meth:`reset`)."""
         ...
 
+    def observe_peek(self, committed_the_draft: bool) -> None:
+        """After a plain step that peeked: whether it committed the peeked token (default:
+        ignored)."""
 
-class ConstantPolicy:
+
+class ConstantPolicy(SpeculationLengthPolicy):
     """Always ``k_max``."""
 
     name = "constant"
@@ -87,15 +111,15 @@ class ConstantPolicy:
     def reset(self, timed: bool) -> None:
         pass
 
-    def choose(self) -> int:
-        return self.k_max
+    def choose(self) -> Choice:
+        return Choice(self.k_max)
 
     def observe(self, num_drafted: int, num_accepted: int, draft_seconds: float | None,
                 verify_seconds: float | None) -> None:
         pass
 
 
-class HeuristicPolicy:
+class HeuristicPolicy(SpeculationLengthPolicy):
     """+2 after a fully accepted cycle, −1 otherwise, within [k_min, k_max] (transformers'
     heuristic schedule); starts at k_max."""
 
@@ -108,8 +132,8 @@ class HeuristicPolicy:
     def reset(self, timed: bool) -> None:
         self.k = self.k_max
 
-    def choose(self) -> int:
-        return self.k
+    def choose(self) -> Choice:
+        return Choice(self.k)
 
     def observe(self, num_drafted: int, num_accepted: int, draft_seconds: float | None,
                 verify_seconds: float | None) -> None:
@@ -120,8 +144,9 @@ class HeuristicPolicy:
 
 
 class ConfidencePolicy(ConstantPolicy):
-    """``k_max`` drafts at most; the draft model stops early below ``min_confidence`` (the
-    proposer reads it, see :class:`~exactspec.proposers.draft_model.DraftModelProposer`)."""
+    """``k_max`` drafts at most; a draft model stops early below ``min_confidence`` (the
+    engine passes it to every ``propose`` call, see
+    :class:`~exactspec.proposers.draft_model.DraftModelProposer`)."""
 
     name = "confidence"
 
@@ -132,7 +157,7 @@ class ConfidencePolicy(ConstantPolicy):
         self.min_confidence = min_confidence
 
 
-class AutoPolicy:
+class AutoPolicy(SpeculationLengthPolicy):
     """The cost model (see module docstring).
 
     Args:
@@ -141,13 +166,17 @@ class AutoPolicy:
         prior_acceptance, prior_weight: α_0's prior, worth ``prior_weight`` observations
             (α_i's prior is the estimate of α_(i−1)).
         cost_smoothing: weight of a new timing in the forward-cost moving average.
+        peek: every :data:`PEEK_INTERVAL`-th plain step peeks (see the module docstring);
+            only for a drafter that costs no model call
+            (:attr:`~exactspec.proposers.base.Proposer.drafts_for_free`).
     """
 
     name = "auto"
 
     def __init__(self, k_max: int, decay: float = 0.97, prior_acceptance: float = 0.5,
-                 prior_weight: float = 1.0, cost_smoothing: float = 0.2) -> None:
-        self.k_max = k_max
+                 prior_weight: float = 1.0, cost_smoothing: float = 0.2, *,
+                 peek: bool = False) -> None:
+        self.k_max, self.peek = k_max, peek
         self.decay, self.prior_acceptance, self.prior_weight = decay, prior_acceptance, prior_weight
         self.cost_smoothing = cost_smoothing
         self.forward_seconds: list[float | None] = [None] * (k_max + 2)  # index n = tokens scored
@@ -158,6 +187,7 @@ class AutoPolicy:
         """Forget acceptance evidence (a new prompt). Measured costs are kept for later
         timed generations; an untimed one uses the prior cost model alone."""
         self.timed = timed
+        self.plain_steps = 0  # plain steps chosen so far in this generation
         self.tested = [0.0] * self.k_max  # decayed count: position i was verified
         self.accepted = [0.0] * self.k_max  # decayed count: position i was accepted
 
@@ -207,12 +237,17 @@ class AutoPolicy:
                     / sum((m - mean_n) ** 2 for m, _ in known))
         return max(mean_s + slope * (n - mean_n), 1e-9)
 
-    def choose(self) -> int:
+    def choose(self) -> Choice:
         if (self.timed and self.forward_seconds[1] is None
                 and any(s is not None for s in self.forward_seconds)):
-            return 0  # measure the plain step, the baseline every k is compared with
-        rates = self.expected_rates()
-        return max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
+            k = 0  # measure the plain step, the baseline every k is compared with
+        else:
+            rates = self.expected_rates()
+            k = max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
+        if k:
+            return Choice(k)
+        self.plain_steps += 1
+        return Choice(0, peek=self.peek and (self.plain_steps - 1) % PEEK_INTERVAL == 0)
 
     def observe(self, num_drafted: int, num_accepted: int, draft_seconds: float | None,
                 verify_seconds: float | None) -> None:
@@ -243,13 +278,16 @@ class AutoPolicy:
                 (1 - self.cost_smoothing) * old_draft + self.cost_smoothing * per_token)
 
 
-def make_policy(name: str, k_max: int) -> SpeculationLengthPolicy:
-    """The policy called ``name`` (one of :data:`POLICIES`) for drafts of at most ``k_max``.
+def make_policy(name: str, k_max: int, drafts_for_free: bool = False) -> SpeculationLengthPolicy:
+    """The policy called ``name`` (one of :data:`POLICIES`) for drafts of at most ``k_max``;
+    ``drafts_for_free``: the drafter costs no model call, so ``auto`` peeks at it.
 
     Raises:
         ValueError: for an unknown name.
     """
-    policies = {"auto": AutoPolicy, "constant": ConstantPolicy, "heuristic": HeuristicPolicy,
+    if name == "auto":
+        return AutoPolicy(k_max, peek=drafts_for_free)
+    policies = {"constant": ConstantPolicy, "heuristic": HeuristicPolicy,
                 "confidence": ConfidencePolicy}
     if name not in policies:
         raise ValueError(f"speculation-length policy {name!r} is invalid: choose one of "

@@ -3,7 +3,7 @@
 Source: Leviathan, Kalman & Matias, "Fast Inference from Transformers via Speculative
 Decoding" (arXiv 2211.17192), Algorithm 1; Chen et al. (arXiv 2302.01318), Algorithm 2.
 
-Glossary (DESIGN.md):
+Glossary (docs/design.md):
     p  target probability (``target_probs``), q  draft probability (``draft_probs``).
     accepted token   a drafted token kept: drafted x_i is accepted with probability
                      min(1, p_i(x_i) / q_i(x_i)), in order, until the first rejection.
@@ -58,7 +58,7 @@ def rejection_sample(
     draft_token_ids: torch.Tensor,  # [batch, k] int64
     draft_probs: torch.Tensor | None,  # [batch, k, vocab] or None (point-mass drafter)
     target_probs: torch.Tensor,  # [batch, k+1, vocab]
-    generator: torch.Generator,
+    rng: torch.Generator,
 ) -> VerificationResult:
     """Stochastic verification (Leviathan et al. Algorithm 1, vectorised over batch and k).
 
@@ -68,7 +68,7 @@ def rejection_sample(
             from, or None for a point-mass drafter (q is one-hot on the drafted token).
         target_probs: ``[batch, k+1, vocab]`` the target's processed probabilities at the
             k drafted positions and the bonus position.
-        generator: source of all randomness (on the tensors' device).
+        rng: source of all randomness (on the tensors' device).
     Returns:
         :class:`VerificationResult`.
     Raises:
@@ -81,7 +81,7 @@ def rejection_sample(
             f"{(batch, k, target_probs.shape[-1])} (batch, k, vocab)"
         )
     device = target_probs.device
-    uniforms = torch.rand((batch, k), dtype=torch.float64, device=device, generator=generator)
+    uniforms = torch.rand((batch, k), dtype=torch.float64, device=device, generator=rng)
 
     positions = torch.arange(k + 1, device=device)
     drafted = draft_token_ids.unsqueeze(-1)
@@ -110,7 +110,7 @@ def rejection_sample(
         has_mass = residual.sum(dim=-1, keepdim=True) > 0
         use_residual = rejected.unsqueeze(-1) & has_mass
         final_probs = torch.where(use_residual, residual, final_probs)
-    final_tokens = sample_from_probs(final_probs, generator)  # [batch]
+    final_tokens = sample_from_probs(final_probs, rng)  # [batch]
 
     drafted_padded = torch.cat([draft_token_ids, draft_token_ids.new_zeros(batch, 1)], dim=-1)
     output = torch.where(positions < num_accepted.unsqueeze(-1), drafted_padded,
@@ -127,7 +127,7 @@ def greedy_verify(
 
     The committed tokens are the target's argmax tokens up to and including the first
     mismatch (the recovered token) or the bonus position, so the output equals plain greedy
-    decoding token for token (given batch-invariant kernels; see DESIGN.md on dtypes).
+    decoding token for token (given batch-invariant kernels; docs/design.md, "Floating point is part of exactness").
 
     Args:
         draft_token_ids: ``[batch, k]`` drafted token ids.

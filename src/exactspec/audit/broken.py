@@ -14,28 +14,28 @@ from exactspec.verification import VerificationResult, rejection_sample
 
 
 def accept_every_draft(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
-                       target_probs: torch.Tensor, generator: torch.Generator) -> VerificationResult:
+                       target_probs: torch.Tensor, rng: torch.Generator) -> VerificationResult:
     """Broken: keeps every drafted token (no acceptance test), then a bonus token from p.
     Shapes as :func:`~exactspec.verification.rejection_sample`."""
     batch, k = draft_token_ids.shape
-    bonus = sample_from_probs(target_probs[:, k].double(), generator)  # [batch]
+    bonus = sample_from_probs(target_probs[:, k].double(), rng)  # [batch]
     output = torch.cat([draft_token_ids, bonus.unsqueeze(-1)], dim=-1)
     return VerificationResult(output, torch.full((batch,), k, dtype=torch.long))
 
 
 def resample_without_residual(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                               target_probs: torch.Tensor,
-                              generator: torch.Generator) -> VerificationResult:
+                              rng: torch.Generator) -> VerificationResult:
     """Broken: the right acceptance test, but after a rejection the token is drawn from p
     instead of the residual normalize(max(0, p − q)), so drafted tokens are over-produced.
     Shapes as :func:`~exactspec.verification.rejection_sample`."""
-    result = rejection_sample(draft_token_ids, draft_probs, target_probs, generator)
+    result = rejection_sample(draft_token_ids, draft_probs, target_probs, rng)
     k = draft_token_ids.shape[1]
     rows = torch.nonzero(result.num_accepted < k).flatten()
     if len(rows):
         at = result.num_accepted[rows]
         result.output_token_ids[rows, at] = sample_from_probs(target_probs[rows, at].double(),
-                                                              generator)
+                                                              rng)
     return result
 
 

@@ -4,17 +4,18 @@ likeliest values)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from exactspec.audit.runner import AuditResult, EngineTest, PromptTest, describe_impossible
+from exactspec.files import readable_json, replaced_atomically, write_text_atomically
 
 TOP_OUTCOMES = 12
 """First-token bins shown per prompt plot."""
 
 
 def write_audit_report(result: AuditResult, output: str | Path, decode) -> list[Path]:
-    """Write the audit's files into ``output`` (created if needed).
+    """Write the audit's files into ``output`` (created if needed), each whole or not at
+    all (:mod:`exactspec.files`).
 
     Args:
         decode: token ids → text, to label outcomes.
@@ -24,10 +25,10 @@ def write_audit_report(result: AuditResult, output: str | Path, decode) -> list[
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     files = [output / "audit.json", output / "report.md"]
-    files[0].write_text(json.dumps(result.to_dict(), indent=2, default=str))
+    write_text_atomically(files[0], readable_json(result.to_dict()))
     for test in result.distribution.prompts:
         files.append(_plot(test, result, decode, output / f"prompt-{test.prompt_index}.png"))
-    files[1].write_text(markdown(result, decode))
+    write_text_atomically(files[1], markdown(result, decode))
     return files
 
 
@@ -153,6 +154,7 @@ def _plot(test: PromptTest, result: AuditResult, decode, path: Path) -> Path:
     ax.set_title(f"prompt {test.prompt_index}, first token: p = {position.p_value:.3g}, "
                  f"TV = {position.tv:.3f}")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    with replaced_atomically(path) as partial:
+        fig.savefig(partial, dpi=90)
     plt.close(fig)
     return path

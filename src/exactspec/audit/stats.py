@@ -15,9 +15,8 @@ the null hypothesis the nodes' statistics are independent and asymptotically chi
 with their dof. Per position j: X²_j = Σ X²_node and dof_j = Σ dof_node over the nodes at
 depth j, p-value from chi2(dof_j). Pearson's statistic rather than G (the log-likelihood
 ratio): its null mean is exactly its dof at any sample size, while G's exceeds it when
-counts are small, a bias that a sum over many small nodes accumulates (in simulations of
-such trees G gave 7 % false alarms at level 5 %, Pearson 5 %; Koehler & Larntz 1980,
-*JASA* 75: 336, find the same for sparse multinomials). A sampled token of probability 0
+counts are small, a bias that a sum over many small nodes accumulates into false alarms
+above the level (Koehler & Larntz 1980, *JASA* 75: 336, on sparse multinomials). A sampled token of probability 0
 at its node is no matter of statistics: it is reported as an impossible continuation.
 
 **The remainder.** Deep in the tree most prefixes are reached too rarely to be tested on
@@ -333,7 +332,7 @@ def holm(p_values: Sequence[float], alpha: float) -> list[bool]:
     """Holm's step-down correction (Holm 1979): which hypotheses are rejected at
     family-wise error rate ``alpha``. The i-th smallest p-value (from 0) is compared with
     alpha / (m − i) until the first that fails. (statsmodels' ``multipletests`` does the
-    same but costs ≈ 0.2 s per call and pulls in pandas.)"""
+    same but is far slower per call and pulls in pandas.)"""
     m = len(p_values)
     rejected = [False] * m
     for rank, index in enumerate(sorted(range(m), key=lambda i: p_values[i])):

@@ -76,8 +76,7 @@ def default_threads() -> int:
     """Half the CPU cores this process may use, at least 1 (llama-cpp-python's own default,
     over the cores this process may use). Not all of them: llama.cpp's threads wait for
     each other many times per token, so when another process takes a core one of them
-    waits for it, and decoding collapses (on 2 cores with one busy process: 0.9 tokens/s
-    with 2 threads, 27 with 1; idle, 2 threads are 1.6× faster than 1; README)."""
+    waits for it, and decoding collapses (figures: README, "Choosing --threads")."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) // 2)
 
@@ -92,8 +91,9 @@ def slow_decoding_warning(backend, num_tokens: int, seconds: float) -> str | Non
     ``backend`` loaded, on more than one thread: the sign of another process taking a core
     (see :func:`default_threads`); it names ``--threads``. None otherwise, and for
     backends other than llama.cpp."""
-    at_load = getattr(backend, "seconds_per_token_at_load", None)
-    threads = getattr(getattr(backend, "llama", None), "n_threads", 1)
+    if not isinstance(backend, LlamaCppBackend):
+        return None
+    at_load, threads = backend.seconds_per_token_at_load, backend.llama.n_threads
     if not at_load or threads < 2 or num_tokens < 1 or seconds <= 0:
         return None
     rate, expected = num_tokens / seconds, 1 / at_load

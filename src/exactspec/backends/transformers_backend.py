@@ -214,8 +214,8 @@ def cache_root() -> Path:
 
 def converted_gguf_folder(gguf_path: Path) -> Path:
     """A Hugging Face model folder (float32 safetensors, tokenizer, chat template) holding
-    ``gguf_path`` as transformers dequantises it, converted on first use (≈ 40 s for the
-    embedded model on 2 CPU cores) and reused afterwards (≈ 1 s). The folder's name keys on
+    ``gguf_path`` as transformers dequantises it, converted once on first use (slow) and
+    reused afterwards (fast). The folder's name keys on
     the file's name, size and modification time and on the transformers version, so a
     changed file or converter gives a new folder. The weights are bit-identical to loading
     the GGUF file directly. If the cache cannot be written, the GGUF file is converted in a

@@ -20,8 +20,8 @@ Unstable measurements (:func:`instabilities`): another process using the CPU dis
 timings unevenly, so three signs of it are reported at the top of ``report.md``: a forward
 over more tokens measured much cheaper than over fewer (the cost model must rise with n),
 repetitions of one method disagreeing, and one method's tokens/s far from the others' in a
-group. The tolerances below sit well outside what quiet runs in ``results/`` show (at most
-1.36×, 1.13× and 2.45×).
+group. The tolerances below sit well outside what the quiet runs in ``results/`` show
+(``results/README.md``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 from exactspec.bench.methods import is_peer
 from exactspec.bench.questions import GROUPS
 from exactspec.bench.runner import BenchResults
-from exactspec.files import replaced_atomically, write_text_atomically
+from exactspec.files import readable_json, replaced_atomically, write_text_atomically
 
 OVERALL = "overall"
 UNSTABLE_HEADLINE = ("Unstable measurements: something else was probably using the CPU; "
@@ -195,8 +195,8 @@ def write_report(results: BenchResults, out_dir: str | Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(results)
     unstable = instabilities(results, summary)
-    write_text_atomically(out / "results.json", json.dumps(
-        results.to_dict() | {"summary": summary, "unstable": unstable}, indent=1))
+    write_text_atomically(out / "results.json", readable_json(
+        results.to_dict() | {"summary": summary, "unstable": unstable}))
     write_text_atomically(out / "report.md", markdown(results, summary, unstable))
     files = [out / "results.json", out / "report.md"] + plot(results, summary, out)
     return summary | {"files": [str(f) for f in files], "unstable": unstable}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 
@@ -97,6 +96,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from exactspec import (DraftModelProposer, EarlyExitProposer, PromptLookupProposer,
                            SamplingParams, SpeculativeGenerator, UnsupportedModelError)
+    from exactspec.files import readable_json
     from exactspec.backends.llama_cpp_backend import (LlamaCppNotInstalledError,
                                                       slow_decoding_warning)
     from exactspec.models import ModelNotFoundError, layer_count, resolve_model_path
@@ -172,8 +172,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         config = {"model": args.model, "backend": target.description, "method": method, "chat": chat,
                   "sampling_params": vars(params)}
         samples = [result.to_dict() for result in results]
-        print(json.dumps((samples[0] if len(samples) == 1 else {"samples": samples}) | config,
-                         indent=2))
+        print(readable_json((samples[0] if len(samples) == 1 else {"samples": samples}) | config))
     for i, result in enumerate(results):
         if not args.json:
             if len(results) > 1:

@@ -3,11 +3,14 @@
 Modelled on transformers' ``CandidateGenerator`` (``get_candidates`` and the feedback hook
 ``update_candidate_strategy``), reduced to two calls.
 
-Contract for ``propose(token_ids, k, pipeline, generator)``:
+Contract for ``propose(token_ids, k, pipeline, rng, min_confidence)``:
     requires  token_ids = prompt + committed tokens (the engine owns this list), k ≥ 1;
               pipeline = the sequence's :class:`~exactspec.logits_pipeline.LogitsPipeline`
               (a model drafter applies it to its own logits, so its q sees the same
-              penalties, bans and filters as the target's p: better acceptance)
+              penalties, bans and filters as the target's p: better acceptance);
+              rng = the sequence's random number generator (drafters that sample use it);
+              min_confidence = the policy's threshold (only drafters that declare
+              ``supports_min_confidence`` are given one above 0)
     returns   a :class:`Proposal` of at most k tokens (possibly none), and, unless the
               proposer is a point mass (greedy or n-gram), the exact distributions q the
               tokens were sampled from, over the *target's* vocabulary.
@@ -47,10 +50,17 @@ EMPTY_PROPOSAL = Proposal([])
 @runtime_checkable
 class Proposer(Protocol):
     """Drafts up to k tokens per cycle; learns how many were accepted. Proposers subclass
-    it to inherit the defaults of the optional methods."""
+    it to inherit the defaults of the capabilities and the optional methods."""
+
+    drafts_for_free: bool = False
+    """Drafting runs no model and draws no random numbers, so the ``auto`` policy may peek at
+    a draft it will not verify (:class:`~exactspec.speculation_length.AutoPolicy`)."""
+    supports_min_confidence: bool = False
+    """The drafter has probabilities of its own and stops drafting below ``min_confidence``
+    (the ``confidence`` policy needs it)."""
 
     def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
-                generator: torch.Generator) -> Proposal:
+                rng: torch.Generator, min_confidence: float = 0.0) -> Proposal:
         """Draft at most ``k`` tokens continuing ``token_ids`` (prompt + committed)."""
         ...
 

@@ -23,8 +23,8 @@ import torch
 
 from exactspec.backends.base import Backend, UnsupportedModelError
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
-from exactspec.logits_pipeline import LogitsPipeline
-from exactspec.sampling import check_finite, sample_from_probs
+from exactspec.logits_pipeline import LogitsPipeline, check_finite, greedy_tokens
+from exactspec.sampling import sample_from_probs
 
 
 class DraftModelProposer(Proposer):
@@ -38,6 +38,10 @@ class DraftModelProposer(Proposer):
         UnsupportedModelError: if the two tokenizers differ (a cross-tokenizer translator
             is not implemented yet).
     """
+
+    supports_min_confidence = True
+    """Drafting stops once the draft's top probability falls below ``min_confidence``: a
+    draft-side rule, so exactness is unaffected."""
 
     def __init__(self, draft: Backend, target: Backend) -> None:
         if draft is target:
@@ -58,12 +62,9 @@ class DraftModelProposer(Proposer):
                 f"the tokenizer has {self.num_real_tokens} tokens but the draft's logits have "
                 f"{draft.vocab_size} and the target's {target.vocab_size}")
         self._cached: list[int] = []  # the tokens in the draft's KV cache
-        self.min_confidence = 0.0
-        """Stop drafting once the draft's top probability falls below this (0 = never; set
-        by the ``confidence`` policy). A draft-side rule, so exactness is unaffected."""
 
     def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
-                generator: torch.Generator) -> Proposal:
+                rng: torch.Generator, min_confidence: float = 0.0) -> Proposal:
         if self.draft.max_context_length is not None:
             k = min(k, self.draft.max_context_length - len(token_ids))
         if k <= 0:
@@ -75,13 +76,13 @@ class DraftModelProposer(Proposer):
             logits = self._to_target_vocab(self.draft.forward(pending, num_logits=1))  # [1, V]
             self._cached.extend(pending)
             processed = pipeline.process(logits, [*token_ids, *drafted])  # same history rules
-            if self.min_confidence and float(processed.softmax(-1).max()) < self.min_confidence:
+            if min_confidence and float(processed.softmax(-1).max()) < min_confidence:
                 break
             if pipeline.params.greedy:
-                token = int(pipeline.greedy_tokens(processed)[0])
+                token = int(greedy_tokens(processed)[0])
             else:
                 q = pipeline.probs(processed)  # [1, target_vocab]
-                token = int(sample_from_probs(q, generator)[0])
+                token = int(sample_from_probs(q, rng)[0])
                 probs.append(q[0])
             drafted.append(token)
             pending = [token]

@@ -5,9 +5,8 @@ Source: Elhoushi et al. 2024, "LayerSkip" (arXiv 2404.16710), self-speculative d
 transformers calls it ``assistant_early_exit``. The draft shares every weight with the
 target (no copy) but has its own KV cache of L layers, so it is a
 :class:`~exactspec.proposers.draft_model.DraftModelProposer` over a second backend. A model
-not trained for early exit drafts poorly (SmolLM2-135M: about 10 % greedy agreement with 16
-of 30 layers, about 34 % with 24), which makes it a good exerciser of rejection and
-residual resampling on a real model.
+not trained for early exit drafts poorly (results/audit-2026-11-30-ee), which makes it a
+good exerciser of rejection and residual resampling on a real model.
 """
 
 from __future__ import annotations

@@ -33,8 +33,6 @@ class PromptLookupProposer(Proposer):
     """
 
     drafts_for_free = True
-    """Drafting runs no model and draws no random numbers, so the auto policy may peek at a
-    draft it will not verify (:meth:`~exactspec.speculation_length.AutoPolicy.observe_peek`)."""
 
     def __init__(self, min_ngram: int = 2, max_ngram: int = 3) -> None:
         if not isinstance(min_ngram, int) or isinstance(min_ngram, bool) or min_ngram < 1:
@@ -46,7 +44,7 @@ class PromptLookupProposer(Proposer):
         self.max_ngram = max_ngram
 
     def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
-                generator: torch.Generator) -> Proposal:
+                rng: torch.Generator, min_confidence: float = 0.0) -> Proposal:
         context = np.asarray(token_ids, dtype=np.int64)
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
             # Windows start at 0..len-1-n, so each has at least one token after it and
