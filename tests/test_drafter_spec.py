@@ -30,6 +30,7 @@ def test_drafter_specs_parse_without_a_model(spec, expected):
     ("magic", "use one of none (or plain), prompt-lookup[:ngram=MIN-MAX], early-exit:L, "
               "draft:MODEL"),
     ("draft", "use one of"),
+    ("draft:", "use one of"),
     ("none:x", "use one of"),
     ("early-exit:2:ngram=1-2", "use one of"),  # ngram belongs to prompt lookup
     ("prompt-lookup:k=4", "use one of"),  # k is -k's, not the spec's, here

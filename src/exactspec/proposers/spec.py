@@ -121,7 +121,7 @@ def parse_drafter(spec: str, *, what: str = "proposer", options: Collection[str]
     positional = [part for part in parts if "=" not in part]
     allowed_keys = {"ngram", *options}
     if (kind not in KINDS or (len(positional) != (kind in ARGUMENT) and kind != "draft")
-            or (kind == "draft" and not positional) or set(keys) - allowed_keys
+            or (kind == "draft" and not any(positional)) or set(keys) - allowed_keys
             or ("ngram" in keys and kind != "prompt-lookup")):
         extras = [f":{key}={OPTION_VALUES[key]}" for key in options] + (
             [f"a peer prefix {' or '.join(f'{p}-' for p in peers)}"] if peers else [])
