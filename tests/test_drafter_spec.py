@@ -119,6 +119,7 @@ def test_peers_need_their_backend_and_drafter():
     assert set(PEERS) == {"hf", "llama"}
     with pytest.raises(ValueError, match="needs the llama_cpp backend"):
         make_peer(parse_method_spec("llama-plain"), target, None, 0)
-    with pytest.raises(ValueError, match="drafts by prompt lookup or not at all"):
+    with pytest.raises(ValueError, match="llama-cpp-python generate.. runs only none or "
+                                         "prompt-lookup, not 'early-exit:1'"):
         make_peer(DrafterSpec("early-exit:1", "early-exit", layers=1, peer="llama"), target,
                   None, 4)

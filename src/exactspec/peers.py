@@ -19,7 +19,6 @@ from (the audit refuses the others).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -32,8 +31,6 @@ from exactspec.sampling import SamplingParams
 PEERS = {"hf": ("none", "prompt-lookup", "early-exit", "draft"), "llama": ("none", "prompt-lookup")}
 """Peer prefix → the drafter kinds it runs (the ``peers`` of
 :func:`~exactspec.proposers.spec.parse_drafter`)."""
-BACKENDS = {"hf": "transformers", "llama": "llama_cpp"}
-"""Peer prefix → the backend the target must run on."""
 DEFAULT_PROMPT_LOOKUP_K = 10
 """A peer's prompt-lookup tokens per draft when the spec gives no ``k=`` (both engines' own
 default)."""
@@ -244,14 +241,24 @@ def make_peer(drafter: DrafterSpec, target: Backend, load_model: Callable[[str],
         ValueError: if the target's backend is not the peer's, or the peer cannot run the
             drafter.
     """
+    check_peer_runs(drafter)
     if drafter.peer == "hf":
         peer = TransformersPeer(target)  # refuses another backend before loading a draft
         peer.generate_kwargs = transformers_generate_kwargs(drafter, k, load_model)
         return peer
-    if drafter.peer == "llama" and drafter.kind in PEERS["llama"]:
-        return LlamaCppPeer(target, k if drafter.drafts else 0, share=share)
-    if drafter.peer == "llama":
-        raise ValueError(f"{LlamaCppPeer.label} drafts by prompt lookup or not at all: give "
-                         f"{' or '.join(PEERS['llama'])}, not {drafter.spec!r}")
-    raise ValueError(f"{drafter.spec!r} names no peer: prefix it with "
-                     f"{' or '.join(f'{peer}-' for peer in PEERS)}")
+    return LlamaCppPeer(target, k if drafter.drafts else 0, share=share)
+
+
+def check_peer_runs(drafter: DrafterSpec) -> None:
+    """Check, without any model, that ``drafter.peer`` can run ``drafter``.
+
+    Raises:
+        ValueError: if it names no peer, or one that cannot run its kind of drafter.
+    """
+    if drafter.peer not in PEERS:
+        raise ValueError(f"{drafter.spec!r} names no peer: prefix it with "
+                         f"{' or '.join(f'{peer}-' for peer in PEERS)}")
+    if drafter.kind not in PEERS[drafter.peer]:
+        label = {"hf": TransformersPeer, "llama": LlamaCppPeer}[drafter.peer].label
+        raise ValueError(f"{label} runs only {' or '.join(PEERS[drafter.peer])}, not "
+                         f"{drafter.spec!r}")

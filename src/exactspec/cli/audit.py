@@ -88,22 +88,21 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import dataclasses
+    import functools
     from pathlib import Path
 
     from rich.console import Console
     from rich.progress import Progress
 
     from exactspec import SamplingParams, SpeculativeGenerator
-    import dataclasses
-    import functools
-
     from exactspec.audit import (AUDIT_PROMPTS, AuditResult, BrokenGenerator, ExactspecEngine,
                                  PeerEngine, audit_distribution, check_greedy, verdict,
                                  write_audit_report)
     from exactspec.backends.base import UnsupportedModelError
     from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
     from exactspec.models import ModelNotFoundError
-    from exactspec.peers import make_peer
+    from exactspec.peers import check_peer_runs, make_peer
     from exactspec.proposers.spec import build_proposer, parse_drafter
 
     for name in FULL:  # explicit flags win over --quick's sizes
@@ -136,6 +135,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     console = Console(stderr=True, soft_wrap=True)
     try:
         drafter = parse_drafter(args.proposer)
+        if args.engine != "exactspec":
+            check_peer_runs(dataclasses.replace(drafter, peer=PEER[args.engine]))
         check_drafter_before_loading(args, parser, drafter, f"--proposer {args.proposer}")
         with console.status(f"Loading {args.model} …"):
             target = load_from_args(args)
