@@ -11,10 +11,11 @@ from scipy import stats
 from exactspec import (DraftModelProposer, EarlyExitProposer, PromptLookupProposer,
                        SamplingParams, SpeculativeGenerator)
 from exactspec.audit import (BROKEN_VERIFIERS, AuditResult, BrokenGenerator, ExactspecEngine,
-                             TransformersGenerateEngine, audit_distribution, check_greedy,
-                             next_token_probs, verdict, write_audit_report)
+                             PeerEngine, audit_distribution, check_greedy, next_token_probs,
+                             verdict, write_audit_report)
 from exactspec.audit.stats import detectable_tv, fit_tree, holm, node_fit, sample_tree
 from exactspec.logits_pipeline import LogitsPipeline
+from exactspec.peers import TransformersPeer
 
 from conftest import perturbed_backend, tiny_backend
 
@@ -311,7 +312,7 @@ def test_transformers_sampling_agrees_with_the_reference_and_a_wrong_one_is_caug
     """An independent implementation (transformers' own sampling) passes against the exact
     reference; the same with another temperature fails."""
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_new_tokens=2)
-    engine = TransformersGenerateEngine(target, "hf", {})
+    engine = PeerEngine(TransformersPeer(target), "hf")
     assert not audit_distribution(target, engine, prompts[:1], params, 800, ALPHA).rejected
 
     class WrongTemperature(FakeEngine):  # transformers sampling at 1.1 where 0.8 was asked for

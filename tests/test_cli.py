@@ -59,6 +59,20 @@ def test_json_output_identical_with_and_without_speculation(model_folder, capsys
     assert plain["stats"]["mean_acceptance_length"] == 1.0
 
 
+def test_proposer_spec_and_its_shorthand_are_the_same(model_folder, capsys):
+    args = ["abc abc abd abc abcd, abc abc", "--model", model_folder, "--json",
+            "--max-new-tokens", 12, "--policy", "constant"]
+    outputs = [json.loads(run(capsys, *args, *flags)[1]) for flags in
+               (["--prompt-lookup", "1:2"], ["--prompt-lookup", "1-2"],
+                ["--proposer", "prompt-lookup:ngram=1-2"])]
+    assert outputs[0] == outputs[1] | {"stats": outputs[0]["stats"]} == \
+        outputs[2] | {"stats": outputs[0]["stats"]}
+    assert outputs[2]["method"] == "prompt lookup 1:2"
+    assert outputs[2]["stats"]["drafted_tokens"] == outputs[0]["stats"]["drafted_tokens"] > 0
+    plain = json.loads(run(capsys, *args, "--proposer", "none")[1])
+    assert plain["method"] == "none (plain decoding)" and plain["token_ids"] == outputs[0]["token_ids"]
+
+
 def test_text_output_and_summary(model_folder, capsys):
     code, out, err = run(capsys, "abc", "--model", model_folder, "--max-new-tokens", 5,
                          "--temperature", 0.8, "--seed", 1, "--top-k", 10, "--no-chat")
@@ -93,6 +107,11 @@ def test_stop_string_via_cli(model_folder, capsys):
     (["--logprobs", "50"], "--logprobs = 50 is invalid"),
     (["--backend", "vllm"], "invalid choice: 'vllm'"),
     (["--threads", "0"], "'0' is invalid: give an integer ≥ 1"),
+    (["--proposer", "magic"], "argument --proposer: proposer 'magic' is invalid: use one of "
+                              "none (or plain), prompt-lookup[:ngram=MIN-MAX], early-exit:L, "
+                              "draft:MODEL"),
+    (["--proposer", "early-exit:0"], "proposer 'early-exit:0' is invalid: L = 0 must be ≥ 1"),
+    (["--proposer", "none", "--no-speculation"], "not allowed with argument --proposer"),
 ])
 def test_bad_arguments_exit_2_naming_the_value(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -245,6 +264,18 @@ def test_missing_draft_model_is_named_before_loading_the_target(model_folder, tm
         "(smollm2-135m-instruct) nor an existing folder or .gguf file")
 
 
+def test_missing_draft_model_in_a_proposer_spec_is_named_before_loading(model_folder, tmp_path,
+                                                                        capsys, no_loading):
+    code, _, err = run(capsys, "hi", "--model", model_folder, "--proposer", f"draft:{tmp_path}/nope")
+    assert code == 1
+    assert " ".join(err.split()) == (
+        f"error: --proposer draft:{tmp_path}/nope: model '{tmp_path}/nope' is neither an "
+        "embedded model (smollm2-135m-instruct) nor an existing folder or .gguf file")
+    assert cli.main(["audit", "--model", str(model_folder), "--proposer",
+                     f"draft:{tmp_path}/nope"]) == 1
+    assert f"error: --proposer draft:{tmp_path}/nope: model" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, code, message", [
     (["--early-exit", "0"], 2, "argument --early-exit: '0' is invalid: give an integer ≥ 1"),
     (["--early-exit", "2"], 2, "--early-exit 2 is invalid: it must be in [1, 1] (the target "
@@ -252,6 +283,11 @@ def test_missing_draft_model_is_named_before_loading_the_target(model_folder, tm
     (["--early-exit", "1", "--backend", "llama_cpp"], 1,
      "error: --early-exit drafts with the target's own layers, which needs the transformers "
      "backend, and '{folder}' runs on llama_cpp: add --backend transformers"),
+    (["--proposer", "early-exit:2"], 2, "--proposer early-exit:2: L = 2 is invalid: it must be "
+                                        "in [1, 1] (the target has 2 layers)"),
+    (["--proposer", "early-exit:1", "--backend", "llama_cpp"], 1,
+     "error: --proposer early-exit:1 drafts with the target's own layers, which needs the "
+     "transformers backend, and '{folder}' runs on llama_cpp: add --backend transformers"),
 ])
 def test_early_exit_layers_are_checked_before_loading(model_folder, capsys, no_loading, args,
                                                       code, message):

@@ -205,7 +205,8 @@ class SpeculativeGenerator:
                 rng: torch.Generator, timed: bool, start: float,
                 prefill_seconds: float) -> GenerationResult:
         """The speculative loop for one sample; the target's cache holds the prompt but its
-        last token."""
+        last token. Each cycle: choose → propose → forward → verify → commit → rollback →
+        observe (docs/design.md, "One direction of data flow")."""
         params = pipeline.params
         tokens = list(prompt_token_ids)  # prompt + committed tokens: the one record
         num_prompt_tokens = len(tokens)

@@ -2,8 +2,9 @@
 
 The audit compares an engine's samples with the target's exact probabilities, so any engine
 that decodes the same target model can be audited: exactspec itself (with any proposer, or
-a broken control), transformers ``generate()`` with its own speculative modes, and
-llama-cpp-python's ``generate()`` with its prompt-lookup draft.
+a broken control), and the peers of :mod:`exactspec.peers` (transformers ``generate()``
+with its own speculative modes, llama-cpp-python's ``generate()`` with its prompt-lookup
+draft).
 """
 
 from __future__ import annotations
@@ -11,14 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-import torch
-
-from exactspec.backends.base import Backend
 from exactspec.engine import SpeculativeGenerator
+from exactspec.peers import Peer, set_fields
 from exactspec.sampling import SamplingParams
-
-HF_SUPPORTED_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_new_tokens")
-"""SamplingParams fields the transformers adapter translates; others are refused."""
 
 
 class EngineUnderTest(Protocol):
@@ -69,95 +65,41 @@ class ExactspecEngine:
         return [tuple(result.token_ids) for result in results]
 
 
-class TransformersGenerateEngine:
-    """transformers ``generate()`` on the target's own model object, ``do_sample=True``.
+class PeerEngine:
+    """Another engine on the same model (a :class:`~exactspec.peers.Peer`: transformers
+    ``generate()`` or llama-cpp-python's), sampling.
+
+    Only sampling parameters under which the peer's distribution is by definition the
+    target's processed one are audited (``peer.comparable``): llama-cpp-python, for one,
+    applies top-k, top-p and min-p before the temperature, so it is audited with the
+    temperature only.
 
     Args:
-        target: the target's transformers backend.
-        name: e.g. ``hf-prompt-lookup:k=4``.
-        generate_kwargs: what selects the mode, e.g. ``{"prompt_lookup_num_tokens": 4}``,
-            ``{"assistant_model": model}`` or ``{"assistant_early_exit": 16}``.
-    """
-
-    def __init__(self, target: Backend, name: str, generate_kwargs: dict) -> None:
-        if getattr(target, "model", None) is None:
-            raise ValueError(f"engine {name!r} needs the transformers backend")
-        self.target, self.name, self.generate_kwargs = target, name, generate_kwargs
-        self.drafted = self.accepted = None
-        self.drafted_per_position = self.accepted_per_position = None
-
-    def sample(self, prompt_ids: Sequence[int], params: SamplingParams,
-               num_samples: int) -> list[tuple[int, ...]]:
-        changed = [f for f, value in vars(params).items()
-                   if f not in HF_SUPPORTED_FIELDS and value != getattr(SamplingParams(), f)]
-        if changed:
-            raise ValueError(f"the transformers adapter does not translate {', '.join(changed)}; "
-                             f"it supports {', '.join(HF_SUPPORTED_FIELDS)}")
-        model = self.target.model
-        input_ids = torch.tensor([list(prompt_ids)], device=self.target.device)
-        eos = list(self.target.eos_token_ids)
-        sampling = {"do_sample": False} if params.greedy else {
-            "do_sample": True, "temperature": params.temperature, "top_k": params.top_k,
-            "top_p": params.top_p, "min_p": params.min_p or None}
-        if params.seed is not None:
-            torch.manual_seed(params.seed)
-        samples = []
-        with torch.inference_mode():
-            for _ in range(num_samples):
-                output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                        max_new_tokens=params.max_new_tokens,
-                                        eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0,
-                                        **sampling, **self.generate_kwargs)
-                samples.append(tuple(output[0, input_ids.shape[1]:].tolist()))
-        return samples
-
-
-class LlamaCppGenerateEngine:
-    """llama-cpp-python's own ``Llama.generate()`` on the target's GGUF file, sampling, with
-    its ``LlamaPromptLookupDecoding`` draft (``num_pred_tokens`` = k) or none.
-
-    llama-cpp-python verifies a draft by sampling the target at every drafted position and
-    keeping the drafts that equal the samples, which is exact for a deterministic draft.
-    Its sampler applies top-k, top-p and min-p *before* the temperature (exactspec,
-    transformers and vLLM apply them after), so only temperature sampling is comparable
-    with the reference; other warpers are refused.
-
-    Args:
-        target: the target's llama.cpp backend.
+        peer: the peer.
         name: how reports call it.
-        k: drafted tokens per cycle (0: no draft).
-    Raises:
-        ValueError: if ``target`` is not a llama.cpp backend.
     """
 
-    def __init__(self, target: Backend, name: str, k: int) -> None:
-        from exactspec.backends.llama_cpp_backend import LlamaCppBackend
-
-        if not isinstance(target, LlamaCppBackend):
-            raise ValueError(f"engine {name!r} needs the llama_cpp backend (--backend llama_cpp)")
-        self.llama = target.prompt_lookup_peer(k) if k else target.new_llama()
-        self.eos = set(target.eos_token_ids)
-        self.name = name
+    def __init__(self, peer: Peer, name: str) -> None:
+        self.peer, self.name = peer, name
         self.drafted = self.accepted = None
         self.drafted_per_position = self.accepted_per_position = None
 
     def sample(self, prompt_ids: Sequence[int], params: SamplingParams,
                num_samples: int) -> list[tuple[int, ...]]:
-        defaults = SamplingParams()
-        changed = [f for f, value in vars(params).items()
-                   if f not in ("temperature", "seed", "max_new_tokens")
-                   and value != getattr(defaults, f)]
-        if changed:
-            raise ValueError(
-                f"the llama-cpp-python adapter samples with a temperature only (it got "
-                f"{', '.join(changed)}): llama-cpp-python applies top-k, top-p and min-p "
-                "before the temperature, a different distribution by definition; audit it "
-                "with --top-p 1 --top-k 0 --min-p 0")
-        from exactspec.backends.llama_cpp_backend import peer_generate
+        """As :meth:`EngineUnderTest.sample`.
 
-        samples = []
-        for i in range(num_samples):
-            self.llama.set_seed((params.seed or 0) * 1_000_003 + i)
-            samples.append(tuple(peer_generate(self.llama, prompt_ids, params.max_new_tokens,
-                                               self.eos, temp=params.temperature)))
-        return samples
+        Raises:
+            ValueError: if ``params`` sets a field the peer does not translate, or one
+                outside ``peer.comparable``.
+        """
+        incomparable = [field for field in set_fields(params, self.peer.comparable)
+                        if field in self.peer.translates]
+        if incomparable:
+            defaults = SamplingParams()
+            reset = " ".join(f"--{field.replace('_', '-')} {getattr(defaults, field):g}"
+                             for field in incomparable)
+            raise ValueError(f"{self.peer.label} is audited with "
+                             f"{', '.join(self.peer.comparable)} only (it got "
+                             f"{', '.join(incomparable)}): {self.peer.incomparable_reason}; "
+                             f"audit it with {reset}")
+        return self.peer.sample(prompt_ids, params, num_samples)

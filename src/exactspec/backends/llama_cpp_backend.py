@@ -226,19 +226,10 @@ class LlamaCppBackend:
 
     def new_llama(self, **overrides):
         """Another ``llama_cpp.Llama`` on the same file, threads and context size, with
-        ``overrides`` (e.g. ``draft_model=`` for llama-cpp-python's own speculation)."""
+        ``overrides`` (e.g. ``draft_model=`` for llama-cpp-python's own speculation, which
+        :class:`~exactspec.peers.LlamaCppPeer` runs)."""
         return new_llama(self.llama.model_path, threads=self.llama.n_threads,
                          context_length=self.llama.n_ctx(), **overrides)
-
-    def prompt_lookup_peer(self, num_pred_tokens: int):
-        """A second ``Llama`` on the same file with llama-cpp-python's own speculation,
-        ``LlamaPromptLookupDecoding(num_pred_tokens=...)``: a peer for the bench and audit."""
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-        # logits_all=True as well: with a draft model alone, llama-cpp-python 0.3.36 sizes its
-        # logits buffer for n_batch (512) positions and fails on longer contexts.
-        return self.new_llama(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=num_pred_tokens),
-                              logits_all=True)
 
     @property
     def num_cached_tokens(self) -> int:
@@ -300,25 +291,6 @@ class LlamaCppBackend:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self._llama_cpp.llama_batch_free(self._batch)
-
-
-def peer_generate(llama, prompt_ids: Sequence[int], max_new_tokens: int, eos: set[int],
-                  **sampling) -> list[int]:
-    """llama-cpp-python's own ``Llama.generate()`` (a peer, not exactspec's engine) from an
-    empty cache, stopped after an ``eos`` token or ``max_new_tokens`` tokens.
-
-    Args:
-        sampling: ``temp`` (default 0: greedy), ``top_k``, ``top_p``, ``min_p`` (default off);
-            no repetition penalty.
-    """
-    llama.reset()
-    token_ids: list[int] = []
-    options = {"temp": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0} | sampling
-    for token in llama.generate(list(prompt_ids), **options, repeat_penalty=1.0):
-        token_ids.append(token)
-        if token in eos or len(token_ids) >= max_new_tokens:
-            break
-    return token_ids
 
 
 def _trained_context_length(path: Path) -> int | None:

@@ -7,8 +7,12 @@ import argparse
 import time
 
 from exactspec.cli.common import (DEFAULT_K, add_model_options, add_policy_option,
-                                  allows_batch_variance, load_from_args)
+                                  allows_batch_variance, check_drafter_before_loading,
+                                  load_from_args)
+from exactspec.proposers.spec import FORMS
 
+PEER = {"transformers": "hf", "llama_cpp": "llama"}
+"""--engine → the peer (:mod:`exactspec.peers`) that runs it."""
 QUICK = {"samples": 200, "greedy_tokens": 24, "num_prompts": 3}
 FULL = {"samples": 1000, "greedy_tokens": 64}
 """Test sizes when neither --quick nor the flag itself is given."""
@@ -37,8 +41,8 @@ def add_parser(commands) -> None:
                            "its LlamaPromptLookupDecoding draft (--backend llama_cpp, prompt "
                            "lookup or none, temperature only: --top-p 1)")
     what.add_argument("--proposer", default="prompt-lookup", metavar="SPEC",
-                      help="none, prompt-lookup[:ngram=2-3] (the default), early-exit:L, "
-                           "draft:MODEL")
+                      help=f"the drafter: {FORMS} (default prompt-lookup); the same "
+                           "grammar as generate --proposer")
     what.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K, metavar="K",
                       help=f"most tokens drafted per cycle (default {DEFAULT_K})")
     add_policy_option(what, "constant", ": every cycle drafts, so verification is exercised; "
@@ -84,6 +88,8 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import dataclasses
+    import functools
     from pathlib import Path
 
     from rich.console import Console
@@ -91,13 +97,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from exactspec import SamplingParams, SpeculativeGenerator
     from exactspec.audit import (AUDIT_PROMPTS, AuditResult, BrokenGenerator, ExactspecEngine,
-                                 LlamaCppGenerateEngine, TransformersGenerateEngine,
-                                 audit_distribution, check_greedy,
-                                 verdict, write_audit_report)
+                                 PeerEngine, audit_distribution, check_greedy, verdict,
+                                 write_audit_report)
     from exactspec.backends.base import UnsupportedModelError
     from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
     from exactspec.models import ModelNotFoundError
-    from exactspec.proposers import PromptLookupProposer, parse_proposer
+    from exactspec.peers import check_peer_runs, make_peer
+    from exactspec.proposers.spec import build_proposer, parse_drafter
 
     for name in FULL:  # explicit flags win over --quick's sizes
         if getattr(args, name) is None:
@@ -128,10 +134,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     console = Console(stderr=True, soft_wrap=True)
     try:
+        drafter = parse_drafter(args.proposer)
+        if args.engine != "exactspec":
+            check_peer_runs(dataclasses.replace(drafter, peer=PEER[args.engine]))
+        check_drafter_before_loading(args, parser, drafter, f"--proposer {args.proposer}")
         with console.status(f"Loading {args.model} …"):
             target = load_from_args(args)
-            load = lambda name: load_from_args(args, name)
-            proposer = parse_proposer(args.proposer, target, load)
+            load = functools.cache(lambda name: load_from_args(args, name))  # one draft model
+            proposer = build_proposer(drafter, target, load)
         k = args.num_speculative_tokens
         tokenizer = target.tokenizer
         prompt_ids = [tokenizer.apply_chat_template(p) if args.chat else tokenizer.encode(p)
@@ -140,15 +150,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             engine = ExactspecEngine(SpeculativeGenerator(
                 target, proposer, k, args.policy, allow_batch_variance=allows_batch_variance(args)),
                                      f"exactspec {args.proposer} k={k} {args.policy}")
-        elif args.engine == "llama_cpp":
-            if proposer is not None and not isinstance(proposer, PromptLookupProposer):
-                raise ValueError("--engine llama_cpp drafts with llama-cpp-python's prompt "
-                                 "lookup: use --proposer prompt-lookup or none")
-            engine = LlamaCppGenerateEngine(target, f"llama-cpp-python generate() "
-                                            f"{args.proposer} k={k}", k if proposer else 0)
         else:
-            engine = TransformersGenerateEngine(target, f"transformers generate() {args.proposer} "
-                                                f"k={k}", _hf_mode(proposer, k))
+            peer = make_peer(dataclasses.replace(drafter, peer=PEER[args.engine]), target, load, k)
+            engine = PeerEngine(peer, f"{peer.label} {args.proposer} k={k}")
         control = None
         if args.broken != "none" and proposer is not None:
             control = ExactspecEngine(BrokenGenerator(
@@ -184,17 +188,3 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     console.print(f"wrote {', '.join(str(f) for f in files)}", highlight=False)
     return 0 if result.verdict == "exact" else 1
 
-
-def _hf_mode(proposer, k: int) -> dict:
-    """transformers ``generate()`` keyword arguments for the same speculative method."""
-    from exactspec.proposers import DraftModelProposer, EarlyExitProposer, PromptLookupProposer
-
-    if proposer is None:
-        return {}
-    if isinstance(proposer, PromptLookupProposer):
-        return {"prompt_lookup_num_tokens": k}
-    if isinstance(proposer, EarlyExitProposer):
-        return {"assistant_early_exit": proposer.num_layers, "num_assistant_tokens": k}
-    if isinstance(proposer, DraftModelProposer):
-        return {"assistant_model": proposer.draft.model, "num_assistant_tokens": k}
-    raise ValueError(f"no transformers equivalent for proposer {type(proposer).__name__}")

@@ -44,10 +44,13 @@ def add_parser(commands) -> None:
                        help=f"questions per group (default {FULL['per_category']}; "
                             f"{QUICK['per_category']} with --quick)")
     bench.add_argument("--method", action="append", default=None, metavar="SPEC",
-                       help="method to compare (repeatable): plain, prompt-lookup:k=4[:ngram=2-3], "
-                            "draft:MODEL:k=4, early-exit:L:k=4, hf-plain, hf-prompt-lookup:k=10, "
-                            "hf-assistant:MODEL, hf-early-exit:L (transformers backend), "
-                            "llama-plain, llama-prompt-lookup:k=10 (llama_cpp backend). Default "
+                       help="method to compare (repeatable): a drafter spec as in generate "
+                            "--proposer, with :k=N (default 4) and :policy=P (default constant), "
+                            "e.g. plain, prompt-lookup:k=4[:ngram=2-3][:policy=auto], "
+                            "draft:MODEL:k=4, early-exit:L:k=4; prefixed hf- for transformers "
+                            "generate() (hf-plain, hf-prompt-lookup:k=10, hf-assistant:MODEL, "
+                            "hf-early-exit:L; transformers backend) or llama- for llama-cpp-python "
+                            "(llama-plain, llama-prompt-lookup:k=10; llama_cpp backend). Default "
                             "on transformers: " + " ".join(DEFAULT_BENCH_METHODS["transformers"])
                             + "; on llama_cpp: " + " ".join(DEFAULT_BENCH_METHODS["llama_cpp"]))
     bench.add_argument("--max-new-tokens", type=int, default=None,

@@ -8,7 +8,6 @@ from exactspec.backends.batch_invariant import KERNELS
 from exactspec.models import BACKENDS, DEFAULT_MODEL, EMBEDDED_MODELS
 
 DEFAULT_K = 4
-DEFAULT_NGRAM = (2, 3)
 EXIT_UNSTABLE = 3
 """``bench``'s exit status when its measurements look disturbed (and nothing failed)."""
 EXIT_INTERRUPTED = 130
@@ -20,15 +19,25 @@ EXIT_STATUSES = ("Exit status: 0 success; 1 an error (the message names it), a g
 
 
 def ngram_range(text: str) -> tuple[int, int]:
-    """``MIN:MAX`` → (min, max) n-gram sizes."""
+    """``MIN-MAX`` or ``MIN:MAX`` → (min, max) n-gram sizes (see
+    :func:`~exactspec.proposers.spec.parse_ngram`)."""
+    from exactspec.proposers.spec import parse_ngram
+
     try:
-        low, high = (int(part) for part in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is invalid: give MIN:MAX n-gram sizes, e.g. 1:3") from None
-    if not 1 <= low <= high:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid: need 1 ≤ MIN ≤ MAX")
-    return low, high
+        return parse_ngram(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def drafter_spec(text: str):
+    """A drafter spec (grammar in :mod:`exactspec.proposers.spec`) → its
+    :class:`~exactspec.proposers.spec.DrafterSpec`."""
+    from exactspec.proposers.spec import parse_drafter
+
+    try:
+        return parse_drafter(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def logit_bias(text: str) -> tuple[int, float]:
@@ -112,6 +121,31 @@ def check_models_before_loading(args: argparse.Namespace, drafts: dict[str, str]
         if flag == "--model":
             backend = choose_backend(path, args.backend, device=args.device, dtype=args.dtype,
                                      kernels=args.kernels)
+    return backend
+
+
+def check_drafter_before_loading(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                                 drafter, flag: str) -> str:
+    """:func:`check_models_before_loading` for ``--model`` and ``drafter``'s draft model;
+    for early exit, that the target runs on transformers and :func:`check_early_exit`.
+    ``flag`` names the drafter in messages (e.g. ``--draft-model``, ``--proposer SPEC``).
+
+    Returns:
+        the target's backend, ``transformers`` or ``llama_cpp``.
+    Raises:
+        ModelNotFoundError, ValueError: naming the flag and the bad value; bad layer counts
+        exit through ``parser.error``.
+    """
+    from exactspec.models import layer_count, resolve_model_path
+
+    backend = check_models_before_loading(args, {flag: drafter.model} if drafter.model else {})
+    if drafter.kind == "early-exit":
+        if backend != "transformers":
+            raise ValueError(f"{flag} drafts with the target's own layers, which needs the "
+                             f"transformers backend, and {args.model!r} runs on {backend}: "
+                             "add --backend transformers")
+        check_early_exit(parser, flag if flag == "--early-exit" else f"{flag}: L =",
+                         drafter.layers, layer_count(resolve_model_path(args.model)))
     return backend
 
 

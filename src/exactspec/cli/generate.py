@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 
-from exactspec.cli.common import (DEFAULT_K, DEFAULT_NGRAM, EXIT_STATUSES, add_model_options,
-                                  add_policy_option, allows_batch_variance, check_early_exit,
-                                  check_models_before_loading, has_chat_template,
+from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_model_options,
+                                  add_policy_option, allows_batch_variance,
+                                  check_drafter_before_loading, drafter_spec, has_chat_template,
                                   load_from_args, logit_bias, ngram_range, positive_int)
+from exactspec.proposers.spec import DEFAULT_NGRAM, FORMS, DrafterSpec
 
 CHECKED_AFTER_LOAD = "an id outside the model's vocabulary is reported once the model has loaded"
 FIELD_FLAGS = {"stop_token_ids": "--stop-token-id", "banned_token_ids": "--ban-token-id",
@@ -28,18 +30,23 @@ def add_parser(commands) -> None:
     add_model_options(gen)
     spec = gen.add_argument_group("speculation")
     how = spec.add_mutually_exclusive_group()
-    how.add_argument("--prompt-lookup", metavar="MIN:MAX", type=ngram_range, nargs="?",
+    how.add_argument("--proposer", metavar="SPEC", type=drafter_spec, default=None,
+                     help=f"the drafter: {FORMS} (the default: prompt-lookup, with "
+                          f"ngram={DEFAULT_NGRAM[0]}-{DEFAULT_NGRAM[1]}); the flags below are "
+                          "shorthands for these")
+    how.add_argument("--prompt-lookup", metavar="MIN-MAX", type=ngram_range, nargs="?",
                      const=DEFAULT_NGRAM, default=None,
-                     help="draft by prompt lookup with n-grams of MIN..MAX tokens "
-                          f"(the default drafter, with {DEFAULT_NGRAM[0]}:{DEFAULT_NGRAM[1]})")
+                     help="draft by prompt lookup with n-grams of MIN..MAX tokens (MIN:MAX "
+                          "works too): --proposer prompt-lookup:ngram=MIN-MAX")
     how.add_argument("--draft-model", metavar="MODEL",
-                     help="draft with a smaller model on the same tokenizer (name, folder or .gguf)")
+                     help="draft with a smaller model on the same tokenizer (name, folder or "
+                          ".gguf): --proposer draft:MODEL")
     how.add_argument("--early-exit", type=positive_int, metavar="L",
                      help="self-draft with the target's first L layers, 1 ≤ L < its layer "
                           "count (shares its weights; transformers' assistant_early_exit; "
-                          "transformers backend only)")
+                          "transformers backend only): --proposer early-exit:L")
     how.add_argument("--no-speculation", action="store_true",
-                     help="plain decoding on the same backend, for comparison")
+                     help="plain decoding on the same backend, for comparison: --proposer none")
     spec.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K,
                       metavar="K", help=f"most tokens drafted per cycle (default {DEFAULT_K})")
     add_policy_option(spec)
@@ -94,12 +101,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from exactspec import (DraftModelProposer, EarlyExitProposer, PromptLookupProposer,
-                           SamplingParams, SpeculativeGenerator, UnsupportedModelError)
+    from exactspec import SamplingParams, SpeculativeGenerator, UnsupportedModelError
     from exactspec.files import readable_json
     from exactspec.backends.llama_cpp_backend import (LlamaCppNotInstalledError,
                                                       slow_decoding_warning)
-    from exactspec.models import ModelNotFoundError, layer_count, resolve_model_path
+    from exactspec.models import ModelNotFoundError
+    from exactspec.proposers.spec import build_proposer
 
     try:
         params = SamplingParams(
@@ -125,36 +132,23 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("PROMPT is empty: give some text")
 
     console = Console(stderr=True, soft_wrap=True)
+    drafter, flag = _drafter(args)
     try:  # what can be checked before the (slow) loading
-        backend = check_models_before_loading(
-            args, {"--draft-model": args.draft_model} if args.draft_model else {})
-        if args.early_exit is not None and backend != "transformers":
-            raise ValueError(f"--early-exit drafts with the target's own layers, which needs "
-                             f"the transformers backend, and {args.model!r} runs on "
-                             f"{backend}: add --backend transformers")
+        check_drafter_before_loading(args, parser, drafter, flag)
     except (ModelNotFoundError, ValueError) as error:
         console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
         return 1
-    if args.early_exit is not None:
-        check_early_exit(parser, "--early-exit", args.early_exit,
-                         layer_count(resolve_model_path(args.model)))
+    if args.num_speculative_tokens == 0:
+        drafter = DrafterSpec("none", "none")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("exactspec").setLevel(logging.INFO)
     try:
         with console.status(f"Loading {args.model} …"):
             target = load_from_args(args)
-        if args.no_speculation or args.num_speculative_tokens == 0:
-            proposer, method = None, "none (plain decoding)"
-        elif args.draft_model:
-            with console.status(f"Loading draft {args.draft_model} …"):
-                draft = load_from_args(args, args.draft_model)
-            proposer, method = DraftModelProposer(draft, target), f"draft model {args.draft_model}"
-        elif args.early_exit is not None:
-            proposer = EarlyExitProposer(target, args.early_exit)
-            method = f"early-exit self-draft, {args.early_exit} layers"
-        else:
-            low, high = args.prompt_lookup or DEFAULT_NGRAM
-            proposer, method = PromptLookupProposer(low, high), f"prompt lookup {low}:{high}"
+        with (console.status(f"Loading draft {drafter.model} …") if drafter.model
+              else contextlib.nullcontext()):
+            proposer = build_proposer(drafter, target, lambda name: load_from_args(args, name))
+        method = drafter.description
         if proposer is not None and not target.batch_invariant and allows_batch_variance(args):
             console.print(f"note: {target.description} is not batch-invariant: the output is "
                           "exact only up to rounding (near-tied tokens can flip)", highlight=False)
@@ -186,3 +180,21 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if warning:
         console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False)
     return 0
+
+
+def _drafter(args: argparse.Namespace) -> tuple[DrafterSpec, str]:
+    """The drafter that ``--proposer`` or its shorthands name, and the flag that named it
+    (for messages); prompt lookup when none is given."""
+    if args.proposer is not None:
+        return args.proposer, f"--proposer {args.proposer.spec}"
+    if args.no_speculation:
+        return DrafterSpec("none", "none"), "--no-speculation"
+    if args.draft_model:
+        return DrafterSpec(f"draft:{args.draft_model}", "draft",
+                           model=args.draft_model), "--draft-model"
+    if args.early_exit is not None:
+        return DrafterSpec(f"early-exit:{args.early_exit}", "early-exit",
+                           layers=args.early_exit), "--early-exit"
+    low, high = args.prompt_lookup or DEFAULT_NGRAM
+    return DrafterSpec(f"prompt-lookup:ngram={low}-{high}", "prompt-lookup",
+                       (low, high)), "--prompt-lookup"

@@ -4,7 +4,7 @@ from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
 from exactspec.proposers.draft_model import DraftModelProposer
 from exactspec.proposers.early_exit import EarlyExitProposer
 from exactspec.proposers.prompt_lookup import PromptLookupProposer
-from exactspec.proposers.spec import PROPOSER_SPECS, parse_proposer
+from exactspec.proposers.spec import DrafterSpec, build_proposer, parse_drafter
 
-__all__ = ["EMPTY_PROPOSAL", "PROPOSER_SPECS", "DraftModelProposer", "EarlyExitProposer",
-           "PromptLookupProposer", "Proposal", "Proposer", "parse_proposer"]
+__all__ = ["EMPTY_PROPOSAL", "DraftModelProposer", "DrafterSpec", "EarlyExitProposer",
+           "PromptLookupProposer", "Proposal", "Proposer", "build_proposer", "parse_drafter"]

@@ -1,52 +1,174 @@
-"""Proposers named by a short spec string, for the command line and the benchmark:
+"""Drafters named by a spec string: the one grammar of ``exactspec generate --proposer``,
+``exactspec audit --proposer`` and ``exactspec bench --method``.
 
-    none                         no drafting (plain decoding)
-    prompt-lookup[:ngram=2-3]    n-gram lookup in the context
-    early-exit:L                 the target's first L layers (self-draft)
-    draft:MODEL                  a smaller model on the same tokenizer (name, folder, .gguf)
+A spec is ``[PEER-]KIND[:ARG][:key=value...]``::
+
+    none                         no drafting: plain decoding (``plain`` is the same)
+    prompt-lookup[:ngram=MIN-MAX]  n-gram lookup in the context, longest n-gram first
+                                 (default ngram=2-3)
+    early-exit:L                 the target's first L ≥ 1 layers (self-draft; transformers)
+    draft:MODEL                  a smaller model on the same tokenizer (embedded name, model
+                                 folder or .gguf); ``assistant:MODEL`` is the same
+
+    :k=N                         most tokens drafted per cycle            } where the command
+    :policy=P                    speculation-length policy (constant,    } has no flag of its
+                                 auto, heuristic, confidence)             } own (bench --method)
+
+``PEER-`` (only where a command compares peers, ``bench --method``): the same drafter run by
+another engine on the same model instead of exactspec, ``hf-`` for transformers
+``generate()`` and ``llama-`` for llama-cpp-python (see :mod:`exactspec.peers`), e.g.
+``hf-plain``, ``hf-prompt-lookup:k=10``, ``hf-assistant:MODEL``, ``llama-prompt-lookup:k=10``.
+
+The n-gram range is written ``MIN-MAX``; ``generate --prompt-lookup`` also takes its old
+spelling ``MIN:MAX`` (both through :func:`parse_ngram`).
+
+:func:`parse_drafter` takes a spec apart and checks it without loading any model;
+:func:`build_proposer` makes exactspec's :class:`~exactspec.proposers.base.Proposer` from it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 
 from exactspec.backends.base import Backend
 from exactspec.proposers.base import Proposer
-from exactspec.proposers.draft_model import DraftModelProposer
-from exactspec.proposers.early_exit import EarlyExitProposer
-from exactspec.proposers.prompt_lookup import PromptLookupProposer
 
-PROPOSER_SPECS = "none, prompt-lookup[:ngram=2-3], early-exit:L, draft:MODEL"
+DEFAULT_NGRAM = (2, 3)
+"""Prompt lookup's n-gram sizes (MIN, MAX) when a spec gives none."""
+KINDS = ("none", "prompt-lookup", "early-exit", "draft")
+ALIASES = {"plain": "none", "assistant": "draft"}
+"""Other names of a kind: ``plain`` (the bench's baseline), ``assistant`` (transformers')."""
+ARGUMENT = {"early-exit": "L", "draft": "MODEL"}
+"""Kinds that take a positional argument, and its name."""
+FORMS = "none (or plain), prompt-lookup[:ngram=MIN-MAX], early-exit:L, draft:MODEL"
+"""The allowed forms, for messages."""
+OPTION_VALUES = {"k": "N", "policy": "P"}
 
 
-def parse_proposer(spec: str, target: Backend,
-                   load_model: Callable[[str], Backend]) -> Proposer | None:
-    """Build the proposer ``spec`` names (None for ``none``).
+@dataclass(frozen=True)
+class DrafterSpec:
+    """A drafter spec taken apart (see the module docstring).
+
+    Attributes:
+        spec: the text it was parsed from.
+        kind: ``none``, ``prompt-lookup``, ``early-exit`` or ``draft`` (aliases resolved).
+        ngram: prompt lookup's (MIN, MAX) n-gram sizes.
+        layers: early exit's L (None for other kinds).
+        model: the draft model's name or path (None for other kinds).
+        k: ``k=`` if given, else None (the command's default).
+        policy: ``policy=`` if given, else None (the command's default).
+        peer: the peer prefix (``hf``, ``llama``), None for exactspec itself.
+    """
+
+    spec: str
+    kind: str
+    ngram: tuple[int, int] = DEFAULT_NGRAM
+    layers: int | None = None
+    model: str | None = None
+    k: int | None = None
+    policy: str | None = None
+    peer: str | None = None
+
+    @property
+    def drafts(self) -> bool:
+        """Whether this spec drafts at all (every kind but ``none``)."""
+        return self.kind != "none"
+
+    @property
+    def description(self) -> str:
+        """In words, e.g. ``prompt lookup 2:3``, ``draft model NAME``."""
+        return {"none": "none (plain decoding)",
+                "prompt-lookup": "prompt lookup {0}:{1}".format(*self.ngram),
+                "early-exit": f"early-exit self-draft, {self.layers} layers",
+                "draft": f"draft model {self.model}"}[self.kind]
+
+
+def parse_ngram(text: str) -> tuple[int, int]:
+    """``MIN-MAX`` (or the older ``MIN:MAX``) → (MIN, MAX) n-gram sizes, 1 ≤ MIN ≤ MAX.
 
     Raises:
-        ValueError: naming the bad spec and the allowed forms (or a bad layer count).
+        ValueError: naming ``text`` and the expected form.
     """
-    kind, _, arg = spec.partition(":")
-    bad = ValueError(f"proposer {spec!r} is invalid: use one of {PROPOSER_SPECS}")
-    if kind == "none" and not arg:
-        return None
-    if kind == "prompt-lookup":
-        if not arg:
-            return PromptLookupProposer()
-        key, _, value = arg.partition("=")
-        try:
-            low, high = (int(n) for n in value.split("-"))
-        except ValueError:
-            raise bad from None
-        if key != "ngram":
-            raise bad
-        return PromptLookupProposer(low, high)
-    if kind == "early-exit" and arg:
-        try:
-            layers = int(arg)
-        except ValueError:
-            raise bad from None
-        return EarlyExitProposer(target, layers)
-    if kind == "draft" and arg:
-        return DraftModelProposer(load_model(arg), target)
-    raise bad
+    try:
+        low, high = (int(part) for part in text.replace(":", "-").split("-"))
+    except ValueError:
+        raise ValueError(f"{text!r} is invalid: give MIN-MAX n-gram sizes, e.g. 1-3") from None
+    if not 1 <= low <= high:
+        raise ValueError(f"{text!r} is invalid: need 1 ≤ MIN ≤ MAX")
+    return low, high
+
+
+def parse_drafter(spec: str, *, what: str = "proposer", options: Collection[str] = (),
+                  peers: Mapping[str, Collection[str]] | None = None) -> DrafterSpec:
+    """Take a drafter spec apart and check it, without any model (see the module docstring).
+
+    Args:
+        spec: the text, e.g. ``prompt-lookup:ngram=1-3``.
+        what: how messages call it (``proposer``, ``method``).
+        options: which of ``k``, ``policy`` the caller accepts besides ``ngram``.
+        peers: accepted peer prefixes → the kinds each can run (None: no peers).
+    Raises:
+        ValueError: ``{what} {spec!r} is invalid: …``, naming the allowed forms or the bad value.
+    """
+    from exactspec.speculation_length import POLICIES
+
+    prefix = f"{what} {spec!r} is invalid"
+    peer = next((name for name in peers or () if spec.startswith(f"{name}-")), None)
+    kind, *parts = spec[len(peer) + 1 if peer else 0:].split(":")
+    kind = ALIASES.get(kind, kind)
+    keys = dict(part.split("=", 1) for part in parts if "=" in part)
+    positional = [part for part in parts if "=" not in part]
+    allowed_keys = {"ngram", *options}
+    if (kind not in KINDS or (len(positional) != (kind in ARGUMENT) and kind != "draft")
+            or (kind == "draft" and not any(positional)) or set(keys) - allowed_keys
+            or ("ngram" in keys and kind != "prompt-lookup")):
+        extras = [f":{key}={OPTION_VALUES[key]}" for key in options] + (
+            [f"a peer prefix {' or '.join(f'{p}-' for p in peers)}"] if peers else [])
+        raise ValueError(f"{prefix}: use one of {FORMS}" + (
+            f", each optionally with {', '.join(extras[:-1])}{' and ' if extras[1:] else ''}"
+            f"{extras[-1]}" if extras else ""))
+    if peer and kind not in peers[peer]:
+        raise ValueError(f"{prefix}: the {peer}- peer runs only {', '.join(peers[peer])}")
+    try:
+        k = int(keys["k"]) if "k" in keys else None
+        layers = int(positional[0]) if kind == "early-exit" else None
+    except ValueError:
+        raise ValueError(f"{prefix}: k and L take integers") from None
+    try:
+        ngram = parse_ngram(keys["ngram"]) if "ngram" in keys else DEFAULT_NGRAM
+    except ValueError as error:
+        raise ValueError(f"{prefix}: ngram {error}") from None
+    if layers is not None and layers < 1:
+        raise ValueError(f"{prefix}: L = {layers} must be ≥ 1")
+    policy = keys.get("policy")
+    if policy is not None and policy not in POLICIES:
+        raise ValueError(f"{prefix}: policy {policy!r} is not one of {', '.join(POLICIES)}")
+    model = ":".join(positional) if kind == "draft" else None  # a path may hold colons
+    return DrafterSpec(spec, kind, ngram, layers, model, k, policy, peer)
+
+
+def build_proposer(drafter: DrafterSpec, target: Backend,
+                   load_model: Callable[[str], Backend]) -> Proposer | None:
+    """exactspec's proposer for ``drafter`` on ``target`` (None for ``none``); ``load_model``
+    loads a draft model by name or path.
+
+    Raises:
+        ValueError: if ``drafter`` names a peer (it is not exactspec's), or L ≥ the target's
+            layer count.
+        UnsupportedModelError: for early exit on a backend other than transformers, or a
+            draft model whose tokenizer differs from the target's.
+    """
+    from exactspec.proposers.draft_model import DraftModelProposer
+    from exactspec.proposers.early_exit import EarlyExitProposer
+    from exactspec.proposers.prompt_lookup import PromptLookupProposer
+
+    if drafter.peer:
+        raise ValueError(f"{drafter.spec!r} is run by a peer (see exactspec.peers), not exactspec")
+    if drafter.kind == "prompt-lookup":
+        return PromptLookupProposer(*drafter.ngram)
+    if drafter.kind == "early-exit":
+        return EarlyExitProposer(target, drafter.layers)
+    if drafter.kind == "draft":
+        return DraftModelProposer(load_model(drafter.model), target)
+    return None

@@ -1,0 +1,125 @@
+"""The one drafter spec grammar (exactspec.proposers.spec) and the peers built from it
+(exactspec.peers), without the command line."""
+
+import pytest
+
+from exactspec import PromptLookupProposer, SamplingParams
+from exactspec.bench.methods import parse_method, parse_method_spec
+from exactspec.peers import PEERS, TransformersPeer, make_peer
+from exactspec.proposers import EarlyExitProposer
+from exactspec.proposers.spec import DrafterSpec, build_proposer, parse_drafter, parse_ngram
+
+from conftest import tiny_backend
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("none", DrafterSpec("none", "none")),
+    ("plain", DrafterSpec("plain", "none")),
+    ("prompt-lookup", DrafterSpec("prompt-lookup", "prompt-lookup", (2, 3))),
+    ("prompt-lookup:ngram=1-4", DrafterSpec("prompt-lookup:ngram=1-4", "prompt-lookup", (1, 4))),
+    ("early-exit:3", DrafterSpec("early-exit:3", "early-exit", layers=3)),
+    ("draft:some/model", DrafterSpec("draft:some/model", "draft", model="some/model")),
+    ("draft:C:/models/x.gguf", DrafterSpec("draft:C:/models/x.gguf", "draft",
+                                           model="C:/models/x.gguf")),
+])
+def test_drafter_specs_parse_without_a_model(spec, expected):
+    assert parse_drafter(spec) == expected
+
+
+@pytest.mark.parametrize("spec, reason", [
+    ("magic", "use one of none (or plain), prompt-lookup[:ngram=MIN-MAX], early-exit:L, "
+              "draft:MODEL"),
+    ("draft", "use one of"),
+    ("draft:", "use one of"),
+    ("none:x", "use one of"),
+    ("early-exit:2:ngram=1-2", "use one of"),  # ngram belongs to prompt lookup
+    ("prompt-lookup:k=4", "use one of"),  # k is -k's, not the spec's, here
+    ("hf-plain", "use one of"),  # no peers here
+    ("early-exit:x", "k and L take integers"),
+    ("early-exit:0", "L = 0 must be ≥ 1"),
+    ("prompt-lookup:ngram=3-1", "ngram '3-1' is invalid: need 1 ≤ MIN ≤ MAX"),
+    ("prompt-lookup:ngram=x", "ngram 'x' is invalid: give MIN-MAX n-gram sizes, e.g. 1-3"),
+])
+def test_bad_drafter_specs_are_named_with_the_allowed_forms(spec, reason):
+    with pytest.raises(ValueError) as error:
+        parse_drafter(spec)
+    assert str(error.value).startswith(f"proposer {spec!r} is invalid: {reason}")
+
+
+def test_ngram_range_has_one_spelling_and_accepts_the_old_one():
+    assert parse_ngram("1-3") == parse_ngram("1:3") == (1, 3)
+    for bad in ("3-1", "0-2", "x", "1-2-3"):
+        with pytest.raises(ValueError, match=f"{bad!r} is invalid"):
+            parse_ngram(bad)
+
+
+def test_bench_methods_are_drafter_specs_with_options_and_peers():
+    assert parse_method_spec("prompt-lookup:k=6:ngram=1-2:policy=auto") == DrafterSpec(
+        "prompt-lookup:k=6:ngram=1-2:policy=auto", "prompt-lookup", (1, 2), k=6, policy="auto")
+    assert parse_method_spec("plain") == DrafterSpec("plain", "none", k=4, policy="constant")
+    assert parse_method_spec("hf-prompt-lookup").k == parse_method_spec("llama-prompt-lookup").k == 10
+    assistant = parse_method_spec("hf-assistant:M:k=3")
+    assert (assistant.peer, assistant.kind, assistant.model, assistant.k) == ("hf", "draft", "M", 3)
+    assert parse_method_spec("hf-draft:M:k=3") == DrafterSpec(
+        "hf-draft:M:k=3", "draft", model="M", k=3, policy="constant", peer="hf")
+    with pytest.raises(ValueError, match="the llama- peer runs only none, prompt-lookup"):
+        parse_method_spec("llama-early-exit:2")
+    with pytest.raises(ValueError, match="each optionally with :k=N, :policy=P and a peer "
+                                         "prefix hf- or llama-"):
+        parse_method_spec("hf-magic")
+
+
+def test_methods_keep_their_kinds():
+    target = tiny_backend(0)
+    load = lambda name: tiny_backend(model=target.model)
+    kinds = {spec: parse_method(spec, target, load).kind for spec in
+             ("plain", "prompt-lookup:k=2", "draft:x", "early-exit:1", "hf-plain",
+              "hf-prompt-lookup:k=4", "hf-assistant:x", "hf-draft:x", "hf-early-exit:1")}
+    assert kinds == {"plain": "plain", "prompt-lookup:k=2": "prompt-lookup", "draft:x": "draft",
+                     "early-exit:1": "early-exit", "hf-plain": "hf-plain",
+                     "hf-prompt-lookup:k=4": "hf-prompt-lookup", "hf-assistant:x": "hf-assistant",
+                     "hf-draft:x": "hf-assistant", "hf-early-exit:1": "hf-early-exit"}
+
+
+def test_build_proposer():
+    target = tiny_backend(0)
+    assert build_proposer(parse_drafter("none"), target, None) is None
+    lookup = build_proposer(parse_drafter("prompt-lookup:ngram=1-4"), target, None)
+    assert isinstance(lookup, PromptLookupProposer)
+    assert isinstance(build_proposer(parse_drafter("early-exit:1"), target, None),
+                      EarlyExitProposer)
+    with pytest.raises(ValueError, match="is run by a peer"):
+        build_proposer(parse_method_spec("hf-plain"), target, None)
+
+
+def test_transformers_peer_modes_and_sampling_translation(monkeypatch):
+    target = tiny_backend(0)
+    draft = tiny_backend(model=target.model)
+    kwargs = lambda spec, k=4: make_peer(parse_method_spec(spec), target, lambda n: draft,
+                                         k).generate_kwargs
+    assert kwargs("hf-plain") == {}
+    assert kwargs("hf-prompt-lookup") == {"prompt_lookup_num_tokens": 4}
+    assert kwargs("hf-early-exit:1", 3) == {"assistant_early_exit": 1, "num_assistant_tokens": 3}
+    assert kwargs("hf-assistant:x", 5) == {"assistant_model": draft.model,
+                                           "num_assistant_tokens": 5}
+    assert draft.model.generation_config.num_assistant_tokens == 5
+    seen = {}
+    monkeypatch.setattr(target.model, "generate",
+                        lambda input_ids, **options: seen.update(options) or input_ids)
+    peer = TransformersPeer(target)
+    peer.generate([1, 2], SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=1))
+    assert {key: seen[key] for key in ("do_sample", "temperature", "top_k", "top_p", "min_p")} == \
+        {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.1}
+    with pytest.raises(ValueError, match="does not translate repetition_penalty"):
+        peer.sample([1, 2], SamplingParams(temperature=0.7, repetition_penalty=1.2), 1)
+
+
+def test_peers_need_their_backend_and_drafter():
+    target = tiny_backend(0)
+    assert set(PEERS) == {"hf", "llama"}
+    with pytest.raises(ValueError, match="needs the llama_cpp backend"):
+        make_peer(parse_method_spec("llama-plain"), target, None, 0)
+    with pytest.raises(ValueError, match="llama-cpp-python generate.. runs only none or "
+                                         "prompt-lookup, not 'early-exit:1'"):
+        make_peer(DrafterSpec("early-exit:1", "early-exit", layers=1, peer="llama"), target,
+                  None, 4)
