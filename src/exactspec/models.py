@@ -166,14 +166,20 @@ def layer_count(path: Path) -> int | None:
                 if isinstance(section.get(key), int):
                     return section[key]
         return None
+    return gguf_architecture_value(path, "block_count")
+
+
+def gguf_architecture_value(path: Path, key: str) -> int | None:
+    """``<architecture>.<key>`` (e.g. ``block_count``, ``context_length``) from the header
+    of the GGUF file at ``path``; None if the file does not state it."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     architecture = reader.get_field("general.architecture")
     if architecture is None:
         return None
-    count = reader.get_field(f"{architecture.contents()}.block_count")
-    return int(count.contents()) if count is not None else None
+    value = reader.get_field(f"{architecture.contents()}.{key}")
+    return int(value.contents()) if value is not None else None
 
 
 def _and(parts: list[str]) -> str:

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from exactspec.backends.base import UnsupportedModelError, check_batch_invariance
+from exactspec.models import gguf_architecture_value
 
 INSTALL_HINT = ("CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --no-cache-dir "
                 "'llama-cpp-python==0.3.36'")
@@ -219,7 +220,7 @@ class LlamaCppBackend:
                                       or value < 1):
                 raise ValueError(f"{name} = {value!r} is invalid: it must be an integer ≥ 1")
         if context_length is None:
-            context_length = min(_trained_context_length(path) or DEFAULT_CONTEXT_LENGTH,
+            context_length = min(gguf_architecture_value(path, "context_length") or DEFAULT_CONTEXT_LENGTH,
                                  DEFAULT_CONTEXT_LENGTH)
         return cls(new_llama(path, threads=threads or default_threads(),
                              context_length=context_length))
@@ -291,18 +292,6 @@ class LlamaCppBackend:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self._llama_cpp.llama_batch_free(self._batch)
-
-
-def _trained_context_length(path: Path) -> int | None:
-    """``<architecture>.context_length`` from the GGUF header (None if absent)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    field = reader.get_field("general.architecture")
-    if field is None:
-        return None
-    context = reader.get_field(f"{field.contents()}.context_length")
-    return int(context.contents()) if context is not None else None
 
 
 def new_llama(path: str | Path, *, threads: int, context_length: int, **overrides):
