@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from exactspec import (DraftModelProposer, EarlyExitProposer, PromptLookupProposer,
+from exactspec import (DraftModelProposer, EarlyExitProposer, PromptLookupProposer, SuffixProposer,
                        SamplingParams, SpeculativeGenerator)
 from exactspec.audit import (BROKEN_VERIFIERS, AuditResult, BrokenGenerator, ExactspecEngine,
                              PeerEngine, audit_distribution, check_greedy, next_token_probs,
@@ -233,11 +233,12 @@ def test_reference_is_the_processed_distribution_after_each_prefix(target, promp
 
 PROPOSERS = {
     "prompt-lookup": lambda target: PromptLookupProposer(1, 3),
+    "suffix": lambda target: SuffixProposer(1, 8, 0.0),
     "draft-model": lambda target: DraftModelProposer(perturbed_backend(target, 0.02), target),
     "early-exit": lambda target: EarlyExitProposer(target, 1),
 }
 MIN_ACCEPTED = {  # per block position; prompt lookup's 2nd draft is never right on a random model
-    "prompt-lookup": [50, 0, 0], "draft-model": [300, 150, 50], "early-exit": [300, 100, 30]}
+    "prompt-lookup": [50, 0, 0], "suffix": [100, 0, 0], "draft-model": [300, 150, 50], "early-exit": [300, 100, 30]}
 
 
 @pytest.mark.parametrize("proposer", PROPOSERS)

@@ -6,7 +6,7 @@ distribution test of every block position with broken controls."""
 import pytest
 import torch
 
-from exactspec import (DraftModelProposer, PromptLookupProposer, SamplingParams,
+from exactspec import (DraftModelProposer, PromptLookupProposer, SamplingParams, SuffixProposer,
                        SpeculativeGenerator)
 from exactspec.audit import BROKEN_VERIFIERS, BrokenGenerator
 from exactspec.proposers.base import Proposal, Proposer
@@ -37,7 +37,8 @@ def check_stats(result, k):
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("drafter", ["random", "prompt_lookup", "identical_model", "other_model"])
+@pytest.mark.parametrize("drafter", ["random", "prompt_lookup", "suffix", "identical_model",
+                                     "other_model"])
 @pytest.mark.parametrize("prompt", [REPEATED, "a"])
 def test_greedy_identity(seed, k, drafter, prompt, make_backend):
     target = make_backend(seed)
@@ -45,6 +46,7 @@ def test_greedy_identity(seed, k, drafter, prompt, make_backend):
     proposer = {
         "random": lambda: RandomProposer(seed=seed),
         "prompt_lookup": lambda: PromptLookupProposer(1, 3),
+        "suffix": lambda: SuffixProposer(1, 8, 0.0),
         "identical_model": lambda: DraftModelProposer(make_backend(same_as=target), target),
         "other_model": lambda: DraftModelProposer(make_backend(seed + 100), target),
     }[drafter]()

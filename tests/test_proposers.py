@@ -1,9 +1,9 @@
-"""Proposers: prompt lookup matching rules; draft model vocabulary handling."""
+"""Proposers: prompt lookup and suffix matching rules; draft model vocabulary handling."""
 
 import pytest
 import torch
 
-from exactspec import (DraftModelProposer, PromptLookupProposer, SamplingParams,
+from exactspec import (DraftModelProposer, PromptLookupProposer, SamplingParams, SuffixProposer,
                        SpeculativeGenerator, UnsupportedModelError)
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.sampling import make_rng
@@ -82,3 +82,43 @@ def test_draft_cache_follows_the_context():
     fresh = DraftModelProposer(tiny_backend(model=draft.model), target)
     assert proposer.propose([1, 2, 3, 9, 9, 4], 3, pipe(GREEDY), G).token_ids == \
         fresh.propose([1, 2, 3, 9, 9, 4], 3, pipe(GREEDY), G).token_ids
+
+
+def suffix(context, k, min_probability=0.1, min_confidence=0.0, proposer=None):
+    proposer = proposer or SuffixProposer(1, 8, min_probability)
+    return proposer.propose(context, k, pipe(GREEDY), G, min_confidence).token_ids
+
+
+def test_suffix_drafts_the_continuation_of_the_longest_earlier_match_while_likely():
+    # [1, 2, 3] occurred at the start followed by 9, 9, 3: the match grows as it is drafted
+    assert suffix([1, 2, 3, 9, 9, 3, 7, 5, 1, 2, 3], 2) == [9, 9]
+    # a copied passage: the match lengthens every step, so the whole of k is drafted
+    passage = list(range(10, 30))
+    assert suffix(passage + passage[:3], 8) == passage[3:11]
+    assert suffix([1, 2, 3, 4], 4) == []  # nothing occurred before
+    assert suffix([5], 4) == []
+
+
+def test_suffix_takes_the_most_frequent_continuation_and_stops_when_unlikely():
+    context = [1, 5, 1, 5, 1, 6, 1]
+    # after 1: 5 twice, 6 once (score 2/3 · 1/2); after 1, 5: 1 twice (score 1 · 2/3);
+    # after 1, 5, 1: 5 and 6 once each (score 1/2 · 3/4): the product 0.083 < 0.1 stops it
+    assert suffix(context, 4) == [5, 1]
+    assert suffix(context, 4, min_probability=0.0)[:3] == [5, 1, 6]  # a tie: the most recent
+    assert suffix(context, 4, min_confidence=0.3) == [5]  # the confidence policy's threshold
+    with pytest.raises(ValueError, match="min_probability"):
+        SuffixProposer(1, 8, 1.0)
+    with pytest.raises(ValueError, match="max_match"):
+        SuffixProposer(3, 2)
+
+
+def test_suffix_index_grows_incrementally_and_resets():
+    rng = torch.Generator().manual_seed(0)
+    sequence = torch.randint(0, 6, (300,), generator=rng).tolist()
+    growing = SuffixProposer(1, 5, 0.0)
+    for end in range(2, 300, 7):  # one proposer fed the growing sequence = a fresh one each time
+        assert suffix(sequence[:end], 6, proposer=growing) == suffix(
+            sequence[:end], 6, proposer=SuffixProposer(1, 5, 0.0)), end
+    growing.reset()
+    assert suffix([7, 8, 7], 2, proposer=growing) == [8, 7]  # nothing of the old sequence left
+    assert suffix([7, 3, 3, 7], 2, proposer=growing) == [3, 3]  # another sequence: re-indexed

@@ -11,7 +11,7 @@ from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_model_options,
                                   add_policy_option, allows_batch_variance,
                                   check_drafter_before_loading, drafter_spec, has_chat_template,
                                   load_from_args, logit_bias, ngram_range, positive_int)
-from exactspec.proposers.spec import DEFAULT_NGRAM, FORMS, DrafterSpec
+from exactspec.proposers.spec import DEFAULT_NGRAM, FORMS, DrafterSpec, parse_drafter
 
 CHECKED_AFTER_LOAD = "an id outside the model's vocabulary is reported once the model has loaded"
 FIELD_FLAGS = {"stop_token_ids": "--stop-token-id", "banned_token_ids": "--ban-token-id",
@@ -38,6 +38,10 @@ def add_parser(commands) -> None:
                      const=DEFAULT_NGRAM, default=None,
                      help="draft by prompt lookup with n-grams of MIN..MAX tokens (MIN:MAX "
                           "works too): --proposer prompt-lookup:ngram=MIN-MAX")
+    how.add_argument("--suffix", action="store_true",
+                     help="draft the most frequent continuation of the longest earlier match "
+                          "of the context's end, as long as it looks likely (SuffixDecoding): "
+                          "--proposer suffix")
     how.add_argument("--draft-model", metavar="MODEL",
                      help="draft with a smaller model on the same tokenizer (name, folder or "
                           ".gguf): --proposer draft:MODEL")
@@ -189,6 +193,8 @@ def _drafter(args: argparse.Namespace) -> tuple[DrafterSpec, str]:
         return args.proposer, f"--proposer {args.proposer.spec}"
     if args.no_speculation:
         return DrafterSpec("none", "none"), "--no-speculation"
+    if args.suffix:
+        return parse_drafter("suffix"), "--suffix"
     if args.draft_model:
         return DrafterSpec(f"draft:{args.draft_model}", "draft",
                            model=args.draft_model), "--draft-model"

@@ -6,6 +6,8 @@ A spec is ``[PEER-]KIND[:ARG][:key=value...]``::
     none                         no drafting: plain decoding (``plain`` is the same)
     prompt-lookup[:ngram=MIN-MAX]  n-gram lookup in the context, longest n-gram first
                                  (default ngram=2-3)
+    suffix[:ngram=MIN-MAX]       the most frequent continuation of the longest earlier
+                                 match, drafted while likely (default ngram=1-8)
     early-exit:L                 the target's first L ≥ 1 layers (self-draft; transformers)
     draft:MODEL                  a smaller model on the same tokenizer (embedded name, model
                                  folder or .gguf); ``assistant:MODEL`` is the same
@@ -33,15 +35,19 @@ from dataclasses import dataclass
 
 from exactspec.backends.base import Backend
 from exactspec.proposers.base import Proposer
+from exactspec.proposers.suffix import DEFAULT_MATCH
 
 DEFAULT_NGRAM = (2, 3)
 """Prompt lookup's n-gram sizes (MIN, MAX) when a spec gives none."""
-KINDS = ("none", "prompt-lookup", "early-exit", "draft")
+KINDS = ("none", "prompt-lookup", "suffix", "early-exit", "draft")
+NGRAM_DEFAULTS = {"prompt-lookup": DEFAULT_NGRAM, "suffix": DEFAULT_MATCH}
+"""The kinds that match n-grams, and their sizes when a spec gives none."""
 ALIASES = {"plain": "none", "assistant": "draft"}
 """Other names of a kind: ``plain`` (the bench's baseline), ``assistant`` (transformers')."""
 ARGUMENT = {"early-exit": "L", "draft": "MODEL"}
 """Kinds that take a positional argument, and its name."""
-FORMS = "none (or plain), prompt-lookup[:ngram=MIN-MAX], early-exit:L, draft:MODEL"
+FORMS = ("none (or plain), prompt-lookup[:ngram=MIN-MAX], suffix[:ngram=MIN-MAX], "
+         "early-exit:L, draft:MODEL")
 """The allowed forms, for messages."""
 OPTION_VALUES = {"k": "N", "policy": "P"}
 
@@ -53,7 +59,7 @@ class DrafterSpec:
     Attributes:
         spec: the text it was parsed from.
         kind: ``none``, ``prompt-lookup``, ``early-exit`` or ``draft`` (aliases resolved).
-        ngram: prompt lookup's (MIN, MAX) n-gram sizes.
+        ngram: the (MIN, MAX) n-gram sizes prompt lookup or suffix drafting match.
         layers: early exit's L (None for other kinds).
         model: the draft model's name or path (None for other kinds).
         k: ``k=`` if given, else None (the command's default).
@@ -80,6 +86,7 @@ class DrafterSpec:
         """In words, e.g. ``prompt lookup 2:3``, ``draft model NAME``."""
         return {"none": "none (plain decoding)",
                 "prompt-lookup": "prompt lookup {0}:{1}".format(*self.ngram),
+                "suffix": "suffix {0}:{1}".format(*self.ngram),
                 "early-exit": f"early-exit self-draft, {self.layers} layers",
                 "draft": f"draft model {self.model}"}[self.kind]
 
@@ -122,7 +129,7 @@ def parse_drafter(spec: str, *, what: str = "proposer", options: Collection[str]
     allowed_keys = {"ngram", *options}
     if (kind not in KINDS or (len(positional) != (kind in ARGUMENT) and kind != "draft")
             or (kind == "draft" and not any(positional)) or set(keys) - allowed_keys
-            or ("ngram" in keys and kind != "prompt-lookup")):
+            or ("ngram" in keys and kind not in NGRAM_DEFAULTS)):
         extras = [f":{key}={OPTION_VALUES[key]}" for key in options] + (
             [f"a peer prefix {' or '.join(f'{p}-' for p in peers)}"] if peers else [])
         raise ValueError(f"{prefix}: use one of {FORMS}" + (
@@ -136,7 +143,8 @@ def parse_drafter(spec: str, *, what: str = "proposer", options: Collection[str]
     except ValueError:
         raise ValueError(f"{prefix}: k and L take integers") from None
     try:
-        ngram = parse_ngram(keys["ngram"]) if "ngram" in keys else DEFAULT_NGRAM
+        ngram = parse_ngram(keys["ngram"]) if "ngram" in keys else NGRAM_DEFAULTS.get(
+            kind, DEFAULT_NGRAM)
     except ValueError as error:
         raise ValueError(f"{prefix}: ngram {error}") from None
     if layers is not None and layers < 1:
@@ -162,11 +170,14 @@ def build_proposer(drafter: DrafterSpec, target: Backend,
     from exactspec.proposers.draft_model import DraftModelProposer
     from exactspec.proposers.early_exit import EarlyExitProposer
     from exactspec.proposers.prompt_lookup import PromptLookupProposer
+    from exactspec.proposers.suffix import SuffixProposer
 
     if drafter.peer:
         raise ValueError(f"{drafter.spec!r} is run by a peer (see exactspec.peers), not exactspec")
     if drafter.kind == "prompt-lookup":
         return PromptLookupProposer(*drafter.ngram)
+    if drafter.kind == "suffix":
+        return SuffixProposer(*drafter.ngram)
     if drafter.kind == "early-exit":
         return EarlyExitProposer(target, drafter.layers)
     if drafter.kind == "draft":
