@@ -108,8 +108,8 @@ def test_stop_string_via_cli(model_folder, capsys):
     (["--backend", "vllm"], "invalid choice: 'vllm'"),
     (["--threads", "0"], "'0' is invalid: give an integer ≥ 1"),
     (["--proposer", "magic"], "argument --proposer: proposer 'magic' is invalid: use one of "
-                              "none (or plain), prompt-lookup[:ngram=MIN-MAX], early-exit:L, "
-                              "draft:MODEL"),
+                              "none (or plain), prompt-lookup[:ngram=MIN-MAX], "
+                              "suffix[:ngram=MIN-MAX], early-exit:L, draft:MODEL"),
     (["--proposer", "early-exit:0"], "proposer 'early-exit:0' is invalid: L = 0 must be ≥ 1"),
     (["--proposer", "none", "--no-speculation"], "not allowed with argument --proposer"),
 ])

@@ -3,7 +3,7 @@
 
 import pytest
 
-from exactspec import PromptLookupProposer, SamplingParams
+from exactspec import PromptLookupProposer, SamplingParams, SuffixProposer
 from exactspec.bench.methods import parse_method, parse_method_spec
 from exactspec.peers import PEERS, TransformersPeer, make_peer
 from exactspec.proposers import EarlyExitProposer
@@ -17,6 +17,8 @@ from conftest import tiny_backend
     ("plain", DrafterSpec("plain", "none")),
     ("prompt-lookup", DrafterSpec("prompt-lookup", "prompt-lookup", (2, 3))),
     ("prompt-lookup:ngram=1-4", DrafterSpec("prompt-lookup:ngram=1-4", "prompt-lookup", (1, 4))),
+    ("suffix", DrafterSpec("suffix", "suffix", (1, 8))),
+    ("suffix:ngram=2-6", DrafterSpec("suffix:ngram=2-6", "suffix", (2, 6))),
     ("early-exit:3", DrafterSpec("early-exit:3", "early-exit", layers=3)),
     ("draft:some/model", DrafterSpec("draft:some/model", "draft", model="some/model")),
     ("draft:C:/models/x.gguf", DrafterSpec("draft:C:/models/x.gguf", "draft",
@@ -27,12 +29,12 @@ def test_drafter_specs_parse_without_a_model(spec, expected):
 
 
 @pytest.mark.parametrize("spec, reason", [
-    ("magic", "use one of none (or plain), prompt-lookup[:ngram=MIN-MAX], early-exit:L, "
-              "draft:MODEL"),
+    ("magic", "use one of none (or plain), prompt-lookup[:ngram=MIN-MAX], "
+              "suffix[:ngram=MIN-MAX], early-exit:L, draft:MODEL"),
     ("draft", "use one of"),
     ("draft:", "use one of"),
     ("none:x", "use one of"),
-    ("early-exit:2:ngram=1-2", "use one of"),  # ngram belongs to prompt lookup
+    ("early-exit:2:ngram=1-2", "use one of"),  # ngram belongs to prompt lookup and suffix
     ("prompt-lookup:k=4", "use one of"),  # k is -k's, not the spec's, here
     ("hf-plain", "use one of"),  # no peers here
     ("early-exit:x", "k and L take integers"),
@@ -86,6 +88,8 @@ def test_build_proposer():
     assert build_proposer(parse_drafter("none"), target, None) is None
     lookup = build_proposer(parse_drafter("prompt-lookup:ngram=1-4"), target, None)
     assert isinstance(lookup, PromptLookupProposer)
+    suffix = build_proposer(parse_drafter("suffix:ngram=2-6"), target, None)
+    assert isinstance(suffix, SuffixProposer) and (suffix.min_match, suffix.max_match) == (2, 6)
     assert isinstance(build_proposer(parse_drafter("early-exit:1"), target, None),
                       EarlyExitProposer)
     with pytest.raises(ValueError, match="is run by a peer"):
