@@ -111,7 +111,7 @@ def test_transformers_peer_modes_and_sampling_translation(monkeypatch):
     monkeypatch.setattr(target.model, "generate",
                         lambda input_ids, **options: seen.update(options) or input_ids)
     peer = TransformersPeer(target)
-    peer.generate([1, 2], SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=1))
+    peer.sample([1, 2], SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=1), 1)
     assert {key: seen[key] for key in ("do_sample", "temperature", "top_k", "top_p", "min_p")} == \
         {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.1}
     with pytest.raises(ValueError, match="does not translate repetition_penalty"):

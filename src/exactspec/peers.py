@@ -63,14 +63,6 @@ class Peer(Protocol):
     comparable: tuple[str, ...]
     incomparable_reason: str
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        """One continuation (seeded with ``params.seed`` when given).
-
-        Raises:
-            ValueError: if ``params`` sets a field outside ``translates``.
-        """
-        ...
-
     def sample(self, prompt_ids: Sequence[int], params: SamplingParams,
                num_samples: int) -> list[tuple[int, ...]]:
         """``num_samples`` independent continuations, reproducible for ``params.seed``.
@@ -109,12 +101,6 @@ class TransformersPeer:
         if not isinstance(target, TransformersBackend):
             raise ValueError(f"{self.label} needs the transformers backend (--backend transformers)")
         self.target, self.generate_kwargs = target, dict(generate_kwargs or {})
-
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        _refuse_untranslated(self, params)
-        if params.seed is not None:
-            torch.manual_seed(params.seed)
-        return self._generate(prompt_ids, params)
 
     def sample(self, prompt_ids: Sequence[int], params: SamplingParams,
                num_samples: int) -> list[tuple[int, ...]]:
@@ -200,12 +186,6 @@ class LlamaCppPeer:
         else:
             self.llama = target.llama if share else target.new_llama()
         self.eos = set(target.eos_token_ids)
-
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        _refuse_untranslated(self, params)
-        if params.seed is not None:
-            self.llama.set_seed(params.seed)
-        return self._generate(prompt_ids, params)
 
     def sample(self, prompt_ids: Sequence[int], params: SamplingParams,
                num_samples: int) -> list[tuple[int, ...]]:

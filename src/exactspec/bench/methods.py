@@ -95,7 +95,7 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
 
         def run_peer(prompt_ids: list[int], params: SamplingParams) -> Outcome:
             start = time.perf_counter()
-            token_ids = peer.generate(prompt_ids, params)
+            token_ids = list(peer.sample(prompt_ids, params, 1)[0])
             return Outcome(token_ids, time.perf_counter() - start, None)
         return Method(spec, kind, k, run_peer)
     generator = SpeculativeGenerator(target, None) if not drafter.drafts else \

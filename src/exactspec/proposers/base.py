@@ -72,3 +72,16 @@ class Proposer(Protocol):
         """A new generation starts: drop any state of the previous sequence (a draft
         model's KV cache), so that a seeded generation drafts the same whatever ran
         before (default: nothing to drop)."""
+
+
+def check_ngram_sizes(low: int, high: int, names: tuple[str, str]) -> None:
+    """The n-gram sizes a matching drafter takes, ``names`` = how its arguments are called.
+
+    Raises:
+        ValueError: unless ``low`` is an integer ≥ 1 and ``high`` an integer ≥ ``low``.
+    """
+    if not isinstance(low, int) or isinstance(low, bool) or low < 1:
+        raise ValueError(f"{names[0]} = {low!r} is invalid: it must be an integer ≥ 1")
+    if not isinstance(high, int) or isinstance(high, bool) or high < low:
+        raise ValueError(f"{names[1]} = {high!r} is invalid: it must be an integer ≥ "
+                         f"{names[0]} ({low})")

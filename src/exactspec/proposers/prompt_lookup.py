@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
+from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer, check_ngram_sizes
 from exactspec.logits_pipeline import LogitsPipeline
 
 
@@ -35,11 +35,7 @@ class PromptLookupProposer(Proposer):
     drafts_for_free = True
 
     def __init__(self, min_ngram: int = 2, max_ngram: int = 3) -> None:
-        if not isinstance(min_ngram, int) or isinstance(min_ngram, bool) or min_ngram < 1:
-            raise ValueError(f"min_ngram = {min_ngram!r} is invalid: it must be an integer ≥ 1")
-        if not isinstance(max_ngram, int) or isinstance(max_ngram, bool) or max_ngram < min_ngram:
-            raise ValueError(f"max_ngram = {max_ngram!r} is invalid: it must be an integer ≥ "
-                             f"min_ngram ({min_ngram})")
+        check_ngram_sizes(min_ngram, max_ngram, ("min_ngram", "max_ngram"))
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
 

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from exactspec.logits_pipeline import LogitsPipeline
-from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
+from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer, check_ngram_sizes
 
 DEFAULT_MATCH = (1, 8)
 """The n-gram sizes matched (MIN, MAX) when none are given."""
@@ -58,11 +58,7 @@ class SuffixProposer(Proposer):
 
     def __init__(self, min_match: int = DEFAULT_MATCH[0], max_match: int = DEFAULT_MATCH[1],
                  min_probability: float = DEFAULT_MIN_PROBABILITY) -> None:
-        if not isinstance(min_match, int) or isinstance(min_match, bool) or min_match < 1:
-            raise ValueError(f"min_match = {min_match!r} is invalid: it must be an integer ≥ 1")
-        if not isinstance(max_match, int) or isinstance(max_match, bool) or max_match < min_match:
-            raise ValueError(f"max_match = {max_match!r} is invalid: it must be an integer ≥ "
-                             f"min_match ({min_match})")
+        check_ngram_sizes(min_match, max_match, ("min_match", "max_match"))
         if not 0 <= min_probability < 1:
             raise ValueError(f"min_probability = {min_probability!r} is invalid: it must be in "
                              "[0, 1)")
