@@ -29,8 +29,11 @@ class CharTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return "".join(self.chars[t] for t in token_ids)
 
-    def apply_chat_template(self, prompt: str) -> list[int]:
-        return self.encode("user " + prompt + "\nbot ")
+    def apply_chat_template(self, prompt) -> list[int]:
+        from exactspec.backends.base import chat_messages
+
+        turns = "".join(f"{m['role']} {m['content']}\n" for m in chat_messages(prompt))
+        return self.encode(turns.replace("assistant ", "bot ") + "bot ")
 
     def get_vocab(self) -> dict[str, int]:
         return {c: i for i, c in enumerate(self.chars)}

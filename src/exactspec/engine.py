@@ -13,9 +13,10 @@ the only record of the sequence; proposers and backends follow it.
 
 from __future__ import annotations
 
+import functools
 import operator
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal, NamedTuple
 
@@ -32,6 +33,8 @@ from exactspec.stopping import StopChecker
 from exactspec.verification import greedy_accept_length, rejection_sample
 
 FinishReason = Literal["stop", "length"]
+OnCommit = Callable[[int, list[int]], None]
+"""Called after each cycle with (sample index, the tokens that cycle emitted)."""
 PLAIN_STEP = Choice(0)
 """The cycle of plain decoding (no drafter, or k_max = 0)."""
 
@@ -167,12 +170,16 @@ class SpeculativeGenerator:
         return self.generate_samples(prompt, params, n=1, chat=chat)[0]
 
     def generate_samples(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                         *, n: int = 1, chat: bool = False) -> list[GenerationResult]:
+                         *, n: int = 1, chat: bool = False,
+                         on_commit: OnCommit | None = None) -> list[GenerationResult]:
         """``n`` independent continuations of one prompt, each exact, sharing the prompt's
         prefill (the KV cache is rolled back to the prompt between samples). With a seed,
         the list is reproducible; greedy samples are all equal.
 
-        Args and errors as :meth:`generate`; ``n`` must be an integer ≥ 1.
+        Args and errors as :meth:`generate`; ``n`` must be an integer ≥ 1. ``on_commit``
+        (for streaming) is called after every cycle that emitted tokens with the sample's
+        index (0-based) and those tokens, in order; an exception it raises (e.g. to cancel)
+        ends generation and propagates, and the generator stays usable.
         Returns:
             ``[n]`` :class:`GenerationResult`; the first one's stats include the prefill.
         """
@@ -194,16 +201,17 @@ class SpeculativeGenerator:
             self.proposer.reset()
         prefill_seconds = time.perf_counter() - start
         results = []
-        for _ in range(n):
+        for index in range(n):
             self.target.rollback(self.target.num_cached_tokens - (len(prompt_token_ids) - 1))
+            emit = None if on_commit is None else functools.partial(on_commit, index)
             results.append(self._decode(prompt_token_ids, pipeline, rng, timed, start,
-                                        prefill_seconds))
+                                        prefill_seconds, emit))
             start, prefill_seconds = time.perf_counter(), 0.0
         return results
 
     def _decode(self, prompt_token_ids: list[int], pipeline: LogitsPipeline,
-                rng: torch.Generator, timed: bool, start: float,
-                prefill_seconds: float) -> GenerationResult:
+                rng: torch.Generator, timed: bool, start: float, prefill_seconds: float,
+                emit: Callable[[list[int]], None] | None) -> GenerationResult:
         """The speculative loop for one sample; the target's cache holds the prompt but its
         last token. Each cycle: choose → propose → forward → verify → commit → rollback →
         observe (docs/design.md, "One direction of data flow")."""
@@ -257,6 +265,8 @@ class SpeculativeGenerator:
                                target_forward_seconds=t2 - t1)
             if stats.cycles == 1:
                 stats.ttft_seconds = time.perf_counter() - start
+            if emit is not None and num_emitted:
+                emit(tokens[len(tokens) - num_emitted:])
         stats.total_seconds = time.perf_counter() - start
 
         output = tokens[num_prompt_tokens:]

@@ -14,10 +14,16 @@ style of llama.cpp's ``common/speculative.h``:
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
+
+
+def chat_messages(prompt: str | Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+    """:meth:`Tokenizer.apply_chat_template`'s argument as a list of messages."""
+    return ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
+            else [dict(message) for message in prompt])
 
 
 class UnsupportedModelError(ValueError):
@@ -37,8 +43,10 @@ class Tokenizer(Protocol):
         """Text of ``token_ids``, special tokens (EOS, ...) left out."""
         ...
 
-    def apply_chat_template(self, prompt: str) -> list[int]:
-        """Token ids of ``prompt`` as one user turn, ready for the assistant's answer.
+    def apply_chat_template(self, prompt: str | Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of a conversation through the model's chat template, ready for the
+        assistant's answer: ``prompt`` is one user turn (a string) or the messages
+        (``{"role": ..., "content": ...}`` dicts, OpenAI's chat format).
 
         Raises:
             ValueError: if the model has no chat template.

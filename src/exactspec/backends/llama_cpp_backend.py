@@ -31,13 +31,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from exactspec.backends.base import UnsupportedModelError, check_batch_invariance
+from exactspec.backends.base import UnsupportedModelError, chat_messages, check_batch_invariance
 from exactspec.models import gguf_architecture_value
 
 INSTALL_HINT = ("CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --no-cache-dir "
@@ -121,10 +121,10 @@ class LlamaCppTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.llama.detokenize(list(token_ids), special=False).decode("utf-8", "replace")
 
-    def apply_chat_template(self, prompt: str) -> list[int]:
+    def apply_chat_template(self, prompt: str | Sequence[Mapping[str, str]]) -> list[int]:
         if not self.chat_template:
             raise ValueError("this model has no chat template; run without --chat")
-        text = self._chat_formatter(messages=[{"role": "user", "content": prompt}]).prompt
+        text = self._chat_formatter(messages=chat_messages(prompt)).prompt
         return self.encode(text, add_special_tokens=False)  # the template writes BOS itself
 
     @functools.cached_property

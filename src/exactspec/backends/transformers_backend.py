@@ -11,7 +11,7 @@ bit for bit as plain decoding does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import contextlib
@@ -22,7 +22,7 @@ import tempfile
 
 import torch
 
-from exactspec.backends.base import UnsupportedModelError, check_batch_invariance
+from exactspec.backends.base import UnsupportedModelError, chat_messages, check_batch_invariance
 from exactspec.backends.batch_invariant import KERNELS, kernel_mode, use_exactspec_kernels
 
 logger = logging.getLogger(__name__)
@@ -61,12 +61,11 @@ class HFTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.hf_tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, prompt: str) -> list[int]:
+    def apply_chat_template(self, prompt: str | Sequence[Mapping[str, str]]) -> list[int]:
         if not self.hf_tokenizer.chat_template:
             raise ValueError("this model has no chat template; run without --chat")
         ids = self.hf_tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
-            return_dict=False)
+            chat_messages(prompt), add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(ids)
 
     def get_vocab(self) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""The ``exactspec`` command line: ``generate``, ``bench`` and ``audit``; each
+"""The ``exactspec`` command line: ``generate``, ``bench``, ``audit`` and ``serve``; each
 ``exactspec COMMAND --help`` explains every option."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import argparse
 import sys
 
 from exactspec import __version__
-from exactspec.cli import audit, bench, generate
+from exactspec.cli import audit, bench, generate, serve
 from exactspec.cli.common import EXIT_INTERRUPTED, EXIT_STATUSES
 
-COMMANDS = {"generate": generate, "bench": bench, "audit": audit}
+COMMANDS = {"generate": generate, "bench": bench, "audit": audit, "serve": serve}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,102 @@
+"""``exactspec serve``: the model behind an OpenAI-compatible HTTP API (FastAPI + uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+
+from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_model_options,
+                                  add_policy_option, allows_batch_variance,
+                                  check_drafter_before_loading, drafter_spec, load_from_args,
+                                  positive_int)
+from exactspec.proposers.spec import DEFAULT_NGRAM, FORMS, parse_drafter
+
+API_KEY_VARIABLE = "EXACTSPEC_API_KEY"
+
+
+def add_parser(commands) -> None:
+    serve = commands.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API",
+        description="Load the model once and serve it over OpenAI's API with exact speculative "
+                    "decoding: POST /v1/completions, POST /v1/chat/completions (streaming with "
+                    "\"stream\": true), GET /v1/models, GET /health, GET /metrics (Prometheus). "
+                    "Requests run one at a time, first come first served; a request may set "
+                    "\"speculation\": {\"enabled\", \"num_speculative_tokens\", \"policy\"} and "
+                    "every response carries its speculative figures under \"speculation\".",
+        epilog=EXIT_STATUSES)
+    add_model_options(serve)
+    spec = serve.add_argument_group("speculation (each request may override)")
+    spec.add_argument("--proposer", metavar="SPEC", type=drafter_spec,
+                      default=parse_drafter("prompt-lookup"),
+                      help=f"the drafter: {FORMS} (default prompt-lookup, ngram="
+                           f"{DEFAULT_NGRAM[0]}-{DEFAULT_NGRAM[1]}); none serves plain decoding "
+                           "only")
+    spec.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K, metavar="K",
+                      help=f"most tokens drafted per cycle (default {DEFAULT_K}; 0 = plain)")
+    add_policy_option(spec)
+    http = serve.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1",
+                      help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 "
+                           "exposes the server to the network, use --api-key then)")
+    http.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    http.add_argument("--served-model-name", metavar="NAME", default=None,
+                      help="the model's name in the API (default: --model as given)")
+    http.add_argument("--api-key", default=os.environ.get(API_KEY_VARIABLE),
+                      help="require 'Authorization: Bearer KEY' on /v1/* (default: "
+                           f"${API_KEY_VARIABLE} if set, else no key)")
+    http.add_argument("--max-queue", type=positive_int, default=64, metavar="N",
+                      help="most requests waiting for the engine; more get 503 (default 64)")
+    http.add_argument("--max-request-bytes", type=positive_int, default=1 << 20, metavar="B",
+                      help="largest request body; larger ones get 413 (default 1 MiB)")
+    http.add_argument("--log-level", default="info",
+                      choices=["critical", "error", "warning", "info", "debug"],
+                      help="uvicorn's log level (default info)")
+    serve.set_defaults(subparser=serve)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from rich.console import Console
+
+    from exactspec import UnsupportedModelError
+    from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
+    from exactspec.models import ModelNotFoundError
+    from exactspec.proposers.spec import build_proposer
+
+    if args.num_speculative_tokens < 0:
+        parser.error(f"-k {args.num_speculative_tokens} is invalid: it must be ≥ 0 "
+                     "(0 = plain decoding)")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port {args.port} is invalid: it must be in [0, 65535]")
+    console = Console(stderr=True, soft_wrap=True)
+    drafter = args.proposer
+    try:
+        check_drafter_before_loading(args, parser, drafter, f"--proposer {drafter.spec}")
+        with console.status(f"Loading {args.model} …"):
+            target = load_from_args(args)
+        with (console.status(f"Loading draft {drafter.model} …") if drafter.model
+              else contextlib.nullcontext()):
+            proposer = build_proposer(drafter, target, lambda name: load_from_args(args, name))
+        app = _app(args, target, proposer)
+    except (ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError,
+            ValueError) as error:
+        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        return 1
+    import uvicorn
+
+    console.print(f"serving {args.served_model_name or args.model} ({target.description}; "
+                  f"drafter {drafter.description}, k ≤ {args.num_speculative_tokens}, "
+                  f"{args.policy}) on http://{args.host}:{args.port}/v1", highlight=False)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _app(args: argparse.Namespace, target, proposer):
+    from exactspec.server import SpeculationSettings, create_app
+
+    k = args.num_speculative_tokens if proposer is not None else 0
+    return create_app(target, proposer, model_name=args.served_model_name or args.model,
+                      speculation=SpeculationSettings(k, args.policy), api_key=args.api_key,
+                      max_queue=args.max_queue, max_request_bytes=args.max_request_bytes,
+                      allow_batch_variance=allows_batch_variance(args))
+

@@ -1,0 +1,11 @@
+"""``exactspec serve``: an OpenAI-compatible HTTP server over the speculative engine.
+
+:mod:`~exactspec.server.protocol` (request and response bodies), :mod:`~exactspec.server.worker`
+(the engine thread and its queue), :mod:`~exactspec.server.metrics` (Prometheus) and
+:mod:`~exactspec.server.app` (the FastAPI application, :func:`create_app`).
+"""
+
+from exactspec.server.app import create_app
+from exactspec.server.worker import SpeculationSettings
+
+__all__ = ["SpeculationSettings", "create_app"]

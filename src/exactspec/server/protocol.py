@@ -1,0 +1,256 @@
+"""The OpenAI API's request and response bodies, and their translation to and from
+exactspec's :class:`~exactspec.sampling.SamplingParams` and
+:class:`~exactspec.engine.GenerationResult`.
+
+Field names and meanings follow the OpenAI API reference (``/v1/completions``,
+``/v1/chat/completions``) and vLLM's extra sampling parameters (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``). exactspec adds
+``speculation`` (per-request speculation settings) to requests and ``speculation`` (the
+request's figures) to responses.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from exactspec.engine import GenerationResult, TokenLogprob
+from exactspec.metrics import GenerationStats
+from exactspec.sampling import SamplingParams
+from exactspec.speculation_length import POLICIES
+
+MAX_N = 16
+"""Most choices one request may ask for (``n``)."""
+MAX_PROMPTS = 16
+"""Most prompts one completions request may batch."""
+MAX_NUM_SPECULATIVE_TOKENS = 16
+"""Largest per-request ``speculation.num_speculative_tokens``."""
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default ``max_tokens`` for ``/v1/completions`` (chat defaults to the context)."""
+
+
+class ServerError(Exception):
+    """An error answered with OpenAI's error body.
+
+    Args:
+        status: the HTTP status (400 bad request, 401, 404 unknown model, 413, 503 busy).
+        message: what is wrong, naming the value and what is allowed.
+        param: the request field at fault, if one is.
+    """
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             413: "invalid_request_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict:
+        """``{"error": {"message", "type", "param", "code"}}`` as OpenAI answers."""
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.status}}
+
+
+class Speculation(BaseModel):
+    """Per-request speculation settings; a field left out takes the server's default.
+
+    Attributes:
+        enabled: False decodes this request plainly (no drafter).
+        num_speculative_tokens: the most tokens drafted per cycle, k_max (0 = plain).
+        policy: how k is chosen each cycle (auto, constant, heuristic, confidence).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool | None = None
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=MAX_NUM_SPECULATIVE_TOKENS)] | None = None
+    policy: Literal[*POLICIES] | None = None  # type: ignore[valid-type]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """The fields both endpoints share (OpenAI's names, then vLLM's extra ones)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extra sampling parameters
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    # exactspec's
+    speculation: Speculation | None = None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The request as :class:`SamplingParams` (temperature defaults to 1 as in OpenAI's
+        API; ``top_k`` -1 or 0 disables it, as in vLLM).
+
+        Raises:
+            ServerError: 400 naming the OpenAI field whose value SamplingParams refuses.
+        """
+        try:
+            logit_bias = {int(token): bias for token, bias in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise ServerError(400, f"logit_bias keys must be token ids, got "
+                                   f"{list(self.logit_bias)[:5]}", "logit_bias") from None
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            return SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k in (None, -1) else self.top_k, min_p=self.min_p,
+                seed=self.seed, max_new_tokens=max_tokens, min_new_tokens=self.min_tokens,
+                stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=self.ignore_eos, repetition_penalty=self.repetition_penalty,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, logit_bias=logit_bias,
+                logprobs=logprobs)
+        except ValueError as error:
+            field = str(error).removeprefix("SamplingParams.").split(" ", 1)[0]
+            name = OPENAI_NAMES.get(field, field)
+            raise ServerError(400, str(error).replace(f"SamplingParams.{field}", name),
+                              name) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+"""SamplingParams fields whose OpenAI/vLLM name differs."""
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of token ids, or a list of
+    either (one choice set per prompt). ``logprobs`` (0..5 in OpenAI's API, 0..20 here) asks
+    for that many top alternatives per token."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = COMPLETIONS_DEFAULT_MAX_TOKENS
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("echo", "suffix", "best_of")
+    @classmethod
+    def _unsupported(cls, value, info):
+        if value not in (None, False) and not (info.field_name == "best_of" and value == 1):
+            raise ValueError(f"{info.field_name} is not supported by exactspec")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per choice set."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        if not 1 <= len(self.prompt) <= MAX_PROMPTS:
+            raise ServerError(400, f"prompt holds {len(self.prompt)} prompts; give 1 to "
+                                   f"{MAX_PROMPTS}", "prompt")
+        return list(self.prompt)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return (self.content if isinstance(self.content, str)
+                else "".join(part.text for part in self.content))
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``: ``messages`` go through the model's chat template.
+    ``max_completion_tokens`` (or the older ``max_tokens``) defaults to the rest of the
+    context; ``logprobs`` is a bool and ``top_logprobs`` (0..20) the alternatives."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def speculation_figures(stats: list[GenerationStats]) -> dict[str, Any]:
+    """The request's speculative figures over its choices: drafted and accepted tokens,
+    acceptance rate, mean acceptance length, per-position counts (glossary of
+    docs/design.md)."""
+    k = max((s.num_speculative_tokens for s in stats), default=0)
+    drafted = [sum(s.drafted_per_position[i] for s in stats if i < len(s.drafted_per_position))
+               for i in range(k)]
+    accepted = [sum(s.accepted_per_position[i] for s in stats
+                    if i < len(s.accepted_per_position)) for i in range(k)]
+    cycles = sum(s.cycles for s in stats)
+    num_drafted, num_accepted = sum(s.drafted_tokens for s in stats), sum(s.accepted_tokens
+                                                                           for s in stats)
+    return {"num_speculative_tokens": k, "policy": stats[0].policy if stats else "none",
+            "cycles": cycles, "drafted_tokens": num_drafted, "accepted_tokens": num_accepted,
+            "acceptance_rate": num_accepted / num_drafted if num_drafted else None,
+            "mean_acceptance_length": (sum(s.num_generated_tokens for s in stats) / cycles
+                                       if cycles else None),
+            "drafted_per_position": drafted, "accepted_per_position": accepted}
+
+
+def usage(results: list[GenerationResult], prompt_lengths: list[int]) -> dict[str, int]:
+    """OpenAI's usage: each prompt counted once, every choice's tokens counted."""
+    completion = sum(len(r.token_ids) for r in results)
+    prompt = sum(prompt_lengths)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def completion_logprobs(logprobs: list[TokenLogprob], decode, text_offset: int = 0) -> dict:
+    """The completions API's ``logprobs`` object: tokens, token_logprobs, top_logprobs
+    (token text → logprob), text_offset."""
+    tokens = [decode([lp.token_id]) for lp in logprobs]
+    offsets, offset = [], text_offset
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{decode([t]): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets}
+
+
+def chat_logprobs(logprobs: list[TokenLogprob], decode) -> dict:
+    """The chat API's ``logprobs`` object: ``content``, one entry per token with its text,
+    logprob, UTF-8 bytes and ``top_logprobs``."""
+    def entry(token_id: int, value: float) -> dict:
+        text = decode([token_id])
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [entry(lp.token_id, lp.logprob)
+                        | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs]}
+
+
+def created() -> int:
+    """The response's ``created`` field: Unix seconds."""
+    return int(time.time())

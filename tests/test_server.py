@@ -1,0 +1,467 @@
+"""``exactspec serve``: a real server (uvicorn on loopback, in a thread) over a tiny model,
+driven by the official ``openai`` client, its output compared with the library's for the
+same parameters; every error the issue lists; metrics against the responses' figures; and a
+client that disconnects cancels its generation."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from conftest import tiny_backend
+from exactspec.cli import main
+from exactspec import PromptLookupProposer, SamplingParams, SpeculativeGenerator
+from exactspec.proposers.base import Proposer
+from exactspec.server import SpeculationSettings, create_app
+from exactspec.server.app import KEEPALIVE_SECONDS
+
+MODEL = "tiny"
+KEY = "secret-key"
+PROMPT = "abcabcabcab"
+
+
+@contextlib.contextmanager
+def serving(app):
+    """Run ``app`` on uvicorn on 127.0.0.1 (a free port) in a thread; yields the base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def make_target():
+    return tiny_backend(0, max_context=256)
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A server on the tiny model with prompt lookup, k = 4, the constant policy, an API key."""
+    app = create_app(make_target(), PromptLookupProposer(1, 3), model_name=MODEL,
+                     speculation=SpeculationSettings(4, "constant"), api_key=KEY,
+                     max_request_bytes=50_000)
+    with serving(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def library() -> SpeculativeGenerator:
+    """The same model and settings in the library, on its own copy of the weights."""
+    return SpeculativeGenerator(make_target(), PromptLookupProposer(1, 3), 4, "constant")
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    text = httpx.get(url + "/metrics").text
+    match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+# --- output equal to the library's ------------------------------------------------------
+
+def test_completion_greedy_equals_library(client, library):
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40,
+                                         temperature=0)
+    expected = library.generate(PROMPT, SamplingParams(max_new_tokens=40))
+    choice = response.choices[0]
+    assert choice.text == expected.text
+    assert choice.finish_reason == "length"
+    assert response.usage.prompt_tokens == len(PROMPT)
+    assert response.usage.completion_tokens == 40 == len(expected.token_ids)
+    assert response.usage.total_tokens == len(PROMPT) + 40
+    figures = response.model_extra["speculation"]
+    assert figures["drafted_tokens"] == expected.stats.drafted_tokens > 0
+    assert figures["accepted_tokens"] == expected.stats.accepted_tokens
+    assert figures["accepted_per_position"] == expected.stats.accepted_per_position
+    assert figures["cycles"] == expected.stats.cycles < 40  # drafts were accepted
+
+
+def test_chat_greedy_equals_library(client, library):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "abab"}]
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30,
+                                              temperature=0)
+    prompt = library.target.tokenizer.apply_chat_template(messages)
+    expected = library.generate(prompt, SamplingParams(max_new_tokens=30))
+    assert response.choices[0].message.content == expected.text
+    assert response.choices[0].message.role == "assistant"
+    assert response.usage.prompt_tokens == len(prompt)
+
+
+def test_token_id_prompts_and_prompt_lists(client, library):
+    ids = library.target.tokenizer.encode("hello")
+    expected = [library.generate(prompt, SamplingParams(max_new_tokens=8)).text
+                for prompt in (PROMPT, ids)]
+    for prompts in ([PROMPT, "hello"], [library.target.tokenizer.encode(PROMPT), ids]):
+        response = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, n=2,
+                                             temperature=0)
+        assert [c.index for c in response.choices] == [0, 1, 2, 3]
+        assert [c.text for c in response.choices] == [expected[0]] * 2 + [expected[1]] * 2
+        assert response.usage.prompt_tokens == len(PROMPT) + len(ids)
+    single = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert single.choices[0].text == expected[1]
+
+
+def test_seeded_samples_equal_library_and_reproduce(client, library):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0.9, n=3, seed=7)
+    first = client.completions.create(**kwargs)
+    second = client.completions.create(**kwargs)
+    expected = library.generate_samples(PROMPT, SamplingParams(temperature=0.9, seed=7,
+                                                               max_new_tokens=20), n=3)
+    texts = [c.text for c in first.choices]
+    assert texts == [c.text for c in second.choices] == [r.text for r in expected]
+    assert len(set(texts)) > 1  # really sampled
+    assert first.usage.completion_tokens == 60
+    assert first.usage.prompt_tokens == len(PROMPT)  # the prompt is counted once
+
+
+def test_stop_string_is_cut_like_openai(client, library):
+    full = library.generate(PROMPT, SamplingParams(max_new_tokens=40)).text
+    stop = full[12:14]
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40,
+                                         temperature=0, stop=[stop, "never!"])
+    assert response.choices[0].finish_reason == "stop"
+    assert response.choices[0].text == full[:full.index(stop)]
+    assert response.choices[0].model_extra["stop_reason"] == stop
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40,
+                                         temperature=0, stop=[stop, "never!"], stream=True)
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full[:full.index(stop)]
+
+
+def test_stop_token_id_finishes_with_stop(client, library):
+    full = library.generate(PROMPT, SamplingParams(max_new_tokens=40))
+    token = full.token_ids[9]
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40,
+                                         temperature=0, extra_body={"stop_token_ids": [token]})
+    cut = full.token_ids.index(token) + 1
+    assert response.choices[0].finish_reason == "stop"
+    assert response.usage.completion_tokens == cut
+    assert response.choices[0].text == library.target.tokenizer.decode(full.token_ids[:cut])
+
+
+def test_extra_sampling_parameters_reach_the_engine(client, library):
+    extra = {"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.3, "min_tokens": 3,
+             "ignore_eos": True}
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
+                                         temperature=0.7, seed=3, top_p=0.9,
+                                         presence_penalty=0.5, frequency_penalty=0.2,
+                                         logit_bias={"0": -100}, extra_body=extra)
+    expected = library.generate(PROMPT, SamplingParams(
+        temperature=0.7, seed=3, top_p=0.9, top_k=5, min_p=0.05, repetition_penalty=1.3,
+        min_new_tokens=3, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.2,
+        logit_bias={0: -100}, max_new_tokens=12))
+    assert response.choices[0].text == expected.text
+    assert "a" not in response.choices[0].text  # token 0 is "a", biased away
+
+
+# --- streaming --------------------------------------------------------------------------
+
+def test_streamed_completion_equals_non_streamed(client):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0)
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(**kwargs, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert len(chunks) > 3  # really streamed, a chunk per cycle
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == whole
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert chunks[-1].usage.completion_tokens == 40 and not chunks[-1].choices
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_streamed_chat_with_n_equals_non_streamed(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "abc"}], max_tokens=15,
+                  temperature=1.0, n=2, seed=11)
+    whole = client.chat.completions.create(**kwargs)
+    texts = {0: "", 1: ""}
+    roles = set()
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        assert chunk.object == "chat.completion.chunk"
+        assert chunk.usage is None  # not asked for
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            roles.add((choice.index, choice.delta.role))
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert {(0, "assistant"), (1, "assistant")} <= roles
+
+
+def test_raw_stream_ends_with_done(server):
+    with httpx.stream("POST", server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True,
+                            "temperature": 0}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith(("data: ", ":")) for line in lines)
+
+
+# --- logprobs ---------------------------------------------------------------------------
+
+def test_completion_logprobs_shapes(client, library):
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10,
+                                         temperature=0, logprobs=3)
+    logprobs = response.choices[0].logprobs
+    expected = library.generate(PROMPT, SamplingParams(max_new_tokens=10, logprobs=3))
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 10
+    assert len(logprobs.top_logprobs) == len(logprobs.text_offset) == 10
+    assert all(len(top) == 3 for top in logprobs.top_logprobs)
+    assert logprobs.token_logprobs == pytest.approx([lp.logprob for lp in expected.logprobs])
+    assert "".join(logprobs.tokens) == response.choices[0].text
+    assert logprobs.text_offset[1] == logprobs.text_offset[0] + len(logprobs.tokens[0])
+
+
+def test_chat_logprobs_shapes(client):
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "ab"}], max_tokens=6, temperature=0,
+        logprobs=True, top_logprobs=2)
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens == 6
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in content)
+    assert all(entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob for entry in content)
+    assert "".join(entry.token for entry in content) == response.choices[0].message.content
+
+
+# --- per-request speculation and its figures ---------------------------------------------
+
+def test_speculation_can_be_turned_off_and_resized_per_request(client):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0)
+    default = client.completions.create(**kwargs)
+    plain = client.completions.create(**kwargs, extra_body={"speculation": {"enabled": False}})
+    short = client.completions.create(
+        **kwargs, extra_body={"speculation": {"num_speculative_tokens": 2, "policy": "auto"}})
+    assert default.choices[0].text == plain.choices[0].text == short.choices[0].text
+    assert plain.model_extra["speculation"]["drafted_tokens"] == 0
+    assert plain.model_extra["speculation"]["cycles"] == 30
+    assert short.model_extra["speculation"]["num_speculative_tokens"] == 2
+    assert short.model_extra["speculation"]["policy"] == "auto"
+    assert len(short.model_extra["speculation"]["drafted_per_position"]) == 2
+
+
+def test_metrics_count_what_responses_report(server, client):
+    names = ["exactspec:spec_decode_num_draft_tokens_total",
+             "exactspec:spec_decode_num_accepted_tokens_total",
+             "exactspec:spec_decode_num_drafts_total", "exactspec:generation_tokens_total",
+             "exactspec:prompt_tokens_total"]
+    per_position = [("exactspec:spec_decode_num_accepted_tokens_per_pos_total",
+                     f'{{position="{i}"}}') for i in range(4)]
+    before = [metric(server, name) for name in names] + [metric(server, *p) for p in per_position]
+    success = metric(server, "exactspec:request_success_total", '{finished_reason="length"}')
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40,
+                                         temperature=0)
+    after = [metric(server, name) for name in names] + [metric(server, *p) for p in per_position]
+    figures = response.model_extra["speculation"]
+    delta = [b - a for a, b in zip(before, after)]
+    assert delta[:5] == [figures["drafted_tokens"], figures["accepted_tokens"],
+                         figures["drafted_per_position"][0], 40, len(PROMPT)]
+    assert delta[5:] == figures["accepted_per_position"]
+    assert metric(server, "exactspec:request_success_total",
+                  '{finished_reason="length"}') == success + 1
+    text = httpx.get(server + "/metrics").text
+    for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds"):
+        assert f"exactspec:{histogram}_count" in text
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server + "/health").status_code == 200
+
+
+# --- errors -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"extra_body": {"min_tokens": 99}}, "min_tokens"),
+    ({"extra_body": {"speculation": {"policy": "fastest"}}}, "speculation.policy"),
+    ({"extra_body": {"speculation": {"policy": "confidence"}}}, "speculation.policy"),
+    ({"extra_body": {"speculation": {"num_speculative_tokens": 99}}},
+     "speculation.num_speculative_tokens"),
+    ({"extra_body": {"no_such_field": 1}}, "no_such_field"),
+    ({"echo": True}, "echo"),
+    ({"stream": True, "logprobs": 2}, "logprobs"),
+])
+def test_bad_parameters_are_400_naming_the_field(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(**({"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
+                                     | kwargs))
+    assert raised.value.status_code == 400
+    assert raised.value.body["param"] == param
+    assert raised.value.body["type"] == "invalid_request_error"
+
+
+def test_token_ids_outside_the_vocabulary_are_400(client):
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(model=MODEL, prompt=[1, 2, 999], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="vocabulary"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                                  extra_body={"stop_token_ids": [999]})
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt=PROMPT)
+
+
+def test_prompt_longer_than_the_context_is_400(client):
+    with pytest.raises(openai.BadRequestError, match="context holds 256") as raised:
+        client.completions.create(model=MODEL, prompt="ab" * 200, max_tokens=4)
+    assert raised.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError, match="context holds 256"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                                                               "content": "ab" * 200}])
+
+
+def test_api_key_is_required(server):
+    wrong = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model=MODEL, prompt=PROMPT)
+    assert httpx.get(server + "/v1/models").status_code == 401
+    assert httpx.get(server + "/health").status_code == 200  # probes need no key
+
+
+def test_body_over_the_limit_is_413(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "prompt": "a" * 60_000}
+    assert httpx.post(server + "/v1/completions", json=body, headers=headers).status_code == 413
+
+    def chunked():  # no Content-Length: counted as it arrives
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(60):
+            yield b"a" * 1000
+        yield b'"}'
+
+    response = httpx.post(server + "/v1/completions", content=chunked(), headers=headers)
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == 413
+
+
+def test_malformed_json_is_400(server):
+    response = httpx.post(server + "/v1/completions", content=b"{not json",
+                          headers={"Authorization": f"Bearer {KEY}",
+                                   "content-type": "application/json"})
+    assert response.status_code == 400
+    assert "error" in response.json()
+
+
+# --- the queue: full → 503; a client that leaves cancels its generation -------------------
+
+class GatedProposer(Proposer):
+    """Prompt lookup that waits for ``gate`` before each proposal: holds the engine busy."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.inner = PromptLookupProposer(1, 3)
+
+    def propose(self, token_ids, k, pipeline, rng, min_confidence=0.0):
+        assert self.gate.wait(timeout=60)
+        return self.inner.propose(token_ids, k, pipeline, rng, min_confidence)
+
+
+@pytest.fixture
+def gated():
+    proposer = GatedProposer()
+    app = create_app(make_target(), proposer, model_name=MODEL,
+                     speculation=SpeculationSettings(4, "constant"), max_queue=1)
+    with serving(app) as url:
+        yield url, proposer
+        proposer.gate.set()
+
+
+def test_full_queue_answers_503_at_once(gated):
+    url, proposer = gated
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    outcomes: dict[int, object] = {}
+
+    def request(i: int) -> None:
+        outcomes[i] = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5,
+                                                temperature=0)
+
+    running = threading.Thread(target=request, args=(0,))
+    running.start()
+    deadline = time.monotonic() + 10
+    while metric(url, "exactspec:num_requests_running") < 1:  # the engine holds it
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    waiting = threading.Thread(target=request, args=(1,))
+    waiting.start()
+    while metric(url, "exactspec:num_requests_waiting") < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    start = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as raised:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5)
+    assert raised.value.status_code == 503 and "busy" in str(raised.value)
+    assert time.monotonic() - start < 5  # at once, not after the queue drained
+    proposer.gate.set()
+    running.join(30)
+    waiting.join(30)
+    assert [outcomes[i].usage.completion_tokens for i in (0, 1)] == [5, 5]
+
+
+def test_disconnected_client_cancels_its_generation(gated):
+    url, proposer = gated
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True,
+            "temperature": 0}
+    with httpx.stream("POST", url + "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        deadline = time.monotonic() + 10
+        while metric(url, "exactspec:num_requests_running") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    # the client is gone: the server notices at its next keep-alive; then the engine,
+    # released, must stop generating for it
+    time.sleep(3 * KEEPALIVE_SECONDS)
+    proposer.gate.set()
+    deadline = time.monotonic() + 20
+    while metric(url, "exactspec:request_aborted_total") < 1:
+        assert time.monotonic() < deadline, "the generation was not cancelled"
+        time.sleep(0.05)
+    assert metric(url, "exactspec:generation_tokens_total") == 0  # it never finished
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3,
+                                     temperature=0).usage.completion_tokens == 3
+
+
+# --- the command ------------------------------------------------------------------------
+
+def test_serve_help_names_the_endpoints(capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(["serve", "--help"])
+    assert raised.value.code == 0
+    help_text = capsys.readouterr().out
+    for text in ("/v1/chat/completions", "--api-key", "--max-queue", "127.0.0.1"):
+        assert text in help_text
+
+
+def test_serve_refuses_a_bad_port(capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(["serve", "--port", "70000"])
+    assert raised.value.code == 2
+    assert "--port 70000 is invalid" in capsys.readouterr().err
