@@ -104,3 +104,55 @@ def test_cli_sampling_features_and_logprobs_equal_plain(backend, capsys):
     # Batch-invariant kernels: a token scored in a block has plain decoding's logits exactly.
     assert spec["logprobs"] == plain["logprobs"]
     assert spec["stats"]["accepted_tokens"] > 0
+
+
+def test_serve_command_answers_like_the_library(backend, capsys):
+    """``exactspec serve`` as a user starts it (a subprocess on a free loopback port, the
+    embedded model): chat and completions, streamed and not, equal the library's greedy
+    output through ``generate --json``."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    import openai
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from exactspec.cli import main; sys.exit(main())",
+         "serve", "--port", str(port), "--backend", backend, "--device", "cpu",
+         "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, server.stdout.read()
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               max_retries=0)
+        prompt = PROMPTS[1]
+        expected = cli_json(capsys, backend, prompt, "--chat")
+        chat = client.chat.completions.create(
+            model=DEFAULT_MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=48,
+            temperature=0)
+        assert chat.choices[0].message.content == expected["text"]
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in
+                           client.chat.completions.create(
+                               model=DEFAULT_MODEL, messages=[{"role": "user", "content": prompt}],
+                               max_tokens=48, temperature=0, stream=True) if chunk.choices)
+        assert streamed == expected["text"]
+        expected = cli_json(capsys, backend, prompt, "--no-chat")
+        completion = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=48,
+                                               temperature=0)
+        assert completion.choices[0].text == expected["text"]
+        assert completion.usage.completion_tokens == len(expected["token_ids"])
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -465,3 +465,41 @@ def test_serve_refuses_a_bad_port(capsys):
         main(["serve", "--port", "70000"])
     assert raised.value.code == 2
     assert "--port 70000 is invalid" in capsys.readouterr().err
+
+
+# --- the load-test script ---------------------------------------------------------------
+
+def load_test_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "scripts" / "serve_load_test.py"
+    spec = importlib.util.spec_from_file_location("serve_load_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_load_test_script_passes_and_catches_a_broken_stream(server, tmp_path, monkeypatch,
+                                                             capsys):
+    import json
+    import os
+
+    from exactspec.server import app
+
+    script = load_test_script()
+    args = ["--url", server, "--api-key", KEY, "--clients", "3", "--seconds", "2",
+            "--max-tokens", "12", "--prompt", PROMPT, "--prompt", "hello there", "--pid", str(os.getpid()), "--max-rss-growth", "1"]
+    assert script.main(args + ["--output", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["requests"] >= 3 and report["errors"] == report["mismatches"] == 0
+    assert report["ttft_p50_seconds"] <= report["ttft_p95_seconds"]
+    assert report["completion_tokens"] == 12 * report["requests"]
+    capsys.readouterr()
+    # control: a stream that loses a character must fail the test
+    delta = app.StreamedChoice.delta
+    monkeypatch.setattr(app.StreamedChoice, "delta", lambda self, ids: delta(self, ids)[1:])
+    assert script.main(args) == 1
+    assert '"mismatches": 0' not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="not a loopback"):
+        script.main(["--url", "http://10.1.2.3:8000"])
