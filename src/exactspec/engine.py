@@ -30,6 +30,7 @@ from exactspec.sampling import SamplingParams, make_rng
 from exactspec.speculation_length import (DEFAULT_POLICY, Choice, SpeculationLengthPolicy,
                                           make_policy)
 from exactspec.stopping import StopChecker
+from exactspec.trace.record import CycleTrace, trace_cycle
 from exactspec.verification import greedy_accept_length, rejection_sample
 
 FinishReason = Literal["stop", "length"]
@@ -70,6 +71,8 @@ class GenerationResult:
             recovered and bonus alike), when ``SamplingParams.logprobs`` is set; else None.
         prompt_token_ids: the prompt as the model saw it (chat template applied).
         stats: counts and timings, see :class:`~exactspec.metrics.GenerationStats`.
+        trace: one :class:`~exactspec.trace.record.CycleTrace` per cycle when generation
+            was asked for a trace (``trace=True``); else None.
     """
 
     text: str
@@ -79,6 +82,7 @@ class GenerationResult:
     prompt_token_ids: list[int]
     stats: GenerationStats
     logprobs: list[TokenLogprob] | None = None
+    trace: list[CycleTrace] | None = None
 
     @property
     def usage(self) -> dict[str, int]:
@@ -94,7 +98,28 @@ class GenerationResult:
              "top_logprobs": [{"token_id": t, "logprob": v} for t, v in lp.top]}
             for lp in self.logprobs]
         return asdict(self) | {"stats": self.stats.to_dict(), "logprobs": logprobs,
-                               "usage": self.usage}
+                               "usage": self.usage,
+                               "trace": None if self.trace is None else [
+                                   cycle.to_dict() for cycle in self.trace]}
+
+
+class Verified(NamedTuple):
+    """One cycle's verification.
+
+    Attributes:
+        committed: the tokens to commit: accepted drafts, then the recovered or bonus token.
+        num_accepted: drafts accepted.
+        logprobs: the committed tokens' :class:`TokenLogprob` (when asked), else None.
+        processed: ``[k+1, vocab]`` the target's processed logits the verdict came from.
+        uniforms: ``[k]`` float64 acceptance uniforms of the stochastic verifier; None
+            when greedy.
+    """
+
+    committed: list[int]
+    num_accepted: int
+    logprobs: list[TokenLogprob] | None
+    processed: torch.Tensor
+    uniforms: torch.Tensor | None
 
 
 class SpeculativeGenerator:
@@ -152,7 +177,7 @@ class SpeculativeGenerator:
                              "use the auto or heuristic policy")
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                 chat: bool = False) -> GenerationResult:
+                 chat: bool = False, trace: bool = False) -> GenerationResult:
         """Generate a continuation of ``prompt`` whose tokens follow the target's processed
         distribution exactly (token for token equal to plain decoding when greedy).
 
@@ -160,6 +185,8 @@ class SpeculativeGenerator:
             prompt: text, or ``[prompt_len]`` token ids (used as they are).
             params: sampling parameters (default: greedy, 128 new tokens).
             chat: wrap a text prompt in the model's chat template as one user turn.
+            trace: record every cycle's drafts, p, q, uniforms and verdicts in
+                ``result.trace`` (costs host work per cycle; off, nothing is recorded).
         Returns:
             :class:`GenerationResult`.
         Raises:
@@ -167,10 +194,10 @@ class SpeculativeGenerator:
                 longer than the model's context, ``chat`` with token ids, or sampling
                 parameters naming token ids outside the vocabulary.
         """
-        return self.generate_samples(prompt, params, n=1, chat=chat)[0]
+        return self.generate_samples(prompt, params, n=1, chat=chat, trace=trace)[0]
 
     def generate_samples(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                         *, n: int = 1, chat: bool = False,
+                         *, n: int = 1, chat: bool = False, trace: bool = False,
                          on_commit: OnCommit | None = None) -> list[GenerationResult]:
         """``n`` independent continuations of one prompt, each exact, sharing the prompt's
         prefill (the KV cache is rolled back to the prompt between samples). With a seed,
@@ -205,13 +232,14 @@ class SpeculativeGenerator:
             self.target.rollback(self.target.num_cached_tokens - (len(prompt_token_ids) - 1))
             emit = None if on_commit is None else functools.partial(on_commit, index)
             results.append(self._decode(prompt_token_ids, pipeline, rng, timed, start,
-                                        prefill_seconds, emit))
+                                        prefill_seconds, emit, [] if trace else None))
             start, prefill_seconds = time.perf_counter(), 0.0
         return results
 
     def _decode(self, prompt_token_ids: list[int], pipeline: LogitsPipeline,
                 rng: torch.Generator, timed: bool, start: float, prefill_seconds: float,
-                emit: Callable[[list[int]], None] | None) -> GenerationResult:
+                emit: Callable[[list[int]], None] | None,
+                trace: list[CycleTrace] | None) -> GenerationResult:
         """The speculative loop for one sample; the target's cache holds the prompt but its
         last token. Each cycle: choose → propose → forward → verify → commit → rollback →
         observe (docs/design.md, "One direction of data flow")."""
@@ -247,11 +275,16 @@ class SpeculativeGenerator:
             t1 = time.perf_counter()
             logits = self.target.forward([tokens[-1], *proposal.token_ids])  # [k+1, vocab]
             t2 = time.perf_counter()
-            committed, num_accepted, committed_logprobs = self._verify(tokens, proposal, logits,
-                                                                       pipeline, rng)
+            verified = self._verify(tokens, proposal, logits, pipeline, rng)
+            committed, num_accepted = verified.committed, verified.num_accepted
             t3 = time.perf_counter()
-            num_emitted, finish_reason = self._commit(tokens, committed, committed_logprobs,
+            num_emitted, finish_reason = self._commit(tokens, committed, verified.logprobs,
                                                       logprobs, stopper, num_prompt_tokens)
+            if trace is not None:
+                trace.append(trace_cycle(
+                    stats.cycles, generated, k, proposal.token_ids, proposal.probs,
+                    verified.processed, pipeline, verified.uniforms,
+                    committed[:num_emitted], num_accepted))
             self.target.rollback(len(proposal) - num_accepted)
             if self.num_speculative_tokens:
                 self.proposer.observe(num_accepted)
@@ -273,7 +306,8 @@ class SpeculativeGenerator:
         return GenerationResult(
             text=self.target.tokenizer.decode(output), token_ids=output,
             finish_reason=finish_reason, stop_reason=stopper.stop_reason,
-            prompt_token_ids=tokens[:num_prompt_tokens], stats=stats, logprobs=logprobs)
+            prompt_token_ids=tokens[:num_prompt_tokens], stats=stats, logprobs=logprobs,
+            trace=trace)
 
     @staticmethod
     def _commit(tokens: list[int], committed: list[int],
@@ -291,14 +325,13 @@ class SpeculativeGenerator:
         return len(committed), None
 
     def _verify(self, tokens: list[int], proposal: Proposal, logits: torch.Tensor,
-                pipeline: LogitsPipeline,
-                rng: torch.Generator) -> tuple[list[int], int, list[TokenLogprob] | None]:
+                pipeline: LogitsPipeline, rng: torch.Generator) -> Verified:
         """Process every row of ``logits`` (``[k+1, vocab]``, the target's scores of
         ``[tokens[-1], *drafts]`` from one forward pass) with its true history, and run the
-        rejection sampler. Returns the committed tokens, the number of accepted drafts, and
-        the committed tokens' logprobs (if asked)."""
+        rejection sampler (see :class:`Verified`)."""
         check_finite(logits)
         processed = pipeline.process(logits, tokens, proposal.token_ids)  # [k+1, vocab]
+        uniforms = None
         if pipeline.params.greedy:
             target_token_ids = greedy_tokens(processed).tolist()  # one host sync
             committed = target_token_ids[: greedy_accept_length(proposal.token_ids,
@@ -310,11 +343,12 @@ class SpeculativeGenerator:
             draft_probs = None if proposal.probs is None else proposal.probs.unsqueeze(0)
             result = self.rejection_sampler(draft_token_ids, draft_probs, target_probs, rng)
             committed = [t for t in result.output_token_ids[0].tolist() if t >= 0]  # one sync
+            uniforms = None if result.uniforms is None else result.uniforms[0]
         committed_logprobs = None
         if pipeline.params.logprobs is not None:
             committed_logprobs = self._token_logprobs(pipeline, processed[: len(committed)],
                                                       committed)
-        return committed, len(committed) - 1, committed_logprobs
+        return Verified(committed, len(committed) - 1, committed_logprobs, processed, uniforms)
 
     def _token_logprobs(self, pipeline: LogitsPipeline, processed: torch.Tensor,
                         token_ids: list[int]) -> list[TokenLogprob]:

@@ -48,10 +48,13 @@ class VerificationResult(NamedTuple):
         output_token_ids: ``[batch, k+1]`` int64: the accepted drafts, then the recovered or
             bonus token, then ``PADDING_TOKEN_ID`` (-1).
         num_accepted: ``[batch]`` int64: accepted drafted tokens per row, in 0..k.
+        uniforms: ``[batch, k]`` float64: the acceptance uniforms the stochastic sampler
+            drew (draft i accepted iff u·q < p); None for greedy verification.
     """
 
     output_token_ids: torch.Tensor
     num_accepted: torch.Tensor
+    uniforms: torch.Tensor | None = None
 
 
 def rejection_sample(
@@ -116,7 +119,7 @@ def rejection_sample(
     output = torch.where(positions < num_accepted.unsqueeze(-1), drafted_padded,
                          torch.full_like(drafted_padded, PADDING_TOKEN_ID))
     output[rows, num_accepted] = final_tokens
-    return VerificationResult(output, num_accepted)
+    return VerificationResult(output, num_accepted, uniforms)
 
 
 def greedy_verify(

@@ -95,6 +95,15 @@ def add_parser(commands) -> None:
     out.add_argument("--json", action="store_true",
                      help="print one JSON object: text, token_ids, finish_reason, usage, "
                           "logprobs, every stats field (with -n > 1: a list under 'samples')")
+    out.add_argument("--show", action="store_true",
+                     help="print the output with each token marked by how it was committed: "
+                          "accepted draft, recovered after a rejection, bonus token, plain step "
+                          "(colours on a terminal, [ ] { } < > markers elsewhere), cycles "
+                          "separated")
+    out.add_argument("--trace", metavar="FILE.html", default=None,
+                     help="write a self-contained page with every cycle: drafts, p, q, "
+                          "min(1, p/q), the uniform drawn, verdicts, residuals, charts; and the "
+                          "same data as JSON beside it (FILE.json)")
     out.add_argument("--logprobs", type=int, default=None, metavar="N",
                      help="with --json: each token's logprob under the target's processed "
                           "distribution and the top N alternatives (0..20)")
@@ -111,6 +120,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                                       slow_decoding_warning)
     from exactspec.models import ModelNotFoundError
     from exactspec.proposers.spec import build_proposer
+    from exactspec.trace.page import write_trace
+    from exactspec.trace.terminal import show
 
     try:
         params = SamplingParams(
@@ -131,6 +142,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.num_speculative_tokens < 0:
         parser.error(f"-k {args.num_speculative_tokens} is invalid: it must be ≥ 0 "
                      "(0 = plain decoding)")
+    if args.show and args.json:
+        parser.error("--show and --json print the output two ways: choose one")
+    if args.trace is not None and not args.trace.endswith((".html", ".htm")):
+        parser.error(f"--trace {args.trace} is invalid: give a file name ending in .html")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         parser.error("PROMPT is empty: give some text")
@@ -160,7 +175,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         generator = SpeculativeGenerator(target, proposer, args.num_speculative_tokens,
                                          args.policy,
                                          allow_batch_variance=allows_batch_variance(args))
-        results = generator.generate_samples(prompt, params, n=args.num_samples, chat=chat)
+        results = generator.generate_samples(prompt, params, n=args.num_samples, chat=chat,
+                                             trace=args.show or args.trace is not None)
     except (ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError,
             ValueError) as error:
         console.print(f"[bold red]error:[/] {error}", highlight=False, markup=True)
@@ -171,13 +187,24 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                   "sampling_params": vars(params)}
         samples = [result.to_dict() for result in results]
         print(readable_json((samples[0] if len(samples) == 1 else {"samples": samples}) | config))
+    stdout = Console(soft_wrap=True, highlight=False)
     for i, result in enumerate(results):
         if not args.json:
             if len(results) > 1:
                 console.rule(f"sample {i + 1} of {len(results)}")
-            print(result.text, flush=True)
+            if args.show:
+                show(stdout, result.trace, target.tokenizer.decode)
+            else:
+                print(result.text, flush=True)
         console.print(f"{result.stats.summary()} · finish: {result.finish_reason} · {method} · {target.description}",
                       highlight=False, soft_wrap=True)
+    if args.trace is not None:
+        page, data = write_trace(args.trace, results, target.tokenizer.decode, {
+            "model": args.model, "backend": target.description, "method": method,
+            "num_speculative_tokens": args.num_speculative_tokens, "policy": args.policy,
+            "chat": chat, "prompt": prompt,
+            "sampling": {k: v for k, v in vars(params).items() if v not in ((), {}, None)}})
+        console.print(f"trace: {page} (and {data.name})", highlight=False)
     warning = slow_decoding_warning(
         target, sum(r.stats.num_generated_tokens for r in results),
         sum(r.stats.total_seconds - r.stats.prefill_seconds for r in results))
