@@ -145,3 +145,25 @@ def make_backend(request, tmp_path_factory) -> BackendFactory:
     folder = tmp_path_factory.getbasetemp() / "tiny-gguf"
     folder.mkdir(exist_ok=True)
     return BackendFactory("llama_cpp", folder)
+
+
+CHAT_TEMPLATE = "{% for m in messages %}user {{ m['content'] }}\nbot {% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    """A tiny Llama with a character-level fast tokenizer and a chat template."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("tiny-model")
+    vocab = {c: i for i, c in enumerate(ALPHABET[:VOCAB])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    model = tiny_model(3)
+    model.generation_config.eos_token_id = vocab["!"]
+    model.save_pretrained(folder)
+    return folder
