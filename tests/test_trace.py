@@ -211,6 +211,8 @@ def synthetic_trace() -> list[CycleTrace]:
 def test_plain_markers_without_colour():
     decode = lambda ids: "".join("abcdefgh"[t] for t in ids)
     assert marked_text(synthetic_trace(), decode, colour=False).plain == "a|[b]{d}|[e]<f>|gh"
+    no_text = lambda ids: "".join("abcdefg"[t] if t < 7 else "" for t in ids)  # 7: EOS
+    assert marked_text(synthetic_trace(), no_text, colour=False).plain == "a|[b]{d}|[e]<f>|g∅"
     coloured = marked_text(synthetic_trace(), decode, colour=True)
     assert coloured.plain == "a▏bd▏ef▏gh"
     styles = {coloured.plain[span.start:span.end]: str(span.style) for span in coloured.spans}

@@ -4,7 +4,8 @@ Colours (rich) on a terminal that has them: accepted drafts green, recovered tok
 rejection) yellow, bonus tokens cyan, plain steps unstyled, and a dim ``▏`` between cycles.
 Without colours (a pipe, ``NO_COLOR``, a dumb terminal) the same information as markers:
 ``[accepted]``, ``{recovered}``, ``<bonus>``, plain tokens bare, ``|`` between cycles.
-Plain steps (one token per cycle) are not separated from each other.
+Plain steps (one token per cycle) are not separated from each other; ``∅`` stands for a
+token without text (EOS).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ MARKERS: dict[TokenKind, tuple[str, str]] = {"accepted": ("[", "]"), "recovered"
                                              "bonus": ("<", ">"), "plain": ("", "")}
 CYCLE_MARK = {True: "▏", False: "|"}
 """The cycle boundary with and without colours."""
+NO_TEXT = "∅"
+"""Shown for a token that adds no text (EOS and other special tokens)."""
 
 
 def marked_text(trace: Sequence[CycleTrace], decode: Callable[[list[int]], str],
@@ -35,7 +38,7 @@ def marked_text(trace: Sequence[CycleTrace], decode: Callable[[list[int]], str],
         if number and (cycle.drafts or trace[number - 1].drafts):
             text.append(CYCLE_MARK[colour], style="dim" if colour else "")
         for _, kind in cycle.committed:
-            piece = next(pieces)
+            piece = next(pieces) or NO_TEXT
             if colour:
                 text.append(piece, style=STYLES[kind])
             else:
@@ -57,6 +60,7 @@ def legend(colour: bool) -> Text:
             text.append(f"{opening}{name}{closing}")
         text.append("  ")
     text.append(f"{CYCLE_MARK[colour]} cycle boundary", style="dim" if colour else "")
+    text.append(f"  {NO_TEXT} a token without text (EOS)")
     return text
 
 
