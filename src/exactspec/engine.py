@@ -111,6 +111,8 @@ class Verified(NamedTuple):
         num_accepted: drafts accepted.
         logprobs: the committed tokens' :class:`TokenLogprob` (when asked), else None.
         processed: ``[k+1, vocab]`` the target's processed logits the verdict came from.
+        target_probs: ``[k+1, vocab]`` their probabilities (p) when sampling; None when
+            greedy.
         uniforms: ``[k]`` float64 acceptance uniforms of the stochastic verifier; None
             when greedy.
     """
@@ -119,6 +121,7 @@ class Verified(NamedTuple):
     num_accepted: int
     logprobs: list[TokenLogprob] | None
     processed: torch.Tensor
+    target_probs: torch.Tensor | None
     uniforms: torch.Tensor | None
 
 
@@ -283,7 +286,7 @@ class SpeculativeGenerator:
             if trace is not None:
                 trace.append(trace_cycle(
                     stats.cycles, generated, k, proposal.token_ids, proposal.probs,
-                    verified.processed, pipeline, verified.uniforms,
+                    verified.processed, verified.target_probs, verified.uniforms,
                     committed[:num_emitted], num_accepted))
             self.target.rollback(len(proposal) - num_accepted)
             if self.num_speculative_tokens:
@@ -331,7 +334,7 @@ class SpeculativeGenerator:
         rejection sampler (see :class:`Verified`)."""
         check_finite(logits)
         processed = pipeline.process(logits, tokens, proposal.token_ids)  # [k+1, vocab]
-        uniforms = None
+        target_probs = uniforms = None
         if pipeline.params.greedy:
             target_token_ids = greedy_tokens(processed).tolist()  # one host sync
             committed = target_token_ids[: greedy_accept_length(proposal.token_ids,
@@ -339,16 +342,18 @@ class SpeculativeGenerator:
         else:
             draft_token_ids = torch.tensor([proposal.token_ids], dtype=torch.long,
                                            device=logits.device)  # [1, k]
-            target_probs = pipeline.probs(processed).unsqueeze(0)  # [1, k+1, vocab]
+            target_probs = pipeline.probs(processed)  # [k+1, vocab]
             draft_probs = None if proposal.probs is None else proposal.probs.unsqueeze(0)
-            result = self.rejection_sampler(draft_token_ids, draft_probs, target_probs, rng)
+            result = self.rejection_sampler(draft_token_ids, draft_probs,
+                                            target_probs.unsqueeze(0), rng)
             committed = [t for t in result.output_token_ids[0].tolist() if t >= 0]  # one sync
             uniforms = None if result.uniforms is None else result.uniforms[0]
         committed_logprobs = None
         if pipeline.params.logprobs is not None:
             committed_logprobs = self._token_logprobs(pipeline, processed[: len(committed)],
                                                       committed)
-        return Verified(committed, len(committed) - 1, committed_logprobs, processed, uniforms)
+        return Verified(committed, len(committed) - 1, committed_logprobs, processed,
+                        target_probs, uniforms)
 
     def _token_logprobs(self, pipeline: LogitsPipeline, processed: torch.Tensor,
                         token_ids: list[int]) -> list[TokenLogprob]:

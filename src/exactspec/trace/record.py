@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from exactspec.logits_pipeline import LogitsPipeline, greedy_tokens
+from exactspec.logits_pipeline import greedy_tokens
 
 TokenKind = Literal["accepted", "recovered", "bonus", "plain"]
 """How a committed token came about: an accepted draft; the replacement after the first
@@ -89,7 +89,7 @@ def token_kinds(num_drafted: int, num_accepted: int, num_committed: int) -> list
 
 def trace_cycle(index: int, position: int, chosen_k: int, draft_token_ids: list[int],
                 draft_probs: torch.Tensor | None, processed: torch.Tensor,
-                pipeline: LogitsPipeline, uniforms: torch.Tensor | None,
+                target_probs: torch.Tensor | None, uniforms: torch.Tensor | None,
                 committed: list[int], num_accepted: int) -> CycleTrace:
     """Build one cycle's trace from what the verifier saw.
 
@@ -97,12 +97,13 @@ def trace_cycle(index: int, position: int, chosen_k: int, draft_token_ids: list[
         draft_token_ids: ``[k]`` the drafts.
         draft_probs: ``[k, vocab]`` q, or None for a point-mass drafter.
         processed: ``[k+1, vocab]`` the target's processed logits, row i for position i.
+        target_probs: ``[k+1, vocab]`` p, the verifier's probabilities (None: greedy).
         uniforms: ``[k]`` float64, the verifier's acceptance uniforms (None when greedy).
         committed: the tokens the cycle emitted.
         num_accepted: drafts accepted by verification.
     """
     k = len(draft_token_ids)
-    greedy = pipeline.params.greedy
+    greedy = target_probs is None
     kinds = token_kinds(k, num_accepted, len(committed))
     verdicts = ["accepted"] * num_accepted + ["rejected"] * (num_accepted < k) + [
         "not reached"] * max(0, k - num_accepted - 1)
@@ -114,22 +115,23 @@ def trace_cycle(index: int, position: int, chosen_k: int, draft_token_ids: list[
         for i, token in enumerate(draft_token_ids):
             drafts.append(DraftVerdict(token, None, None, None, None, argmax[i], verdicts[i]))
     else:
-        p = pipeline.probs(processed).double()  # [k+1, vocab]
+        p = target_probs  # [k+1, vocab]
         rows = torch.arange(k)
         q = (torch.ones(k, dtype=torch.float64) if draft_probs is None
-             else draft_probs.double()[rows, draft_token_ids])
-        p_drafted = p[rows, draft_token_ids]
+             else draft_probs[rows, draft_token_ids].double())
+        p_drafted = p[rows, draft_token_ids].double()
         for i, token in enumerate(draft_token_ids):
             p_i, q_i = float(p_drafted[i]), float(q[i])
             drafts.append(DraftVerdict(token, p_i, q_i, min(1.0, p_i / q_i) if q_i > 0 else 0.0,
                                        None if uniforms is None else float(uniforms[i]), None,
                                        verdicts[i]))
-        final = p[num_accepted]
+        final = p[num_accepted].double()
         if num_accepted < k:
-            q_row = (torch.nn.functional.one_hot(torch.tensor(draft_token_ids[num_accepted]),
-                                                 p.shape[-1]).double()
-                     if draft_probs is None else draft_probs[num_accepted].double())
-            residual = (final - q_row).clamp(min=0)
+            if draft_probs is None:  # q is one-hot on the drafted token
+                residual = final.clone()
+                residual[draft_token_ids[num_accepted]] = 0.0
+            else:
+                residual = (final - draft_probs[num_accepted].double()).clamp(min=0)
             final = residual if residual.sum() > 0 else final
         final_top = _top(final / final.sum())
     return CycleTrace(index, position, chosen_k, drafts, list(zip(committed, kinds)),
