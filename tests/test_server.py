@@ -135,18 +135,19 @@ def test_seeded_samples_equal_library_and_reproduce(client, library):
     assert first.usage.prompt_tokens == len(PROMPT)  # the prompt is counted once
 
 
-def test_stop_string_is_cut_like_openai(client, library):
+@pytest.mark.parametrize("start, length, extra", [(12, 2, []), (12, 2, ["never!"]),
+                                                  (20, 1, []), (5, 3, []), (30, 4, ["q"])])
+def test_stop_string_is_cut_like_openai_streamed_or_not(client, library, start, length, extra):
     full = library.generate(PROMPT, SamplingParams(max_new_tokens=40)).text
-    stop = full[12:14]
-    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40,
-                                         temperature=0, stop=[stop, "never!"])
+    stops = [full[start:start + length], *extra]
+    cut = min(i for stop in stops if (i := full.find(stop)) >= 0)
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=stops)
+    response = client.completions.create(**kwargs)
     assert response.choices[0].finish_reason == "stop"
-    assert response.choices[0].text == full[:full.index(stop)]
-    assert response.choices[0].model_extra["stop_reason"] == stop
-    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40,
-                                         temperature=0, stop=[stop, "never!"], stream=True)
-    chunks = list(streamed)
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == full[:full.index(stop)]
+    assert response.choices[0].text == full[:cut]
+    assert response.choices[0].model_extra["stop_reason"] in stops
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full[:cut]
 
 
 def test_stop_token_id_finishes_with_stop(client, library):
@@ -191,6 +192,17 @@ def test_streamed_completion_equals_non_streamed(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_stream_without_usage_has_choices_in_every_chunk(client):
+    """OpenAI sends a chunk without choices only for include_usage: clients index
+    choices[0] (the README's example does)."""
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
+                                            temperature=0, stream=True))
+    assert all(chunk.choices for chunk in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].model_extra["speculation"]["cycles"] >= 1
+    assert all("speculation" not in chunk.model_extra for chunk in chunks[:-1])
+
+
 def test_streamed_chat_with_n_equals_non_streamed(client):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "abc"}], max_tokens=15,
                   temperature=1.0, n=2, seed=11)
@@ -230,6 +242,24 @@ def test_completion_logprobs_shapes(client, library):
     assert logprobs.token_logprobs == pytest.approx([lp.logprob for lp in expected.logprobs])
     assert "".join(logprobs.tokens) == response.choices[0].text
     assert logprobs.text_offset[1] == logprobs.text_offset[0] + len(logprobs.tokens[0])
+
+
+def test_logprobs_of_tokens_that_split_a_character():
+    """A character split over two tokens goes whole to the token completing it, so the
+    tokens join to the text and text_offset counts characters of the text."""
+    from exactspec.engine import TokenLogprob
+    from exactspec.server.protocol import chat_logprobs, completion_logprobs
+
+    table = {0: b"\xc3", 1: b"\xa9", 2: b"x"}  # "é" in two tokens, then "x"
+    decode = lambda ids: b"".join(table[t] for t in ids).decode("utf-8", "replace")
+    logprobs = [TokenLogprob(t, -0.1 * (t + 1), [(t, -0.1), (2, -3.0)]) for t in (0, 1, 2)]
+    completion = completion_logprobs(logprobs, decode)
+    assert completion["tokens"] == ["", "é", "x"]
+    assert completion["text_offset"] == [0, 0, 1]
+    assert completion["token_logprobs"] == [-0.1, -0.2, pytest.approx(-0.3)]
+    chat = chat_logprobs(logprobs, decode)["content"]
+    assert [c["token"] for c in chat] == ["", "é", "x"]
+    assert chat[1]["bytes"] == list("é".encode()) and len(chat[0]["top_logprobs"]) == 2
 
 
 def test_chat_logprobs_shapes(client):
@@ -319,9 +349,10 @@ def test_bad_parameters_are_400_naming_the_field(client, kwargs, param):
 def test_token_ids_outside_the_vocabulary_are_400(client):
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
         client.completions.create(model=MODEL, prompt=[1, 2, 999], max_tokens=4)
-    with pytest.raises(openai.BadRequestError, match="vocabulary"):
+    with pytest.raises(openai.BadRequestError, match="vocabulary") as raised:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
                                   extra_body={"stop_token_ids": [999]})
+    assert raised.value.body["param"] == "stop_token_ids"
 
 
 def test_unknown_model_is_404(client):
@@ -342,8 +373,10 @@ def test_api_key_is_required(server):
     wrong = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.completions.create(model=MODEL, prompt=PROMPT)
-    assert httpx.get(server + "/v1/models").status_code == 401
+    refused = httpx.get(server + "/v1/models")
+    assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
     assert httpx.get(server + "/health").status_code == 200  # probes need no key
+    assert httpx.get(server + "/docs").status_code == 404  # no open docs behind a key
 
 
 def test_body_over_the_limit_is_413(server):
@@ -363,11 +396,59 @@ def test_body_over_the_limit_is_413(server):
 
 
 def test_malformed_json_is_400(server):
-    response = httpx.post(server + "/v1/completions", content=b"{not json",
+    response = httpx.post(server + "/v1/completions", content=b'{"model":',
                           headers={"Authorization": f"Bearer {KEY}",
                                    "content-type": "application/json"})
     assert response.status_code == 400
-    assert "error" in response.json()
+    assert "not valid JSON" in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] is None
+
+
+def test_what_openai_clients_send_by_default_is_accepted(server, client, library):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "max_tokens": 6, "temperature": 0, "tools": [], "store": False,
+            "parallel_tool_calls": True, "response_format": {"type": "text"},
+            "tool_choice": "none", "metadata": {"app": "test"}, "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "ab"}]},
+                {"role": "assistant", "content": None}, {"role": "user", "content": "c"}]}
+    response = httpx.post(server + "/v1/chat/completions", json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    # a completions request without max_tokens (or with null) gets OpenAI's default, 16
+    for extra in ({}, {"max_tokens": None}):
+        response = httpx.post(server + "/v1/completions", headers=headers,
+                              json={"model": MODEL, "prompt": PROMPT, "temperature": 0} | extra)
+        assert response.json()["usage"]["completion_tokens"] == 16
+    # any int64 seed, as OpenAI: a negative one maps to seed + 2**63
+    negative = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, seed=-5,
+                                         temperature=1.0)
+    expected = library.generate(PROMPT, SamplingParams(temperature=1.0, seed=2**63 - 5,
+                                                       max_new_tokens=8))
+    assert negative.choices[0].text == expected.text
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+
+
+@pytest.mark.parametrize("change, param, words", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "only"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content", "only text parts"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
+    ({"stream": True, "stream_options": {"usage": True}}, "stream_options.usage", "xtra"),
+    ({"logit_bias": {"999": 1}}, "logit_bias", "outside the vocabulary"),
+    ({"stop_token_ids": [999]}, "stop_token_ids", "outside the vocabulary"),
+    ({"min_tokens": 9}, "min_tokens", "max_tokens"),
+])
+def test_chat_requests_that_ask_for_what_is_not_served_are_400(server, change, param, words):
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "a"}]}
+    response = httpx.post(server + "/v1/chat/completions", json=body | change,
+                          headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"]
+    assert "max_new_tokens" not in error["message"]
 
 
 # --- the queue: full → 503; a client that leaves cancels its generation -------------------
@@ -378,9 +459,11 @@ class GatedProposer(Proposer):
     def __init__(self) -> None:
         self.gate = threading.Event()
         self.inner = PromptLookupProposer(1, 3)
+        self.delay = 0.0  # seconds per proposal once the gate is open
 
     def propose(self, token_ids, k, pipeline, rng, min_confidence=0.0):
         assert self.gate.wait(timeout=60)
+        time.sleep(self.delay)
         return self.inner.propose(token_ids, k, pipeline, rng, min_confidence)
 
 
@@ -418,6 +501,7 @@ def test_full_queue_answers_503_at_once(gated):
     with pytest.raises(openai.InternalServerError) as raised:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5)
     assert raised.value.status_code == 503 and "busy" in str(raised.value)
+    assert raised.value.response.headers["retry-after"] == "1"
     assert time.monotonic() - start < 5  # at once, not after the queue drained
     proposer.gate.set()
     running.join(30)
@@ -449,6 +533,23 @@ def test_disconnected_client_cancels_its_generation(gated):
                                      temperature=0).usage.completion_tokens == 3
 
 
+def test_disconnected_client_cancels_a_non_streamed_generation(gated):
+    """Tokens keep coming while the client is gone: the server still checks, every
+    KEEPALIVE_SECONDS, whether the client is there."""
+    url, proposer = gated
+    proposer.delay = 0.01
+    proposer.gate.set()
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "n": 8, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(url + "/v1/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 15
+    while metric(url, "exactspec:request_aborted_total") < 1:
+        assert time.monotonic() < deadline, "the generation was not cancelled"
+        time.sleep(0.05)
+    assert metric(url, "exactspec:generation_tokens_total") < 8 * 200
+
+
 # --- the command ------------------------------------------------------------------------
 
 def test_serve_help_names_the_endpoints(capsys):
@@ -458,6 +559,16 @@ def test_serve_help_names_the_endpoints(capsys):
     help_text = capsys.readouterr().out
     for text in ("/v1/chat/completions", "--api-key", "--max-queue", "127.0.0.1"):
         assert text in help_text
+
+
+def test_serve_reports_a_port_in_use(model_folder, capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        code = main(["serve", "--model", str(model_folder), "--port",
+                     str(busy.getsockname()[1]), "--log-level", "critical"])
+    assert code == 1
+    assert "could not start" in capsys.readouterr().err
 
 
 def test_serve_refuses_a_bad_port(capsys):

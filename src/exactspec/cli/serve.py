@@ -84,10 +84,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 1
     import uvicorn
 
-    console.print(f"serving {args.served_model_name or args.model} ({target.description}; "
-                  f"drafter {drafter.description}, k ≤ {args.num_speculative_tokens}, "
-                  f"{args.policy}) on http://{args.host}:{args.port}/v1", highlight=False)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    speculation = (f"drafter {drafter.description}, k ≤ {args.num_speculative_tokens}, "
+                   f"{args.policy} policy" if proposer is not None and args.num_speculative_tokens
+                   else "plain decoding")
+    console.print(f"starting {args.served_model_name or args.model} ({target.description}; "
+                  f"{speculation}) on http://{args.host}:{args.port}/v1", highlight=False)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    except SystemExit as exit_:  # uvicorn exits this way when it cannot bind
+        if exit_.code not in (0, None):
+            console.print(f"[bold red]error:[/] the server could not start on "
+                          f"{args.host}:{args.port} (see the message above)", highlight=False)
+            return 1
     return 0
 
 

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import json
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -29,7 +29,8 @@ from exactspec.backends.base import Backend
 from exactspec.engine import GenerationResult
 from exactspec.proposers.base import Proposer
 from exactspec.server.metrics import ServerMetrics
-from exactspec.server.protocol import (ChatCompletionRequest, CompletionRequest,
+from exactspec.server.protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest,
+                                       CompletionRequest,
                                        SamplingRequest, ServerError, Speculation, chat_logprobs,
                                        completion_logprobs, created, new_id,
                                        speculation_figures, usage)
@@ -66,8 +67,10 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
         yield
         await asyncio.to_thread(worker.close)
 
+    docs = api_key is None  # the interactive docs stay off behind a key
     app = FastAPI(title="exactspec", summary="Exact speculative decoding, OpenAI-compatible",
-                  lifespan=lifespan)
+                  lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url=None, openapi_url="/openapi.json" if docs else None)
     app.state.worker = worker
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     bearer = HTTPBearer(auto_error=False)
@@ -76,15 +79,21 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
         if api_key is not None and (credentials is None or not secrets.compare_digest(
                 credentials.credentials.encode(), api_key.encode())):
             raise ServerError(401, "a valid API key is required: send the header "
-                                   "'Authorization: Bearer <key>'")
+                                   "'Authorization: Bearer <key>'",
+                              headers={"WWW-Authenticate": "Bearer"})
 
     @app.exception_handler(ServerError)
     async def server_error(request: Request, error: ServerError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0]
+        if first.get("type") == "json_invalid":
+            return JSONResponse(ServerError(400, "the request body is not valid JSON: "
+                                                 f"{first.get('msg')} at character "
+                                                 f"{first.get('loc', ('', '?'))[-1]}").body(),
+                                status_code=400)
         path = [str(part) for part in first.get("loc", ()) if part != "body"]
         # a union's branch names (str, list[int], ...) are pydantic's, not the field's
         path = [part for part in path
@@ -106,11 +115,18 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created(),
+                "owned_by": "exactspec", "max_model_len": target.max_context_length}
+
     @app.get("/v1/models", dependencies=[Depends(authorised)])
     async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created(), "owned_by": "exactspec",
-            "max_model_len": target.max_context_length}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}", dependencies=[Depends(authorised)])
+    async def model(name: str) -> dict:
+        check_model(name)
+        return model_card()
 
     @app.post("/v1/completions", dependencies=[Depends(authorised)])
     async def completions(body: CompletionRequest, request: Request):
@@ -119,7 +135,8 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
         if body.stream and body.logprobs is not None:
             raise ServerError(400, "logprobs with stream is not supported yet: ask for them "
                                    "without streaming", "logprobs")
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        params = body.sampling_params(body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
+                                      body.logprobs)
 
         def choice(index: int, result: GenerationResult, text: str) -> dict:
             return {"index": index, "text": text, "finish_reason": result.finish_reason,
@@ -203,15 +220,25 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
             raise ServerError(400, f"speculation: {error}", "speculation.policy") from None
         return chosen
 
+    def check_token_ids(params) -> None:
+        """Token ids named by the request lie in the vocabulary (else 400 before queueing)."""
+        for field, ids in (("logit_bias", params.logit_bias), ("stop_token_ids",
+                                                               params.stop_token_ids)):
+            bad = [t for t in ids if t >= target.vocab_size]
+            if bad:
+                raise ServerError(400, f"{field}: token ids {bad[:5]} are outside the "
+                                       f"vocabulary [0, {target.vocab_size})", field)
+
     async def respond(request: Request, body: SamplingRequest, prompts: list[list[int]],
                       params, kind: str, prefix: str,
                       choice: Callable[[int, GenerationResult, str], dict]):
+        check_token_ids(params)
         job = Job(prompts, params, body.n, settings(body.speculation),
                   asyncio.get_running_loop())
         try:
             worker.submit(job)
         except QueueFullError as error:
-            raise ServerError(503, str(error)) from None
+            raise ServerError(503, str(error), headers={"Retry-After": "1"}) from None
         header = {"id": new_id(prefix), "object": kind, "created": created(),
                   "model": model_name}
         decode = target.tokenizer.decode
@@ -241,15 +268,21 @@ async def events(job: Job, request: Request | None = None,
         ServerError: 400 for a generation refused as invalid (e.g. a token id outside the
             vocabulary), 500 for any other failure.
     """
+    loop = asyncio.get_running_loop()
+    checked = loop.time()
     try:
         while True:
             try:
                 event = await asyncio.wait_for(job.events.get(), KEEPALIVE_SECONDS)
             except TimeoutError:
+                event = None
+            if loop.time() - checked >= KEEPALIVE_SECONDS:
+                checked = loop.time()
                 if request is not None and await request.is_disconnected():
                     return
-                if keepalive:
+                if keepalive and event is None:
                     yield "keepalive", None, None
+            if event is None:
                 continue
             kind, _, value = event
             if kind == "end":
@@ -276,18 +309,25 @@ def final_text(result: GenerationResult, decode: Callable[[list[int]], str]) -> 
 
 
 class StreamedChoice:
-    """One choice's streamed text: the decoded tokens so far, less what could still turn
-    out to be a stop string (or an incomplete UTF-8 character)."""
+    """One choice's streamed text: the decoded tokens so far, less what is or could still
+    become a stop string (text is sent only up to the first occurrence of one, and never
+    the last ``len(stop) - 1`` characters), and less an incomplete UTF-8 character. The
+    rest comes with the result (:meth:`rest`), cut as the non-streamed text is."""
 
-    def __init__(self, decode: Callable[[list[int]], str], hold_back: int) -> None:
-        self.decode, self.hold_back = decode, hold_back
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str]) -> None:
+        self.decode, self.stop = decode, stop
+        self.hold_back = max((len(s) for s in stop), default=1) - 1
         self.token_ids: list[int] = []
         self.sent = 0
 
     def delta(self, token_ids: list[int]) -> str:
         self.token_ids += token_ids
         text = self.decode(self.token_ids).rstrip("\ufffd")
-        ready = max(self.sent, len(text) - self.hold_back)
+        ready = len(text) - self.hold_back
+        for stop in self.stop:
+            if (found := text.find(stop, max(0, self.sent - len(stop) + 1))) >= 0:
+                ready = min(ready, found)
+        ready = max(self.sent, ready)
         piece, self.sent = text[self.sent:ready], ready
         return piece
 
@@ -300,13 +340,16 @@ class StreamedChoice:
 async def stream(job: Job, header: dict, body: SamplingRequest, prompts: list[list[int]],
                  decode: Callable[[list[int]], str]) -> AsyncIterator[str]:
     """Server-sent events for ``job``: a chunk per cycle and choice, a last chunk per choice
-    with its finish reason, usage (if ``stream_options.include_usage``) and the speculative
-    figures in a chunk with no choices, then ``data: [DONE]``."""
+    with its finish reason, then (with ``stream_options.include_usage``) usage in a chunk
+    with no choices, then ``data: [DONE]``. The request's speculative figures ride on the
+    last chunk before ``[DONE]``."""
     chat = header["object"] == "chat.completion"
     header = header | {"object": "chat.completion.chunk" if chat else "text_completion"}
-    hold_back = max((len(s) for s in job.params.stop), default=1) - 1
-    choices = [StreamedChoice(decode, hold_back) for _ in range(len(prompts) * body.n)]
+    choices = [StreamedChoice(decode, job.params.stop) for _ in range(len(prompts) * body.n)]
     results: dict[int, GenerationResult] = {}
+
+    def figures() -> dict:
+        return speculation_figures([results[i].stats for i in sorted(results)])
 
     def chunk(index: int, text: str, finish: GenerationResult | None = None,
               first: bool = False) -> str:
@@ -318,7 +361,8 @@ async def stream(job: Job, header: dict, body: SamplingRequest, prompts: list[li
             data = {"index": index, "text": text, "logprobs": None}
         data |= {"finish_reason": finish and finish.finish_reason,
                  "stop_reason": finish and finish.stop_reason}
-        return sse(header | {"choices": [data]})
+        last = finish is not None and len(results) == len(choices) and not body.include_usage
+        return sse(header | {"choices": [data]} | ({"speculation": figures()} if last else {}))
 
     try:
         if chat:
@@ -333,12 +377,10 @@ async def stream(job: Job, header: dict, body: SamplingRequest, prompts: list[li
             else:  # result
                 results[index] = value
                 yield chunk(index, choices[index].rest(value), finish=value)
-        ordered = [results[i] for i in sorted(results)]
-        last = header | {"choices": [],
-                         "speculation": speculation_figures([r.stats for r in ordered])}
-        if body.include_usage:
-            last["usage"] = usage(ordered, [len(p) for p in prompts])
-        yield sse(last)
+        if body.include_usage:  # OpenAI's usage chunk: no choices
+            yield sse(header | {"choices": [], "speculation": figures(),
+                                "usage": usage([results[i] for i in sorted(results)],
+                                               [len(p) for p in prompts])})
     except ServerError as error:
         yield sse(error.body())
     finally:

@@ -21,6 +21,7 @@ from exactspec.engine import GenerationResult, TokenLogprob
 from exactspec.metrics import GenerationStats
 from exactspec.sampling import SamplingParams
 from exactspec.speculation_length import POLICIES
+from exactspec.trace.record import token_pieces
 
 MAX_N = 16
 """Most choices one request may ask for (``n``)."""
@@ -39,14 +40,17 @@ class ServerError(Exception):
         status: the HTTP status (400 bad request, 401, 404 unknown model, 413, 503 busy).
         message: what is wrong, naming the value and what is allowed.
         param: the request field at fault, if one is.
+        headers: extra response headers (``WWW-Authenticate``, ``Retry-After``).
     """
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
              413: "invalid_request_error", 503: "service_unavailable"}
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.headers = headers
 
     def body(self) -> dict:
         """``{"error": {"message", "type", "param", "code"}}`` as OpenAI answers."""
@@ -70,6 +74,7 @@ class Speculation(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
@@ -84,7 +89,7 @@ class SamplingRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-2**63, lt=2**63)] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -112,12 +117,18 @@ class SamplingRequest(BaseModel):
             raise ServerError(400, f"logit_bias keys must be token ids, got "
                                    f"{list(self.logit_bias)[:5]}", "logit_bias") from None
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if self.stream_options is not None and not self.stream:
+            raise ServerError(400, "stream_options is only allowed with stream: true",
+                              "stream_options")
+        seed = self.seed
+        if seed is not None and -2**63 <= seed < 0:  # OpenAI takes any int64
+            seed += 2**63
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=0 if self.top_k in (None, -1) else self.top_k, min_p=self.min_p,
-                seed=self.seed, max_new_tokens=max_tokens, min_new_tokens=self.min_tokens,
+                seed=seed, max_new_tokens=max_tokens, min_new_tokens=self.min_tokens,
                 stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos, repetition_penalty=self.repetition_penalty,
                 presence_penalty=self.presence_penalty,
@@ -125,9 +136,10 @@ class SamplingRequest(BaseModel):
                 logprobs=logprobs)
         except ValueError as error:
             field = str(error).removeprefix("SamplingParams.").split(" ", 1)[0]
-            name = OPENAI_NAMES.get(field, field)
-            raise ServerError(400, str(error).replace(f"SamplingParams.{field}", name),
-                              name) from None
+            message = str(error).removeprefix("SamplingParams.")
+            for ours, theirs in OPENAI_NAMES.items():
+                message = message.replace(ours, theirs)
+            raise ServerError(400, message, OPENAI_NAMES.get(field, field)) from None
 
     @property
     def include_usage(self) -> bool:
@@ -144,7 +156,7 @@ class CompletionRequest(SamplingRequest):
     for that many top alternatives per token."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = COMPLETIONS_DEFAULT_MAX_TOKENS
+    max_tokens: Annotated[int, Field(ge=1)] | None = None  # None: 16, OpenAI's default
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -167,19 +179,35 @@ class CompletionRequest(SamplingRequest):
         return list(self.prompt)
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    """One message; ``content`` is text, a list of text parts, or null (an assistant turn
+    without text)."""
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in ("system", "developer", "user", "assistant"):
+            raise ValueError(f"role {role!r} is not supported: use system, developer, user or "
+                             "assistant (exactspec serves no tools or functions)")
+        return role
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, content):
+        for part in content if isinstance(content, list) else ():
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"content part of type {part.get('type')!r} is not supported: "
+                                 "only text parts ({\"type\": \"text\", \"text\": ...})")
+        return content
+
     def text(self) -> str:
-        return (self.content if isinstance(self.content, str)
-                else "".join(part.text for part in self.content))
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part["text"] for part in self.content)
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -192,6 +220,37 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # OpenAI fields that SDKs send by default and that change nothing here when they ask
+    # for nothing; any value that would ask for something is refused (400), never ignored
+    tools: list[Any] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, tools):
+        if tools:
+            raise ValueError("tools are not supported by exactspec")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, choice):
+        if choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice is not supported by exactspec (no tools)")
+        return choice
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, response_format):
+        if response_format is not None and response_format.get("type") != "text":
+            raise ValueError(f"response_format {response_format.get('type')!r} is not "
+                             "supported: only {\"type\": \"text\"}")
+        return response_format
 
 
 def new_id(prefix: str) -> str:
@@ -226,11 +285,13 @@ def usage(results: list[GenerationResult], prompt_lengths: list[int]) -> dict[st
             "total_tokens": prompt + completion}
 
 
-def completion_logprobs(logprobs: list[TokenLogprob], decode, text_offset: int = 0) -> dict:
+def completion_logprobs(logprobs: list[TokenLogprob], decode) -> dict:
     """The completions API's ``logprobs`` object: tokens, token_logprobs, top_logprobs
-    (token text → logprob), text_offset."""
-    tokens = [decode([lp.token_id]) for lp in logprobs]
-    offsets, offset = [], text_offset
+    (token text → logprob), text_offset. A chosen token's text is its share of the output
+    (:func:`~exactspec.trace.record.token_pieces`: a character split over several tokens
+    goes whole to the token that completes it), so the tokens join to the text."""
+    tokens = token_pieces([lp.token_id for lp in logprobs], decode)
+    offsets, offset = [], 0
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
@@ -240,15 +301,16 @@ def completion_logprobs(logprobs: list[TokenLogprob], decode, text_offset: int =
 
 
 def chat_logprobs(logprobs: list[TokenLogprob], decode) -> dict:
-    """The chat API's ``logprobs`` object: ``content``, one entry per token with its text,
-    logprob, UTF-8 bytes and ``top_logprobs``."""
-    def entry(token_id: int, value: float) -> dict:
-        text = decode([token_id])
+    """The chat API's ``logprobs`` object: ``content``, one entry per token with its text
+    (its share of the output, as in :func:`completion_logprobs`), logprob, UTF-8 bytes and
+    ``top_logprobs`` (alternatives decoded alone)."""
+    def entry(text: str, value: float) -> dict:
         return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [entry(lp.token_id, lp.logprob)
-                        | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
-                        for lp in logprobs]}
+    pieces = token_pieces([lp.token_id for lp in logprobs], decode)
+    return {"content": [entry(piece, lp.logprob)
+                        | {"top_logprobs": [entry(decode([t]), v) for t, v in lp.top]}
+                        for piece, lp in zip(pieces, logprobs)]}
 
 
 def created() -> int:
