@@ -18,6 +18,7 @@ from conftest import tiny_backend
     ("prompt-lookup", DrafterSpec("prompt-lookup", "prompt-lookup", (2, 3))),
     ("prompt-lookup:ngram=1-4", DrafterSpec("prompt-lookup:ngram=1-4", "prompt-lookup", (1, 4))),
     ("suffix", DrafterSpec("suffix", "suffix", (1, 8))),
+    ("suffix:corpus=5000", DrafterSpec("suffix:corpus=5000", "suffix", (1, 8), corpus=5000)),
     ("suffix:ngram=2-6", DrafterSpec("suffix:ngram=2-6", "suffix", (2, 6))),
     ("early-exit:3", DrafterSpec("early-exit:3", "early-exit", layers=3)),
     ("draft:some/model", DrafterSpec("draft:some/model", "draft", model="some/model")),
@@ -30,14 +31,17 @@ def test_drafter_specs_parse_without_a_model(spec, expected):
 
 @pytest.mark.parametrize("spec, reason", [
     ("magic", "use one of none (or plain), prompt-lookup[:ngram=MIN-MAX], "
-              "suffix[:ngram=MIN-MAX], early-exit:L, draft:MODEL"),
+              "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL"),
+    ("prompt-lookup:corpus=100", "use one of"),  # the corpus is suffix drafting's
+    ("suffix:corpus=0", "corpus = 0 must be ≥ 1"),
+    ("suffix:corpus=many", "k, L and corpus take integers"),
     ("draft", "use one of"),
     ("draft:", "use one of"),
     ("none:x", "use one of"),
     ("early-exit:2:ngram=1-2", "use one of"),  # ngram belongs to prompt lookup and suffix
     ("prompt-lookup:k=4", "use one of"),  # k is -k's, not the spec's, here
     ("hf-plain", "use one of"),  # no peers here
-    ("early-exit:x", "k and L take integers"),
+    ("early-exit:x", "k, L and corpus take integers"),
     ("early-exit:0", "L = 0 must be ≥ 1"),
     ("prompt-lookup:ngram=3-1", "ngram '3-1' is invalid: need 1 ≤ MIN ≤ MAX"),
     ("prompt-lookup:ngram=x", "ngram 'x' is invalid: give MIN-MAX n-gram sizes, e.g. 1-3"),

@@ -194,8 +194,8 @@ class LyingProposer(Proposer):
         return Proposal(proposal.token_ids, torch.full_like(proposal.probs,
                                                             1 / proposal.probs.shape[-1]))
 
-    def reset(self):
-        self.inner.reset()
+    def reset(self, reproducible=False):
+        self.inner.reset(reproducible)
 
 
 SAMPLES = 2000
@@ -237,3 +237,26 @@ def test_api_misuse_is_refused():
         generator.generate("abc", {"max_new_tokens": 3})
     with pytest.raises(ValueError, match="min_ngram"):
         PromptLookupProposer(True, 3)
+
+
+def test_suffix_corpus_learns_across_requests_keeps_greedy_identity_and_seeds():
+    """A second request on the same prompt drafts the first one's output from the corpus
+    (fewer cycles, same tokens); a seeded sampling run ignores the corpus, so it samples
+    the same as on a fresh generator."""
+    from exactspec import SuffixCorpus, SuffixProposer
+
+    target = tiny_backend(0)
+    plain = SpeculativeGenerator(tiny_backend(0), None).generate(
+        "hello world", SamplingParams(max_new_tokens=60))
+    corpus = SuffixCorpus(5000)
+    generator = SpeculativeGenerator(target, SuffixProposer(corpus=corpus), 6, "constant")
+    first = generator.generate("hello world", SamplingParams(max_new_tokens=60))
+    assert corpus.num_tokens == 60
+    second = generator.generate("hello world", SamplingParams(max_new_tokens=60))
+    assert first.token_ids == second.token_ids == plain.token_ids
+    assert second.stats.cycles < first.stats.cycles / 2
+    assert second.stats.accepted_tokens > first.stats.accepted_tokens
+    seeded = SamplingParams(temperature=0.8, seed=3, max_new_tokens=40)
+    fresh = SpeculativeGenerator(tiny_backend(0), SuffixProposer(), 6, "constant")
+    assert generator.generate("hello world", seeded).token_ids == fresh.generate(
+        "hello world", seeded).token_ids

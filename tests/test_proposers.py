@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from exactspec import (DraftModelProposer, PromptLookupProposer, SamplingParams, SuffixProposer,
+from exactspec import (DraftModelProposer, PromptLookupProposer, SamplingParams, SuffixCorpus,
+                       SuffixProposer,
                        SpeculativeGenerator, UnsupportedModelError)
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.sampling import make_rng
@@ -122,3 +123,36 @@ def test_suffix_index_grows_incrementally_and_resets():
     growing.reset()
     assert suffix([7, 8, 7], 2, proposer=growing) == [8, 7]  # nothing of the old sequence left
     assert suffix([7, 3, 3, 7], 2, proposer=growing) == [3, 3]  # another sequence: re-indexed
+
+
+# --- the process-wide corpus of earlier outputs -----------------------------------------
+
+def test_corpus_is_bounded_evicts_the_oldest_and_clears():
+    corpus = SuffixCorpus(max_tokens=10, min_match=1, max_match=3)
+    corpus.add([1, 2, 3, 4, 5, 6])
+    assert corpus.best([2, 3])[0] == 4
+    corpus.add([7, 8, 9, 10, 11])  # 11 tokens > 10: the first output goes
+    assert corpus.num_tokens == 5 and corpus.num_outputs == 1
+    assert corpus.best([2, 3]) is None and corpus.best([8, 9])[0] == 10
+    assert all(count > 0 for followers in corpus._index.next.values()
+               for count, _ in followers.values())
+    corpus.add(list(range(100, 130)))  # longer than the bound: its last 10 tokens are kept
+    assert corpus.num_tokens == 10 and corpus.best([125])[0] == 126 and corpus.best([105]) is None
+    corpus.clear()
+    assert corpus.num_tokens == corpus.num_ngrams == 0 and corpus.best([126]) is None
+    with pytest.raises(ValueError, match="max_tokens"):
+        SuffixCorpus(0)
+
+
+def test_corpus_drafts_earlier_outputs_except_in_reproducible_runs():
+    corpus = SuffixCorpus(1000)
+    proposer = SuffixProposer(1, 8, 0.0, corpus=corpus)
+    earlier = [9, 9, 1, 2, 3, 4, 5, 6]
+    proposer.reset()
+    proposer.end_sequence(earlier, num_prompt_tokens=2)  # output: 1 2 3 4 5 6
+    assert corpus.num_tokens == 6
+    proposer.reset()
+    assert suffix([7, 7, 2, 3], 3, proposer=proposer) == [4, 5, 6]
+    proposer.reset(reproducible=True)
+    assert suffix([7, 7, 2, 3], 3, proposer=proposer) == []
+    assert suffix([7, 7, 2, 3], 3, proposer=SuffixProposer(1, 8, 0.0)) == []

@@ -15,7 +15,7 @@ from exactspec.engine import GenerationResult, SpeculativeGenerator
 from exactspec.metrics import GenerationStats
 from exactspec.models import DEFAULT_MODEL, ModelNotFoundError, load_model
 from exactspec.proposers import (DraftModelProposer, EarlyExitProposer, PromptLookupProposer,
-                                 Proposal, Proposer, SuffixProposer)
+                                 Proposal, Proposer, SuffixCorpus, SuffixProposer)
 from exactspec.sampling import SamplingParams
 
 __version__ = "0.1.0"
@@ -23,5 +23,5 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_MODEL", "Backend", "DraftModelProposer", "LlamaCppBackend", "EarlyExitProposer", "GenerationResult", "GenerationStats",
     "ModelNotFoundError", "PromptLookupProposer", "Proposal", "Proposer", "SamplingParams",
-    "SpeculativeGenerator", "SuffixProposer", "TransformersBackend", "UnsupportedModelError", "load_model",
+    "SpeculativeGenerator", "SuffixCorpus", "SuffixProposer", "TransformersBackend", "UnsupportedModelError", "load_model",
 ]

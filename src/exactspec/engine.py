@@ -228,7 +228,7 @@ class SpeculativeGenerator:
         timed = params.greedy or params.seed is None  # see SpeculationLengthPolicy.reset
         self.policy.reset(timed)
         if self.proposer is not None:
-            self.proposer.reset()
+            self.proposer.reset(reproducible=not timed)
         prefill_seconds = time.perf_counter() - start
         results = []
         for index in range(n):
@@ -304,6 +304,8 @@ class SpeculativeGenerator:
             if emit is not None and num_emitted:
                 emit(tokens[len(tokens) - num_emitted:])
         stats.total_seconds = time.perf_counter() - start
+        if self.proposer is not None:
+            self.proposer.end_sequence(tokens, num_prompt_tokens)
 
         output = tokens[num_prompt_tokens:]
         return GenerationResult(

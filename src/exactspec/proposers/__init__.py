@@ -5,8 +5,8 @@ from exactspec.proposers.draft_model import DraftModelProposer
 from exactspec.proposers.early_exit import EarlyExitProposer
 from exactspec.proposers.prompt_lookup import PromptLookupProposer
 from exactspec.proposers.spec import DrafterSpec, build_proposer, parse_drafter
-from exactspec.proposers.suffix import SuffixProposer
+from exactspec.proposers.suffix import SuffixCorpus, SuffixProposer
 
 __all__ = ["EMPTY_PROPOSAL", "DraftModelProposer", "DrafterSpec", "EarlyExitProposer",
-           "PromptLookupProposer", "Proposal", "Proposer", "SuffixProposer", "build_proposer",
+           "PromptLookupProposer", "Proposal", "Proposer", "SuffixCorpus", "SuffixProposer", "build_proposer",
            "parse_drafter"]

@@ -68,10 +68,15 @@ class Proposer(Protocol):
         """Feedback after verification: how many of the last proposal were accepted
         (default: ignored)."""
 
-    def reset(self) -> None:
+    def reset(self, reproducible: bool = False) -> None:
         """A new generation starts: drop any state of the previous sequence (a draft
-        model's KV cache), so that a seeded generation drafts the same whatever ran
-        before (default: nothing to drop)."""
+        model's KV cache). With ``reproducible`` (a seeded sampling run) the generation
+        must draft the same whatever ran before, so nothing learnt from earlier
+        generations may be used (default: nothing to drop)."""
+
+    def end_sequence(self, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        """A sample is complete: ``token_ids`` = prompt + output, the prompt being the first
+        ``num_prompt_tokens`` (for drafters that learn across requests; default: ignored)."""
 
 
 def check_ngram_sizes(low: int, high: int, names: tuple[str, str]) -> None:

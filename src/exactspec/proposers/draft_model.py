@@ -88,7 +88,7 @@ class DraftModelProposer(Proposer):
             pending = [token]
         return Proposal(drafted, torch.stack(probs) if probs else None)
 
-    def reset(self) -> None:
+    def reset(self, reproducible: bool = False) -> None:
         self.draft.prefill([])
         self._cached = []
 

@@ -6,8 +6,11 @@ A spec is ``[PEER-]KIND[:ARG][:key=value...]``::
     none                         no drafting: plain decoding (``plain`` is the same)
     prompt-lookup[:ngram=MIN-MAX]  n-gram lookup in the context, longest n-gram first
                                  (default ngram=2-3)
-    suffix[:ngram=MIN-MAX]       the most frequent continuation of the longest earlier
-                                 match, drafted while likely (default ngram=1-8)
+    suffix[:ngram=MIN-MAX][:corpus=TOKENS]
+                                 the most frequent continuation of the longest earlier
+                                 match, drafted while likely (default ngram=1-8); corpus=N
+                                 also drafts from earlier outputs of this process, up to N
+                                 tokens of them (default: off)
     early-exit:L                 the target's first L ≥ 1 layers (self-draft; transformers)
     draft:MODEL                  a smaller model on the same tokenizer (embedded name, model
                                  folder or .gguf); ``assistant:MODEL`` is the same
@@ -46,8 +49,8 @@ ALIASES = {"plain": "none", "assistant": "draft"}
 """Other names of a kind: ``plain`` (the bench's baseline), ``assistant`` (transformers')."""
 ARGUMENT = {"early-exit": "L", "draft": "MODEL"}
 """Kinds that take a positional argument, and its name."""
-FORMS = ("none (or plain), prompt-lookup[:ngram=MIN-MAX], suffix[:ngram=MIN-MAX], "
-         "early-exit:L, draft:MODEL")
+FORMS = ("none (or plain), prompt-lookup[:ngram=MIN-MAX], "
+         "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL")
 """The allowed forms, for messages."""
 OPTION_VALUES = {"k": "N", "policy": "P"}
 
@@ -62,6 +65,7 @@ class DrafterSpec:
         ngram: the (MIN, MAX) n-gram sizes prompt lookup or suffix drafting match.
         layers: early exit's L (None for other kinds).
         model: the draft model's name or path (None for other kinds).
+        corpus: suffix only: ``corpus=`` (tokens of earlier outputs kept), None: off.
         k: ``k=`` if given, else None (the command's default).
         policy: ``policy=`` if given, else None (the command's default).
         peer: the peer prefix (``hf``, ``llama``), None for exactspec itself.
@@ -72,6 +76,7 @@ class DrafterSpec:
     ngram: tuple[int, int] = DEFAULT_NGRAM
     layers: int | None = None
     model: str | None = None
+    corpus: int | None = None
     k: int | None = None
     policy: str | None = None
     peer: str | None = None
@@ -86,7 +91,8 @@ class DrafterSpec:
         """In words, e.g. ``prompt lookup 2:3``, ``draft model NAME``."""
         return {"none": "none (plain decoding)",
                 "prompt-lookup": "prompt lookup {0}:{1}".format(*self.ngram),
-                "suffix": "suffix {0}:{1}".format(*self.ngram),
+                "suffix": "suffix {0}:{1}".format(*self.ngram) + (
+                    f" with a corpus of {self.corpus} tokens" if self.corpus else ""),
                 "early-exit": f"early-exit self-draft, {self.layers} layers",
                 "draft": f"draft model {self.model}"}[self.kind]
 
@@ -126,10 +132,11 @@ def parse_drafter(spec: str, *, what: str = "proposer", options: Collection[str]
     kind = ALIASES.get(kind, kind)
     keys = dict(part.split("=", 1) for part in parts if "=" in part)
     positional = [part for part in parts if "=" not in part]
-    allowed_keys = {"ngram", *options}
+    allowed_keys = {"ngram", "corpus", *options}
     if (kind not in KINDS or (len(positional) != (kind in ARGUMENT) and kind != "draft")
             or (kind == "draft" and not any(positional)) or set(keys) - allowed_keys
-            or ("ngram" in keys and kind not in NGRAM_DEFAULTS)):
+            or ("ngram" in keys and kind not in NGRAM_DEFAULTS)
+            or ("corpus" in keys and kind != "suffix")):
         extras = [f":{key}={OPTION_VALUES[key]}" for key in options] + (
             [f"a peer prefix {' or '.join(f'{p}-' for p in peers)}"] if peers else [])
         raise ValueError(f"{prefix}: use one of {FORMS}" + (
@@ -140,8 +147,12 @@ def parse_drafter(spec: str, *, what: str = "proposer", options: Collection[str]
     try:
         k = int(keys["k"]) if "k" in keys else None
         layers = int(positional[0]) if kind == "early-exit" else None
+        corpus = int(keys["corpus"]) if "corpus" in keys else None
     except ValueError:
-        raise ValueError(f"{prefix}: k and L take integers") from None
+        raise ValueError(f"{prefix}: k, L and corpus take integers") from None
+    if corpus is not None and corpus < 1:
+        raise ValueError(f"{prefix}: corpus = {corpus} must be ≥ 1 (tokens kept; leave it out "
+                         "for no corpus)")
     try:
         ngram = parse_ngram(keys["ngram"]) if "ngram" in keys else NGRAM_DEFAULTS.get(
             kind, DEFAULT_NGRAM)
@@ -153,7 +164,7 @@ def parse_drafter(spec: str, *, what: str = "proposer", options: Collection[str]
     if policy is not None and policy not in POLICIES:
         raise ValueError(f"{prefix}: policy {policy!r} is not one of {', '.join(POLICIES)}")
     model = ":".join(positional) if kind == "draft" else None  # a path may hold colons
-    return DrafterSpec(spec, kind, ngram, layers, model, k, policy, peer)
+    return DrafterSpec(spec, kind, ngram, layers, model, corpus, k, policy, peer)
 
 
 def build_proposer(drafter: DrafterSpec, target: Backend,
@@ -170,14 +181,15 @@ def build_proposer(drafter: DrafterSpec, target: Backend,
     from exactspec.proposers.draft_model import DraftModelProposer
     from exactspec.proposers.early_exit import EarlyExitProposer
     from exactspec.proposers.prompt_lookup import PromptLookupProposer
-    from exactspec.proposers.suffix import SuffixProposer
+    from exactspec.proposers.suffix import SuffixCorpus, SuffixProposer
 
     if drafter.peer:
         raise ValueError(f"{drafter.spec!r} is run by a peer (see exactspec.peers), not exactspec")
     if drafter.kind == "prompt-lookup":
         return PromptLookupProposer(*drafter.ngram)
     if drafter.kind == "suffix":
-        return SuffixProposer(*drafter.ngram)
+        return SuffixProposer(*drafter.ngram, corpus=drafter.corpus and SuffixCorpus(
+            drafter.corpus, *drafter.ngram))
     if drafter.kind == "early-exit":
         return EarlyExitProposer(target, drafter.layers)
     if drafter.kind == "draft":

@@ -9,9 +9,15 @@ Saxena 2023, "Prompt Lookup Decoding", for drafting from the request's own text.
 The index (continuation counts for every n-gram of ``min_match``..``max_match`` tokens of
 the prompt and the generated text) is updated incrementally: each new token adds one
 entry per n-gram size, so a proposal costs O(k · max_match) dictionary lookups whatever the
-context length (prompt lookup rescans the context every cycle). The index covers the
-current sequence only and is emptied by :meth:`SuffixProposer.reset`, so a seeded
-generation drafts the same whatever ran before.
+context length (prompt lookup rescans the context every cycle). This index covers the
+current sequence only and is emptied by :meth:`SuffixProposer.reset`.
+
+Optionally a :class:`SuffixCorpus` adds what earlier generations wrote (SuffixDecoding's
+global tree): their outputs, indexed the same way, bounded in tokens (the oldest outputs
+are evicted first), shared by every proposer that holds it, clearable. For each drafted
+token the request's own index and the corpus each propose a continuation and the higher
+score wins. A seeded sampling run (``reset(reproducible=True)``) drafts from its own text
+only, so that it samples the same whatever ran before.
 
 The drafted tokens are a deterministic function of the context, so q is a point mass
 (``Proposal.probs`` is None) and verification stays exact at any temperature. The score of
@@ -26,6 +32,8 @@ only decides how much to draft, never what is committed.
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -39,6 +47,119 @@ DEFAULT_MIN_PROBABILITY = 0.1
 """The draft stops once the product of its tokens' scores would fall below this."""
 
 
+class _SuffixIndex:
+    """n-gram → {next token: [times it followed, stamp of the last time]} for n-grams of
+    ``min_match``..``max_match`` tokens."""
+
+    def __init__(self, min_match: int, max_match: int) -> None:
+        self.min_match, self.max_match = min_match, max_match
+        self.next: dict[tuple[int, ...], dict[int, list[int]]] = {}
+
+    def count(self, tokens: Sequence[int], start: int, stamp: int) -> None:
+        """Count the continuation at each position ``start``..end of ``tokens``; the stamp
+        of position i is ``stamp + i`` (higher = more recent, for ties)."""
+        for i in range(start, len(tokens)):
+            token = tokens[i]
+            for n in range(self.min_match, min(self.max_match, i) + 1):
+                followers = self.next.setdefault(tuple(tokens[i - n:i]), {})
+                seen = followers.get(token)
+                if seen is None:
+                    followers[token] = [1, stamp + i]
+                else:
+                    seen[0] += 1
+                    seen[1] = stamp + i
+
+    def uncount(self, tokens: Sequence[int]) -> None:
+        """Take back what :meth:`count` added for the whole of ``tokens``."""
+        for i in range(1, len(tokens)):
+            for n in range(self.min_match, min(self.max_match, i) + 1):
+                key = tuple(tokens[i - n:i])
+                followers = self.next[key]
+                seen = followers[tokens[i]]
+                seen[0] -= 1
+                if not seen[0]:
+                    del followers[tokens[i]]
+                    if not followers:
+                        del self.next[key]
+
+    def best(self, tail: Sequence[int]) -> tuple[int, float] | None:
+        """The most frequent continuation of the longest suffix of ``tail`` in the index
+        (ties: the most recent) and its score; None when no suffix occurred before."""
+        for n in range(min(self.max_match, len(tail)), self.min_match - 1, -1):
+            followers = self.next.get(tuple(tail[-n:]))
+            if followers:
+                token, (count, _) = max(followers.items(), key=lambda item: item[1])
+                total = sum(c for c, _ in followers.values())
+                return token, count / total * n / (n + 1)
+        return None
+
+
+DEFAULT_CORPUS_TOKENS = 100_000
+"""A corpus's default bound (tokens of earlier outputs kept)."""
+
+
+class SuffixCorpus:
+    """Earlier generations' outputs, indexed for :class:`SuffixProposer` (SuffixDecoding's
+    global suffix tree, as n-gram continuation counts). Thread-safe.
+
+    Args:
+        max_tokens: most output tokens kept; adding more evicts the oldest outputs first.
+        min_match, max_match: n-gram sizes indexed (as the proposer's).
+    Raises:
+        ValueError: naming the bad value.
+    """
+
+    def __init__(self, max_tokens: int = DEFAULT_CORPUS_TOKENS, min_match: int = DEFAULT_MATCH[0],
+                 max_match: int = DEFAULT_MATCH[1]) -> None:
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"max_tokens = {max_tokens!r} is invalid: it must be an integer ≥ 1")
+        check_ngram_sizes(min_match, max_match, ("min_match", "max_match"))
+        self.max_tokens = max_tokens
+        self._index = _SuffixIndex(min_match, max_match)
+        self._outputs: deque[list[int]] = deque()
+        self._lock = threading.Lock()
+        self._stamp = 0
+        self.num_tokens = 0
+
+    def add(self, token_ids: Sequence[int]) -> None:
+        """Index one output (its last ``max_tokens`` tokens), evicting the oldest outputs
+        until at most ``max_tokens`` are kept."""
+        tokens = [int(t) for t in token_ids][-self.max_tokens:]
+        if len(tokens) < 2:
+            return
+        with self._lock:
+            self._index.count(tokens, 1, self._stamp)
+            self._stamp += len(tokens)
+            self._outputs.append(tokens)
+            self.num_tokens += len(tokens)
+            while self.num_tokens > self.max_tokens:
+                oldest = self._outputs.popleft()
+                self._index.uncount(oldest)
+                self.num_tokens -= len(oldest)
+
+    def clear(self) -> None:
+        """Forget every output."""
+        with self._lock:
+            self._index.next.clear()
+            self._outputs.clear()
+            self.num_tokens = 0
+
+    def best(self, tail: Sequence[int]) -> tuple[int, float] | None:
+        """As :meth:`_SuffixIndex.best`, over the kept outputs."""
+        with self._lock:
+            return self._index.best(tail)
+
+    @property
+    def num_outputs(self) -> int:
+        """Outputs kept."""
+        return len(self._outputs)
+
+    @property
+    def num_ngrams(self) -> int:
+        """Distinct n-grams indexed (the index's size: each holds a small dict)."""
+        return len(self._index.next)
+
+
 class SuffixProposer(Proposer):
     """Drafts the most frequent continuation of the longest earlier match of the context's
     suffix (see the module docstring).
@@ -49,6 +170,8 @@ class SuffixProposer(Proposer):
         min_probability: the draft stops before the token whose score would bring the
             product of the scores below this, in [0, 1) (0: draft k tokens while matches
             last). The ``confidence`` policy's ``min_confidence`` raises it.
+        corpus: earlier outputs to draft from as well (None: the request's own text only);
+            every finished sample's output is added to it.
     Raises:
         ValueError: naming the bad value.
     """
@@ -57,23 +180,29 @@ class SuffixProposer(Proposer):
     supports_min_confidence = True
 
     def __init__(self, min_match: int = DEFAULT_MATCH[0], max_match: int = DEFAULT_MATCH[1],
-                 min_probability: float = DEFAULT_MIN_PROBABILITY) -> None:
+                 min_probability: float = DEFAULT_MIN_PROBABILITY,
+                 corpus: SuffixCorpus | None = None) -> None:
         check_ngram_sizes(min_match, max_match, ("min_match", "max_match"))
         if not 0 <= min_probability < 1:
             raise ValueError(f"min_probability = {min_probability!r} is invalid: it must be in "
                              "[0, 1)")
         self.min_match, self.max_match = min_match, max_match
         self.min_probability = min_probability
+        self.corpus = corpus
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, reproducible: bool = False) -> None:
         self._tokens: list[int] = []  # the tokens indexed so far
-        # n-gram → {next token: [times it followed, last position it followed at]}
-        self._next: dict[tuple[int, ...], dict[int, list[int]]] = {}
+        self._index = _SuffixIndex(self.min_match, self.max_match)
+        self._use_corpus = self.corpus is not None and not reproducible
+
+    def end_sequence(self, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        if self.corpus is not None:
+            self.corpus.add(token_ids[num_prompt_tokens:])
 
     def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
                 rng: torch.Generator, min_confidence: float = 0.0) -> Proposal:
-        self._index(token_ids)
+        self._update(token_ids)
         threshold = max(self.min_probability, min_confidence)
         tail = list(token_ids[-self.max_match:])
         drafted: list[int] = []
@@ -91,32 +220,20 @@ class SuffixProposer(Proposer):
         return Proposal(drafted) if drafted else EMPTY_PROPOSAL
 
     def _continuation(self, tail: list[int]) -> tuple[int, float] | None:
-        """The most frequent continuation of the longest suffix of ``tail`` in the index
-        (ties: the most recent), and its score; None when no suffix occurred before."""
-        for n in range(min(self.max_match, len(tail)), self.min_match - 1, -1):
-            followers = self._next.get(tuple(tail[-n:]))
-            if followers:
-                token, (count, _) = max(followers.items(), key=lambda item: item[1])
-                total = sum(c for c, _ in followers.values())
-                return token, count / total * n / (n + 1)
-        return None
+        """The better-scored continuation of the request's own index and the corpus."""
+        own = self._index.best(tail)
+        if not self._use_corpus:
+            return own
+        shared = self.corpus.best(tail)
+        return shared if own is None or (shared is not None and shared[1] > own[1]) else own
 
-    def _index(self, token_ids: Sequence[int]) -> None:
-        """Add the tokens of ``token_ids`` not indexed yet. The engine's record only grows
-        between resets; anything else (a shorter or different sequence) is indexed anew."""
+    def _update(self, token_ids: Sequence[int]) -> None:
+        """Index the tokens of ``token_ids`` not indexed yet. The engine's record only grows
+        between resets; anything else (a shorter or different sequence, e.g. the next
+        sample) is indexed anew."""
         done = len(self._tokens)
         if done > len(token_ids) or (done and token_ids[done - 1] != self._tokens[-1]):
-            self.reset()
+            self._tokens, self._index = [], _SuffixIndex(self.min_match, self.max_match)
             done = 0
-        tokens = self._tokens
-        for i in range(done, len(token_ids)):
-            token = int(token_ids[i])
-            for n in range(self.min_match, min(self.max_match, i) + 1):
-                followers = self._next.setdefault(tuple(tokens[i - n:i]), {})
-                seen = followers.get(token)
-                if seen is None:
-                    followers[token] = [1, i]
-                else:
-                    seen[0] += 1
-                    seen[1] = i
-            tokens.append(token)
+        self._tokens.extend(int(t) for t in token_ids[done:])
+        self._index.count(self._tokens, max(done, 1), 0)
