@@ -550,6 +550,24 @@ def test_disconnected_client_cancels_a_non_streamed_generation(gated):
     assert metric(url, "exactspec:generation_tokens_total") < 8 * 200
 
 
+def test_suffix_corpus_learns_across_requests_and_is_reported():
+    from exactspec import SuffixCorpus, SuffixProposer
+
+    corpus = SuffixCorpus(1000)
+    app = create_app(make_target(), SuffixProposer(corpus=corpus), model_name=MODEL,
+                     speculation=SpeculationSettings(6, "constant"))
+    with serving(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        kwargs = dict(model=MODEL, prompt="hello world", max_tokens=40, temperature=0)
+        first, second = (client.completions.create(**kwargs) for _ in range(2))
+        assert first.choices[0].text == second.choices[0].text
+        assert (second.model_extra["speculation"]["accepted_tokens"]
+                > first.model_extra["speculation"]["accepted_tokens"])
+        assert metric(url, "exactspec:suffix_corpus_tokens") == corpus.num_tokens == 80
+        assert metric(url, "exactspec:suffix_corpus_max_tokens") == 1000
+        assert metric(url, "exactspec:suffix_corpus_ngrams") == corpus.num_ngrams > 0
+
+
 # --- the command ------------------------------------------------------------------------
 
 def test_serve_help_names_the_endpoints(capsys):

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from exactspec.backends.base import Backend
 from exactspec.engine import GenerationResult
 from exactspec.proposers.base import Proposer
+from exactspec.proposers.suffix import SuffixProposer
 from exactspec.server.metrics import ServerMetrics
 from exactspec.server.protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest,
                                        CompletionRequest,
@@ -59,6 +60,8 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
         ValueError: if the default policy cannot run with ``proposer``.
     """
     metrics = ServerMetrics(model_name)
+    if isinstance(proposer, SuffixProposer) and proposer.corpus is not None:
+        metrics.watch_corpus(proposer.corpus)
     worker = EngineWorker(target, proposer, speculation, metrics, max_queue=max_queue,
                           allow_batch_variance=allow_batch_variance)
 

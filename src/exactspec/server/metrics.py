@@ -15,6 +15,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from exactspec.engine import GenerationResult
+from exactspec.proposers.suffix import SuffixCorpus
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 """Seconds; wide, because requests wait in one queue on a small machine."""
@@ -58,6 +59,17 @@ class ServerMetrics:
             "Drafted tokens accepted at each draft position (0-based)", ["position"],
             registry=r)
         Gauge(p + "model_info", "The served model", ["model"], registry=r).labels(model).set(1)
+
+    def watch_corpus(self, corpus: SuffixCorpus) -> None:
+        """Report a suffix drafter's corpus of earlier outputs: tokens kept (bounded) and
+        n-grams indexed (its memory grows with them)."""
+        p, r = "exactspec:", self.registry
+        Gauge(p + "suffix_corpus_tokens", "Output tokens in the suffix drafter's corpus",
+              registry=r).set_function(lambda: corpus.num_tokens)
+        Gauge(p + "suffix_corpus_max_tokens", "The corpus's bound (tokens)",
+              registry=r).set(corpus.max_tokens)
+        Gauge(p + "suffix_corpus_ngrams", "n-grams indexed in the corpus",
+              registry=r).set_function(lambda: corpus.num_ngrams)
 
     def record(self, result: GenerationResult, prompt_tokens: int) -> None:
         """Count one finished choice (``prompt_tokens``: its prompt's length, 0 when an
