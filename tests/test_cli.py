@@ -86,9 +86,12 @@ def test_stop_string_via_cli(model_folder, capsys):
     (["--threads", "0"], "'0' is invalid: give an integer ≥ 1"),
     (["--proposer", "magic"], "argument --proposer: proposer 'magic' is invalid: use one of "
                               "none (or plain), prompt-lookup[:ngram=MIN-MAX], "
-                              "suffix[:ngram=MIN-MAX], early-exit:L, draft:MODEL"),
+                              "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL"),
     (["--proposer", "early-exit:0"], "proposer 'early-exit:0' is invalid: L = 0 must be ≥ 1"),
     (["--proposer", "none", "--no-speculation"], "not allowed with argument --proposer"),
+    (["--trace", "out.txt"], "--trace out.txt is invalid: give a file name ending in .html"),
+    (["--trace", "/no-such-folder/x.html"], "the folder '/no-such-folder' does not exist"),
+    (["--show", "--json"], "--show and --json print the output two ways: choose one"),
 ])
 def test_bad_arguments_exit_2_naming_the_value(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

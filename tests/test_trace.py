@@ -219,13 +219,38 @@ def test_plain_markers_without_colour():
     assert styles["b"] == "green" and styles["d"] == "bold yellow" and styles["f"] == "cyan"
 
 
-def run_cli_show(model_folder, use_pty: bool) -> str:
+def test_tokens_without_text_and_split_characters_are_marked_apart():
+    from exactspec.trace.record import NO_TEXT, PARTIAL, shown_pieces
+
+    table = {0: b"\xc3", 1: b"\xa9", 2: b"x", 3: b""}  # "é" split in two; 3: EOS
+    decode = lambda ids: b"".join(table[t] for t in ids).decode("utf-8", "replace")
+    assert shown_pieces([2, 0, 1, 3], decode) == ["x", PARTIAL, "é", NO_TEXT]
+
+
+def test_trace_file_that_cannot_be_written_is_one_error_line(model_folder, tmp_path, capsys):
+    from exactspec import cli
+
+    (tmp_path / "file").write_text("")
+    args = ["generate", PROMPT, "--model", str(model_folder), "--no-chat", "--max-new-tokens",
+            "4", "--trace"]
+    with pytest.raises(SystemExit) as raised:  # found before loading the model
+        cli.main(args + [str(tmp_path / "file" / "x.HTML")])
+    assert raised.value.code == 2 and "is not a folder" in capsys.readouterr().err
+    (tmp_path / "taken.html").mkdir()  # found only when writing
+    assert cli.main(args + [str(tmp_path / "taken.html")]) == 1
+    err = capsys.readouterr().err
+    assert "could not write the trace" in err and "Traceback" not in err
+
+
+def run_cli_show(model_folder, use_pty: bool, no_color: bool = False) -> str:
     """``exactspec generate --show`` in a subprocess, its stdout a pseudo-terminal or a pipe."""
     command = [sys.executable, "-c", "import sys; from exactspec.cli import main; sys.exit(main())",
                "generate", PROMPT, "--model", str(model_folder), "--show", "--max-new-tokens",
                "30", "--policy", "constant", "--prompt-lookup", "1-3", "--no-chat"]
     env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR")}
     env["TERM"] = "xterm-256color"
+    if no_color:
+        env["NO_COLOR"] = "1"
     if not use_pty:
         return subprocess.run(command, capture_output=True, text=True, env=env,
                               check=True).stdout
@@ -256,8 +281,9 @@ def test_show_in_a_pseudo_terminal_uses_colours(model_folder):
     assert "legend:" in output and "▏" in output
 
 
-def test_show_through_a_pipe_uses_markers(model_folder):
-    output = run_cli_show(model_folder, use_pty=False)
+@pytest.mark.parametrize("use_pty, no_color", [(False, False), (True, True)])
+def test_show_without_colours_uses_markers(model_folder, use_pty, no_color):
+    output = run_cli_show(model_folder, use_pty, no_color)
     assert "\x1b[" not in output
     assert "[" in output and "|" in output
     assert "legend: [accepted draft]  {recovered after a rejection}  <bonus token>" in output

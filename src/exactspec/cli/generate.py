@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import logging
 import sys
+from pathlib import Path
 
 from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_model_options,
                                   add_policy_option, allows_batch_variance,
@@ -94,7 +95,8 @@ def add_parser(commands) -> None:
                           "model has one)")
     out.add_argument("--json", action="store_true",
                      help="print one JSON object: text, token_ids, finish_reason, usage, "
-                          "logprobs, every stats field (with -n > 1: a list under 'samples')")
+                          "logprobs, every stats field, and with --trace every cycle under "
+                          "'trace' (with -n > 1: a list under 'samples')")
     out.add_argument("--show", action="store_true",
                      help="print the output with each token marked by how it was committed: "
                           "accepted draft, recovered after a rejection, bonus token, plain step "
@@ -103,7 +105,7 @@ def add_parser(commands) -> None:
     out.add_argument("--trace", metavar="FILE.html", default=None,
                      help="write a self-contained page with every cycle: drafts, p, q, "
                           "min(1, p/q), the uniform drawn, verdicts, residuals, charts; and the "
-                          "same data as JSON beside it (FILE.json)")
+                          "same data as JSON beside it (FILE.json); both are overwritten")
     out.add_argument("--logprobs", type=int, default=None, metavar="N",
                      help="with --json: each token's logprob under the target's processed "
                           "distribution and the top N alternatives (0..20)")
@@ -120,8 +122,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                                       slow_decoding_warning)
     from exactspec.models import ModelNotFoundError
     from exactspec.proposers.spec import build_proposer
-    from exactspec.trace.page import write_trace
-    from exactspec.trace.terminal import show
 
     try:
         params = SamplingParams(
@@ -144,8 +144,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      "(0 = plain decoding)")
     if args.show and args.json:
         parser.error("--show and --json print the output two ways: choose one")
-    if args.trace is not None and not args.trace.endswith((".html", ".htm")):
-        parser.error(f"--trace {args.trace} is invalid: give a file name ending in .html")
+    if args.trace is not None:
+        trace = Path(args.trace)
+        if trace.suffix.lower() not in (".html", ".htm"):
+            parser.error(f"--trace {args.trace} is invalid: give a file name ending in .html")
+        if not trace.parent.is_dir():
+            parser.error(f"--trace {args.trace} is invalid: the folder {str(trace.parent)!r} "
+                         "does not exist (or is not a folder)")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         parser.error("PROMPT is empty: give some text")
@@ -193,17 +198,26 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if len(results) > 1:
                 console.rule(f"sample {i + 1} of {len(results)}")
             if args.show:
+                from exactspec.trace.terminal import show
+
                 show(stdout, result.trace, target.tokenizer.decode)
             else:
                 print(result.text, flush=True)
         console.print(f"{result.stats.summary()} · finish: {result.finish_reason} · {method} · {target.description}",
                       highlight=False, soft_wrap=True)
     if args.trace is not None:
-        page, data = write_trace(args.trace, results, target.tokenizer.decode, {
+        from exactspec.trace.page import write_trace
+
+        try:
+            page, data = write_trace(args.trace, results, target.tokenizer.decode, {
             "model": args.model, "backend": target.description, "method": method,
             "num_speculative_tokens": args.num_speculative_tokens, "policy": args.policy,
             "chat": chat, "prompt": prompt,
             "sampling": {k: v for k, v in vars(params).items() if v not in ((), {}, None)}})
+        except OSError as error:
+            console.print(f"[bold red]error:[/] --trace {escape(args.trace)}: could not write "
+                          f"the trace: {escape(str(error))}", highlight=False)
+            return 1
         console.print(f"trace: {page} (and {data.name})", highlight=False)
     warning = slow_decoding_warning(
         target, sum(r.stats.num_generated_tokens for r in results),

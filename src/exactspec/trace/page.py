@@ -15,10 +15,10 @@ import jinja2
 
 from exactspec.engine import GenerationResult
 from exactspec.files import readable_json, write_text_atomically
-from exactspec.trace.record import TokenKind, token_pieces
+from exactspec.trace.record import NO_TEXT, TokenKind, at_boundary, shown_pieces
 
 COLOURS: dict[TokenKind, str] = {"accepted": "#2e7d32", "recovered": "#e6a700",
-                                 "bonus": "#00838f", "plain": "#9e9e9e"}
+                                 "bonus": "#1565c0", "plain": "#9e9e9e"}
 
 
 def write_trace(path: str | Path, results: Sequence[GenerationResult],
@@ -33,13 +33,16 @@ def write_trace(path: str | Path, results: Sequence[GenerationResult],
         (page path, JSON path).
     Raises:
         ValueError: if a result carries no trace.
+        OSError: if the files cannot be written (e.g. the folder does not exist).
     """
     if any(result.trace is None for result in results):
         raise ValueError("write_trace needs results generated with trace=True")
     page, data = Path(path), Path(path).with_suffix(".json")
-    page.parent.mkdir(parents=True, exist_ok=True)
     samples = [sample_view(result, decode) for result in results]
-    html = _template().render(config=config, samples=samples, colours=COLOURS)
+    shown = {key: (", ".join(f"{k} {v}" for k, v in value.items()) if isinstance(value, dict)
+                   else {True: "yes", False: "no"}.get(value, value) if isinstance(value, bool)
+                   else value) for key, value in config.items()}
+    html = _template().render(config=shown, samples=samples, colours=COLOURS)
     write_text_atomically(page, html)
     write_text_atomically(data, readable_json({"config": config, "samples": [
         {"text": r.text, "token_ids": r.token_ids, "stats": r.stats.to_dict(),
@@ -51,12 +54,13 @@ def sample_view(result: GenerationResult, decode: Callable[[list[int]], str]) ->
     """What the template shows of one sample: token pieces with their kind and cycle, each
     cycle with token texts, and the charts."""
     token_ids = [token for cycle in result.trace for token, _ in cycle.committed]
-    pieces = iter(token_pieces(token_ids, decode))
-    text = lambda token: visible(decode([token])) or f"#{token}"
+    pieces = iter(shown_pieces(token_ids, decode))
+    text = lambda token: visible(decode([token])) or f"{NO_TEXT}#{token}"
     tokens, cycles = [], []
-    for cycle in result.trace:
+    for number, cycle in enumerate(result.trace):
         committed = [(next(pieces), kind) for _, kind in cycle.committed]
-        tokens += [(piece, kind, cycle.index) for piece, kind in committed]
+        tokens += [(piece, kind, cycle.index, at_boundary(result.trace, number) and not i)
+                   for i, (piece, kind) in enumerate(committed)]
         committed = [(visible(piece), kind) for piece, kind in committed]
         cycles.append({
             "index": cycle.index, "position": cycle.position, "chosen_k": cycle.chosen_k,
@@ -80,6 +84,8 @@ def visible(text: str) -> str:
 
 def _committed_chart(result: GenerationResult) -> str:
     """Tokens committed per cycle, stacked by kind, as inline SVG."""
+    from matplotlib.ticker import MaxNLocator
+
     figure, axes = _figure()
     bottoms = [0] * len(result.trace)
     for kind in COLOURS:
@@ -89,6 +95,8 @@ def _committed_chart(result: GenerationResult) -> str:
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     axes.set_xlabel("cycle")
     axes.set_ylabel("tokens committed")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.yaxis.set_major_locator(MaxNLocator(integer=True))
     figure.legend(loc="outside upper center", fontsize=8, ncols=4, frameon=False)
     return _svg(figure)
 

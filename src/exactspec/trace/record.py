@@ -23,6 +23,10 @@ from exactspec.logits_pipeline import greedy_tokens
 TokenKind = Literal["accepted", "recovered", "bonus", "plain"]
 """How a committed token came about: an accepted draft; the replacement after the first
 rejection; the extra token after every draft was accepted; a cycle with no drafts."""
+NO_TEXT = "∅"
+"""Shown for a token without text of its own (EOS and other special tokens)."""
+PARTIAL = "·"
+"""Shown for a token that holds only the start of a character the next token completes."""
 TOP_TOKENS = 5
 """How many of the residual's (or the final distribution's) most likely tokens are kept."""
 
@@ -158,3 +162,17 @@ def token_pieces(token_ids: Sequence[int], decode: Callable[[list[int]], str]) -
     if pieces and previous != decode(list(token_ids)):
         pieces[-1] += decode(list(token_ids))[len(previous):]
     return pieces
+
+
+def shown_pieces(token_ids: Sequence[int], decode: Callable[[list[int]], str]) -> list[str]:
+    """:func:`token_pieces` for display: a token with no share of the text shows as
+    :data:`NO_TEXT` when it has no text at all (a special token) and as :data:`PARTIAL`
+    when it starts a character that a later token completes."""
+    return [piece or (NO_TEXT if decode([token]) == "" else PARTIAL)
+            for token, piece in zip(token_ids, token_pieces(token_ids, decode))]
+
+
+def at_boundary(trace: Sequence[CycleTrace], index: int) -> bool:
+    """Whether a cycle boundary mark goes before cycle ``index``: where that cycle or the
+    one before drafted (consecutive plain steps, one token each, are not separated)."""
+    return index > 0 and bool(trace[index].drafts or trace[index - 1].drafts)
