@@ -92,7 +92,7 @@ def test_fast_matches_reference(seed, k, point_mass, sparse):
 
 def test_output_layout():
     draft_ids, draft_probs, target_probs = random_case(3, 64, 4, 10)
-    out, accepted = rejection_sample(draft_ids, draft_probs, target_probs, make_rng(0))
+    out, accepted, _ = rejection_sample(draft_ids, draft_probs, target_probs, make_rng(0))
     assert out.shape == (64, 5) and accepted.shape == (64,)
     assert 0 < accepted.float().mean() < 4  # both accepting and rejecting rows occur
     for b in range(64):
@@ -105,7 +105,7 @@ def test_zero_draft_probability_is_rejected_never_divided():
     target = torch.tensor([[[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]]])
     draft = torch.tensor([[[0.0, 1.0, 0.0]]])  # token 0 drafted although q(0) = 0
     for seed in range(50):
-        out, accepted = rejection_sample(torch.tensor([[0]]), draft, target, make_rng(seed))
+        out, accepted, _ = rejection_sample(torch.tensor([[0]]), draft, target, make_rng(seed))
         assert accepted.item() == 0
         assert out[0, 0].item() == 0  # residual max(0, p - q) = [0.5, 0, 0]
 
@@ -113,7 +113,7 @@ def test_zero_draft_probability_is_rejected_never_divided():
 def test_zero_target_probability_is_never_accepted():
     target = torch.tensor([[[0.0, 1.0], [0.5, 0.5]]])
     for seed in range(200):
-        out, accepted = rejection_sample(torch.tensor([[0]]), None, target, make_rng(seed))
+        out, accepted, _ = rejection_sample(torch.tensor([[0]]), None, target, make_rng(seed))
         assert accepted.item() == 0 and out[0, 0].item() == 1
 
 
@@ -121,7 +121,7 @@ def test_identical_distributions_accept_everything_and_never_nan():
     _, _, target = random_case(0, 32, 4, 9)
     draft_probs = target[:, :4].clone()
     draft_ids = torch.multinomial(draft_probs.reshape(-1, 9), 1).reshape(32, 4)
-    out, accepted = rejection_sample(draft_ids, draft_probs, target, make_rng(0))
+    out, accepted, _ = rejection_sample(draft_ids, draft_probs, target, make_rng(0))
     assert (accepted == 4).all() and (out >= 0).all()
 
 
@@ -131,7 +131,7 @@ def test_zero_residual_mass_samples_from_p():
     # elsewhere: the residual is 0 everywhere, so the final token comes from p.
     target = torch.tensor([[[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]])
     draft = torch.tensor([[[0.0, 1.0, 0.0]]])
-    out, accepted = rejection_sample(torch.tensor([[2]]), draft, target, make_rng(0))
+    out, accepted, _ = rejection_sample(torch.tensor([[2]]), draft, target, make_rng(0))
     assert accepted.item() == 0 and out[0].tolist() == [1, PADDING_TOKEN_ID]
 
 
@@ -149,10 +149,10 @@ def test_shape_errors():
 def test_greedy_verify():
     target = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
     draft = torch.tensor([[5, 6, 7], [5, 0, 7], [1, 6, 7]])
-    out, accepted = greedy_verify(draft, target)
+    out, accepted, _ = greedy_verify(draft, target)
     assert accepted.tolist() == [3, 1, 0]
     assert out.tolist() == [[5, 6, 7, 8], [5, 6, -1, -1], [5, -1, -1, -1]]
-    out, accepted = greedy_verify(torch.zeros(2, 0, dtype=torch.long), torch.tensor([[3], [4]]))
+    out, accepted, _ = greedy_verify(torch.zeros(2, 0, dtype=torch.long), torch.tensor([[3], [4]]))
     assert accepted.tolist() == [0, 0] and out.tolist() == [[3], [4]]
 
 
@@ -163,7 +163,7 @@ N = 40_000
 
 def committed_distributions(sampler, draft_ids, draft_probs, target_probs):
     """Counts of the first committed token, and of the second given the first accepted."""
-    out, accepted = sampler(draft_ids, draft_probs, target_probs, make_rng(1234))
+    out, accepted = sampler(draft_ids, draft_probs, target_probs, make_rng(1234))[:2]
     vocab = target_probs.shape[-1]
     first = torch.bincount(out[:, 0], minlength=vocab)
     second = torch.bincount(out[accepted >= 1, 1], minlength=vocab)
@@ -241,3 +241,15 @@ def test_greedy_accept_length_agrees_with_greedy_verify():
             assert n == int(expected.num_accepted[0])
             assert target[0, : n + 1].tolist() == \
                 [t for t in expected.output_token_ids[0].tolist() if t >= 0]
+
+
+def test_uniforms_are_the_acceptance_draws_and_decide_the_verdicts():
+    draft_ids, draft_probs, target_probs = random_case(3, 32, 4, 10)
+    result = rejection_sample(draft_ids, draft_probs, target_probs, make_rng(5))
+    replay = torch.rand((32, 4), dtype=torch.float64, generator=make_rng(5))
+    assert torch.equal(result.uniforms, replay)
+    p = target_probs[:, :4].gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1).double()
+    q = draft_probs.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1).double()
+    passes = (result.uniforms * q < p).long()
+    assert torch.equal(passes.cumprod(dim=-1).sum(dim=-1), result.num_accepted)
+    assert greedy_verify(draft_ids, target_probs.argmax(-1)).uniforms is None
