@@ -57,6 +57,22 @@ def test_parse_method_errors():
             parse_method(spec, target, lambda name: target)
 
 
+def test_a_suffix_corpus_never_holds_the_question_measured():
+    """Repetitions of one question draft the same (its own earlier output is never in the
+    corpus); another question with the same prompt drafts from the first one's output."""
+    target = tiny_backend(0)
+    method = parse_method("suffix:k=6:corpus=1000", target, lambda name: target)
+    prompt_ids = target.tokenizer.encode("hello world")
+    params = SamplingParams(max_new_tokens=40)
+    warm_up = method.run(prompt_ids, params)  # no question: its output is dropped
+    first, again = (method.run(prompt_ids, params, 1) for _ in range(2))
+    other = method.run(prompt_ids, params, 2)
+    assert warm_up.token_ids == first.token_ids == again.token_ids == other.token_ids
+    assert first.stats["cycles"] == again.stats["cycles"] == warm_up.stats["cycles"]
+    assert other.stats["cycles"] < first.stats["cycles"] / 2
+    assert "never its own" in method.notes
+
+
 def test_bench_end_to_end_flags_mismatches_and_writes_report(questions_file, tmp_path):
     target = tiny_backend(21)
     methods = [parse_method(spec, target, lambda name: tiny_backend(model=target.model))
@@ -64,7 +80,7 @@ def test_bench_end_to_end_flags_mismatches_and_writes_report(questions_file, tmp
                             "hf-prompt-lookup:k=4")]
     plain = methods[0]
 
-    def broken_run(prompt_ids, params):  # a "speculative method" that changes the output
+    def broken_run(prompt_ids, params, question_id=None):  # a method that changes the output
         outcome = plain.run(prompt_ids, params)
         return Outcome(outcome.token_ids[:-1] + [(outcome.token_ids[-1] + 1) % 64],
                        outcome.seconds, outcome.stats)
@@ -182,11 +198,11 @@ def interrupted_after(calls: int, methods: list[Method]) -> list[Method]:
     made = []
 
     def wrap(method):
-        def run(prompt_ids, params):
+        def run(prompt_ids, params, question_id=None):
             made.append(method.name)
             if len(made) > calls:
                 raise KeyboardInterrupt
-            return method.run(prompt_ids, params)
+            return method.run(prompt_ids, params, question_id)
         return Method(method.name, method.kind, method.k, run)
     return [wrap(method) for method in methods]
 

@@ -79,9 +79,10 @@ def test_methods_keep_their_kinds():
     target = tiny_backend(0)
     load = lambda name: tiny_backend(model=target.model)
     kinds = {spec: parse_method(spec, target, load).kind for spec in
-             ("plain", "prompt-lookup:k=2", "draft:x", "early-exit:1", "hf-plain",
+             ("plain", "prompt-lookup:k=2", "suffix:corpus=9", "draft:x", "early-exit:1", "hf-plain",
               "hf-prompt-lookup:k=4", "hf-assistant:x", "hf-draft:x", "hf-early-exit:1")}
-    assert kinds == {"plain": "plain", "prompt-lookup:k=2": "prompt-lookup", "draft:x": "draft",
+    assert kinds == {"plain": "plain", "prompt-lookup:k=2": "prompt-lookup",
+                     "suffix:corpus=9": "suffix", "draft:x": "draft",
                      "early-exit:1": "early-exit", "hf-plain": "hf-plain",
                      "hf-prompt-lookup:k=4": "hf-prompt-lookup", "hf-assistant:x": "hf-assistant",
                      "hf-draft:x": "hf-assistant", "hf-early-exit:1": "hf-early-exit"}

@@ -5,6 +5,7 @@ A method is a drafter spec (grammar in :mod:`exactspec.proposers.spec`) with ``:
 
     plain                        exactspec, plain decoding (the baseline)
     prompt-lookup:k=4[:ngram=2-3][:policy=auto]
+    suffix:k=8[:ngram=1-8][:corpus=N]   (a corpus only ever holds other questions' outputs)
     draft:MODEL:k=4, early-exit:L:k=4
     hf-plain, hf-prompt-lookup:k=10, hf-assistant:MODEL[:k=N], hf-early-exit:L[:k=N]
                                  transformers ``generate()`` (transformers backend)
@@ -26,6 +27,7 @@ from exactspec.backends.base import Backend
 from exactspec.engine import SpeculativeGenerator
 from exactspec.peers import DEFAULT_PROMPT_LOOKUP_K, PEERS, is_peer, make_peer
 from exactspec.proposers.spec import DrafterSpec, build_proposer, parse_drafter
+from exactspec.proposers.suffix import SuffixProposer
 from exactspec.sampling import SamplingParams
 
 __all__ = ["Method", "Outcome", "is_peer", "parse_method", "parse_method_spec"]
@@ -44,14 +46,17 @@ class Outcome:
 
 @dataclass
 class Method:
-    """A named way to decode; ``run(prompt_ids, params)`` → :class:`Outcome`. ``kind`` is
-    ``plain``, ``prompt-lookup``, ``draft``, ``early-exit``, or one of them with its peer
-    prefix (``hf-assistant`` for a transformers draft model)."""
+    """A named way to decode; ``run(prompt_ids, params, question_id)`` → :class:`Outcome`
+    (``question_id`` None for a warm-up). ``kind`` is ``plain``, ``prompt-lookup``,
+    ``suffix``, ``draft``, ``early-exit``, or one of them with its peer prefix
+    (``hf-assistant`` for a transformers draft model). ``notes``: how the method was kept
+    honest, for the report (e.g. what its corpus held)."""
 
     name: str
     kind: str
     k: int
-    run: Callable[[list[int], SamplingParams], Outcome]
+    run: Callable[[list[int], SamplingParams, int | None], Outcome]
+    notes: str | None = None
 
     @property
     def is_peer(self) -> bool:
@@ -93,16 +98,32 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
         except ValueError as error:
             raise ValueError(f"method {spec!r}: {error}") from None
 
-        def run_peer(prompt_ids: list[int], params: SamplingParams) -> Outcome:
+        def run_peer(prompt_ids: list[int], params: SamplingParams,
+                     question_id: int | None = None) -> Outcome:
             start = time.perf_counter()
             token_ids = list(peer.sample(prompt_ids, params, 1)[0])
             return Outcome(token_ids, time.perf_counter() - start, None)
         return Method(spec, kind, k, run_peer)
-    generator = SpeculativeGenerator(target, None) if not drafter.drafts else \
-        SpeculativeGenerator(target, build_proposer(drafter, target, load_model), k,
-                             drafter.policy, allow_batch_variance=allow_batch_variance)
+    proposer = build_proposer(drafter, target, load_model)
+    generator = SpeculativeGenerator(target, proposer, k, drafter.policy,
+                                     allow_batch_variance=allow_batch_variance)
+    corpus = proposer.corpus if isinstance(proposer, SuffixProposer) else None
+    earlier: dict[int, list[int]] = {}  # question id → its first output, in run order
 
-    def run(prompt_ids: list[int], params: SamplingParams) -> Outcome:
+    def run(prompt_ids: list[int], params: SamplingParams,
+            question_id: int | None = None) -> Outcome:
+        if corpus is not None:  # only other questions' outputs, never this one's
+            corpus.clear()
+            for other, output in earlier.items():
+                if other != question_id:
+                    corpus.add(output)
         result = generator.generate(prompt_ids, params)
+        if corpus is not None:
+            corpus.clear()  # the engine added this output: it must not be seen again
+            if question_id is not None:
+                earlier.setdefault(question_id, result.token_ids)
         return Outcome(result.token_ids, result.stats.total_seconds, result.stats.to_dict())
-    return Method(spec, kind, k, run)
+    notes = None if corpus is None else (
+        "suffix corpus: refilled before every run with the outputs of the questions run "
+        "before this one (never its own; the warm-up's is dropped), and cleared after it")
+    return Method(spec, kind, k, run, notes)

@@ -155,7 +155,7 @@ def _run_block(question: Question, repetition: int, prompt_ids: list[int],
     for method in methods:
         progress.update(task, description=f"{question.group} #{question.question_id} "
                                           f"{method.name}")
-        outcome = method.run(prompt_ids, params)
+        outcome = method.run(prompt_ids, params, question.question_id)
         block.append(Record(question.question_id, question.group, method.name, repetition,
                             len(outcome.token_ids), outcome.seconds, outcome.token_ids,
                             outcome.stats))

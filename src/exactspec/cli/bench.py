@@ -47,6 +47,8 @@ def add_parser(commands) -> None:
                        help="method to compare (repeatable): a drafter spec as in generate "
                             "--proposer, with :k=N (default 4) and :policy=P (default constant), "
                             "e.g. plain, prompt-lookup:k=4[:ngram=2-3][:policy=auto], "
+                            "suffix:k=8[:corpus=N] (a corpus holds only the outputs of the "
+                            "questions run before, never the one measured), "
                             "draft:MODEL:k=4, early-exit:L:k=4; prefixed hf- for transformers "
                             "generate() (hf-plain, hf-prompt-lookup:k=10, hf-assistant:MODEL, "
                             "hf-early-exit:L; transformers backend) or llama- for llama-cpp-python "
@@ -113,6 +115,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                   "methods": [m.name for m in methods], "max_new_tokens": args.max_new_tokens,
                   "temperature": args.temperature, "repetitions": args.repetitions,
                   "seed": args.seed, "chat": not args.no_chat}
+        config |= {f"{m.name}: how": m.notes for m in methods if m.notes}
         results = run_bench(target, questions, methods, params=params,
                             repetitions=args.repetitions, chat=not args.no_chat, config=config)
     except (ValueError, FileNotFoundError, LlamaCppNotInstalledError) as error:
