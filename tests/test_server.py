@@ -163,7 +163,7 @@ def test_stop_token_id_finishes_with_stop(client, library):
 
 def test_extra_sampling_parameters_reach_the_engine(client, library):
     extra = {"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.3, "min_tokens": 3,
-             "ignore_eos": True}
+             "ignore_eos": True, "bad_words": ["bc"], "banned_token_ids": [3]}
     response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
                                          temperature=0.7, seed=3, top_p=0.9,
                                          presence_penalty=0.5, frequency_penalty=0.2,
@@ -171,9 +171,10 @@ def test_extra_sampling_parameters_reach_the_engine(client, library):
     expected = library.generate(PROMPT, SamplingParams(
         temperature=0.7, seed=3, top_p=0.9, top_k=5, min_p=0.05, repetition_penalty=1.3,
         min_new_tokens=3, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.2,
-        logit_bias={0: -100}, max_new_tokens=12))
+        logit_bias={0: -100}, bad_words=("bc",), banned_token_ids=(3,), max_new_tokens=12))
     assert response.choices[0].text == expected.text
     assert "a" not in response.choices[0].text  # token 0 is "a", biased away
+    assert "d" not in response.choices[0].text and "bc" not in response.choices[0].text
 
 
 # --- streaming --------------------------------------------------------------------------
@@ -439,6 +440,8 @@ def test_what_openai_clients_send_by_default_is_accepted(server, client, library
     ({"stream": True, "stream_options": {"usage": True}}, "stream_options.usage", "xtra"),
     ({"logit_bias": {"999": 1}}, "logit_bias", "outside the vocabulary"),
     ({"stop_token_ids": [999]}, "stop_token_ids", "outside the vocabulary"),
+    ({"banned_token_ids": [999]}, "banned_token_ids", "outside the vocabulary"),
+    ({"bad_words": [""]}, "bad_words", "non-empty"),
     ({"min_tokens": 9}, "min_tokens", "max_tokens"),
 ])
 def test_chat_requests_that_ask_for_what_is_not_served_are_400(server, change, param, words):

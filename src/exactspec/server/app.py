@@ -225,8 +225,9 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
 
     def check_token_ids(params) -> None:
         """Token ids named by the request lie in the vocabulary (else 400 before queueing)."""
-        for field, ids in (("logit_bias", params.logit_bias), ("stop_token_ids",
-                                                               params.stop_token_ids)):
+        for field, ids in (("logit_bias", params.logit_bias),
+                           ("stop_token_ids", params.stop_token_ids),
+                           ("banned_token_ids", params.banned_token_ids)):
             bad = [t for t in ids if t >= target.vocab_size]
             if bad:
                 raise ServerError(400, f"{field}: token ids {bad[:5]} are outside the "

@@ -4,9 +4,9 @@ exactspec's :class:`~exactspec.sampling.SamplingParams` and
 
 Field names and meanings follow the OpenAI API reference (``/v1/completions``,
 ``/v1/chat/completions``) and vLLM's extra sampling parameters (``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``). exactspec adds
-``speculation`` (per-request speculation settings) to requests and ``speculation`` (the
-request's figures) to responses.
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``bad_words``).
+exactspec adds ``banned_token_ids`` and ``speculation`` (per-request speculation settings)
+to requests and ``speculation`` (the request's figures) to responses.
 """
 
 from __future__ import annotations
@@ -101,7 +101,9 @@ class SamplingRequest(BaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # exactspec's
+    banned_token_ids: list[int] | None = None
     speculation: Speculation | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -133,7 +135,8 @@ class SamplingRequest(BaseModel):
                 ignore_eos=self.ignore_eos, repetition_penalty=self.repetition_penalty,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, logit_bias=logit_bias,
-                logprobs=logprobs)
+                bad_words=tuple(self.bad_words or ()),
+                banned_token_ids=tuple(self.banned_token_ids or ()), logprobs=logprobs)
         except ValueError as error:
             field = str(error).removeprefix("SamplingParams.").split(" ", 1)[0]
             message = str(error).removeprefix("SamplingParams.")
