@@ -33,6 +33,18 @@ import torch
 from exactspec.sampling import SamplingParams
 
 
+def outside_vocabulary(params: SamplingParams, vocab_size: int) -> tuple[str, list[int]] | None:
+    """The first field of ``params`` naming token ids ≥ ``vocab_size`` (logit_bias,
+    banned_token_ids, stop_token_ids) and those ids; None when all fit."""
+    for name, ids in (("logit_bias", params.logit_bias),
+                      ("banned_token_ids", params.banned_token_ids),
+                      ("stop_token_ids", params.stop_token_ids)):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            return name, bad
+    return None
+
+
 class LogitsPipeline:
     """History-aware logits processing for one sequence (see module docstring).
 
@@ -56,12 +68,10 @@ class LogitsPipeline:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        for name, ids in (("logit_bias", params.logit_bias), ("banned_token_ids",
-                          params.banned_token_ids), ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if t >= vocab_size]
-            if bad:
-                raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary "
-                                 f"[0, {vocab_size})")
+        if (found := outside_vocabulary(params, vocab_size)) is not None:
+            name, bad = found
+            raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary "
+                             f"[0, {vocab_size})")
         self._penalised = (params.repetition_penalty != 1 or params.presence_penalty != 0
                            or params.frequency_penalty != 0)
         self._prompt_seen = None

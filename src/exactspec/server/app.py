@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exactspec.backends.base import Backend
 from exactspec.engine import GenerationResult
+from exactspec.logits_pipeline import outside_vocabulary
 from exactspec.proposers.base import Proposer
 from exactspec.proposers.suffix import SuffixProposer
 from exactspec.server.metrics import ServerMetrics
@@ -225,13 +226,10 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
 
     def check_token_ids(params) -> None:
         """Token ids named by the request lie in the vocabulary (else 400 before queueing)."""
-        for field, ids in (("logit_bias", params.logit_bias),
-                           ("stop_token_ids", params.stop_token_ids),
-                           ("banned_token_ids", params.banned_token_ids)):
-            bad = [t for t in ids if t >= target.vocab_size]
-            if bad:
-                raise ServerError(400, f"{field}: token ids {bad[:5]} are outside the "
-                                       f"vocabulary [0, {target.vocab_size})", field)
+        if (found := outside_vocabulary(params, target.vocab_size)) is not None:
+            field, bad = found
+            raise ServerError(400, f"{field}: token ids {bad[:5]} are outside the "
+                                   f"vocabulary [0, {target.vocab_size})", field)
 
     async def respond(request: Request, body: SamplingRequest, prompts: list[list[int]],
                       params, kind: str, prefix: str,
