@@ -11,6 +11,7 @@ Quick use::
 """
 
 from exactspec.backends import Backend, LlamaCppBackend, TransformersBackend, UnsupportedModelError
+from exactspec.batching import BatchedGenerator
 from exactspec.engine import GenerationResult, SpeculativeGenerator
 from exactspec.metrics import GenerationStats
 from exactspec.models import DEFAULT_MODEL, ModelNotFoundError, load_model
@@ -21,7 +22,7 @@ from exactspec.sampling import SamplingParams
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_MODEL", "Backend", "DraftModelProposer", "LlamaCppBackend", "EarlyExitProposer", "GenerationResult", "GenerationStats",
+    "DEFAULT_MODEL", "Backend", "BatchedGenerator", "DraftModelProposer", "LlamaCppBackend", "EarlyExitProposer", "GenerationResult", "GenerationStats",
     "ModelNotFoundError", "PromptLookupProposer", "Proposal", "Proposer", "SamplingParams",
     "SpeculativeGenerator", "SuffixCorpus", "SuffixProposer", "TransformersBackend", "UnsupportedModelError", "load_model",
 ]

@@ -76,6 +76,8 @@ class Backend(Protocol):
             speculate on a backend where it is False unless told to accept rounding
             differences.
         batch_variance_fix: what to tell a user whose backend is not batch-invariant.
+        supports_batches: whether it is also a :class:`BatchBackend` (holds several
+            sequences and scores them in one forward).
     """
 
     tokenizer: Tokenizer
@@ -86,6 +88,7 @@ class Backend(Protocol):
     description: str
     batch_invariant: bool
     batch_variance_fix: str
+    supports_batches: bool
 
     @property
     def num_cached_tokens(self) -> int: ...
@@ -112,6 +115,49 @@ class Backend(Protocol):
         Raises:
             ValueError: if ``num_tokens`` is negative or exceeds ``num_cached_tokens``.
         """
+        ...
+
+
+@runtime_checkable
+class BatchBackend(Backend, Protocol):
+    """A backend that also holds any number of sequences by id, besides its own one, and
+    scores several of them in one forward (batched decoding,
+    :class:`~exactspec.batching.BatchedGenerator`). Row i of a batched forward must get
+    bit-identical logits to scoring that sequence alone, whatever its companions.
+    """
+
+    def prefill_sequence(self, sequence_id: int, token_ids: Sequence[int]) -> None:
+        """Hold a new sequence ``sequence_id`` (replacing one of that id) with ``token_ids``
+        in its cache (may be empty); no logits."""
+        ...
+
+    def forward_sequences(self, rows: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
+        """Append each row's tokens (``(sequence_id, token_ids)``, at least one token each,
+        each sequence at most once) to its sequence's cache, all in one forward pass.
+
+        Returns:
+            one ``[len(token_ids), vocab_size]`` logits tensor per row, in order; row i of
+            one is the next-token distribution after its token i.
+        Raises:
+            ValueError: for an empty row or a sequence not held.
+        """
+        ...
+
+    def rollback_sequence(self, sequence_id: int, num_tokens: int) -> None:
+        """Drop the last ``num_tokens`` positions of a sequence's cache.
+
+        Raises:
+            ValueError: if ``num_tokens`` is negative or exceeds what the sequence holds, or
+                the sequence is not held.
+        """
+        ...
+
+    def release_sequence(self, sequence_id: int) -> None:
+        """Forget a sequence (no error if it is not held)."""
+        ...
+
+    def cached_tokens(self, sequence_id: int) -> int:
+        """Tokens in a sequence's cache."""
         ...
 
 

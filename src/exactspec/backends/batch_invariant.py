@@ -111,7 +111,8 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
               scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function interface. Fast kernels: transformers' SDPA.
     Batch-invariant kernels: one query row at a time, causal over one unpadded sequence
-    whose last ``q`` positions are the queries (the backend's only use).
+    whose last ``q`` positions are the queries; inside :func:`packed_sequences` (either
+    kernels), the same per sequence of the packed forward, over that sequence's own cache.
 
     Args:
         query: ``[batch, heads, q, head_dim]``; key, value: ``[batch, kv_heads, L, head_dim]``.
@@ -127,20 +128,79 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
                    if kwargs.get(name) is not None]
     if unsupported:
         raise ValueError(f"exactspec's attention does not implement {', '.join(unsupported)}")
-    if _kernels.get() != "batch-invariant":
+    if _kernels.get() != "batch-invariant" and _packed.get() is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     batch, heads, q_len, head_dim = query.shape
-    kv_heads, kv_len = key.shape[1], key.shape[2]
+    kv_heads = key.shape[1]
     scaling = head_dim ** -0.5 if scaling is None else scaling
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, q_len, head_dim)
-    rows = []
-    for i in range(q_len):
-        visible = kv_len - q_len + i + 1  # causal: the keys up to this query's position
-        scores = grouped[:, :, :, i] @ key[:, :, :visible].transpose(-1, -2) * scaling
-        rows.append(scores.softmax(dim=-1) @ value[:, :, :visible])  # [batch, kv, g, d]
+    packed = _packed.get()
+    if packed is None:
+        rows = _causal_rows(grouped, key, value, 0, q_len, scaling)
+    else:  # one packed forward of several sequences, each attending to its own cache only
+        rows, offset = [], 0
+        for layers, length in zip(packed.caches, packed.lengths):
+            layer = layers.layers[module.layer_idx]
+            rows += _causal_rows(grouped, layer.keys, layer.values, offset, length, scaling)
+            offset += length
     output = torch.stack(rows, dim=3).reshape(batch, heads, q_len, head_dim)
     return output.transpose(1, 2).contiguous(), None
+
+
+def _causal_rows(grouped: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offset: int,
+                 length: int, scaling: float) -> list[torch.Tensor]:
+    """Queries ``offset .. offset+length`` of ``grouped`` (``[batch, kv_heads, g, q, d]``),
+    the last ``length`` positions of the sequence whose keys and values are ``key``,
+    ``value`` (``[batch, kv_heads, L, d]``), each as a one-query problem over exactly the
+    keys up to its position. Returns ``length`` tensors ``[batch, kv_heads, g, d]``."""
+    kv_len, rows = key.shape[2], []
+    for i in range(length):
+        visible = kv_len - length + i + 1  # causal: the keys up to this query's position
+        scores = grouped[:, :, :, offset + i] @ key[:, :, :visible].transpose(-1, -2) * scaling
+        rows.append(scores.softmax(dim=-1) @ value[:, :, :visible])
+    return rows
+
+
+class PackedSequences:
+    """The KV caches of several sequences scored in one packed forward (batched decoding):
+    the model sees one sequence of ``sum(lengths)`` tokens; :meth:`update` (transformers'
+    cache interface) appends each sequence's slice of the new keys and values to its own
+    ``DynamicCache``, and :func:`attention` (inside :func:`packed_sequences`) computes each
+    query over its own sequence's keys, the same one-query problem as a single sequence's
+    forward. Row i's logits are then bit-identical to scoring that sequence alone.
+
+    Args:
+        caches: one ``DynamicCache`` per sequence, in packing order.
+        lengths: tokens of each sequence in this forward (≥ 1 each).
+    """
+
+    def __init__(self, caches: list, lengths: list[int]) -> None:
+        self.caches, self.lengths = caches, lengths
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        offset = 0
+        for cache, length in zip(self.caches, self.lengths):
+            cache.update(key_states[:, :, offset:offset + length],
+                         value_states[:, :, offset:offset + length], layer_idx)
+            offset += length
+        return key_states, value_states
+
+
+_packed: contextvars.ContextVar[PackedSequences | None] = contextvars.ContextVar(
+    "exactspec_packed", default=None)
+
+
+@contextlib.contextmanager
+def packed_sequences(packed: PackedSequences) -> Iterator[None]:
+    """Run the forward passes inside the block as one packed forward of ``packed``'s
+    sequences (attention per sequence, whatever :func:`kernel_mode` says)."""
+    token = _packed.set(packed)
+    try:
+        yield
+    finally:
+        _packed.reset(token)
 
 
 def use_exactspec_kernels(model: nn.Module) -> None:

@@ -161,6 +161,8 @@ class LlamaCppBackend:
         UnsupportedModelError: for recurrent or hybrid models (their state cannot roll back).
     """
 
+    supports_batches = False
+    """One sequence only, for now (batched decoding runs on the transformers backend)."""
     batch_variance_fix = ("Reinstall llama-cpp-python without llamafile's kernels: "
                           + INSTALL_HINT + " --force-reinstall")
     """What the engine's refusal tells a user whose build is not batch-invariant."""

@@ -23,7 +23,8 @@ import tempfile
 import torch
 
 from exactspec.backends.base import UnsupportedModelError, chat_messages, check_batch_invariance
-from exactspec.backends.batch_invariant import KERNELS, kernel_mode, use_exactspec_kernels
+from exactspec.backends.batch_invariant import (KERNELS, PackedSequences, kernel_mode,
+                                                 packed_sequences, use_exactspec_kernels)
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,10 @@ class TransformersBackend:
             :mod:`~exactspec.backends.batch_invariant`.
     Attributes:
         batch_invariant: the result of the bit-identity check run at construction.
+        supports_batches: True: besides its one sequence (``prefill``/``forward``/``rollback``)
+            it holds any number of others by id and scores them together in one packed
+            forward (:meth:`forward_sequences`; see
+            :class:`~exactspec.backends.base.BatchBackend`).
     Raises:
         UnsupportedModelError: if the model's cache cannot be rolled back.
         ValueError: for unknown ``kernels``.
@@ -117,6 +122,7 @@ class TransformersBackend:
         self._new_cache = lambda: DynamicCache(config=model.config)
         _check_rollback(model, self._new_cache())
         self._cache = self._new_cache()
+        self._sequences: dict[int, object] = {}  # sequence id → its DynamicCache
         self.batch_invariant = check_batch_invariance(self).invariant
         self.batch_variance_fix = (
             "These are the fast kernels: load the model with kernels='batch-invariant' (the "
@@ -171,15 +177,65 @@ class TransformersBackend:
             hf_logging.enable_progress_bar()
         return cls(model.to(resolved_device), HFTokenizer(tokenizer), kernels=kernels)
 
+    supports_batches = True
+
     @property
     def num_cached_tokens(self) -> int:
         return self._cache.get_seq_length()
 
     def prefill(self, token_ids: Sequence[int]) -> None:
-        self._cache = self._new_cache()
+        self._cache = self._filled_cache(token_ids)
+
+    def prefill_sequence(self, sequence_id: int, token_ids: Sequence[int]) -> None:
+        self._sequences[sequence_id] = self._filled_cache(token_ids)
+
+    def forward_sequences(self, rows: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
+        if not rows or any(len(token_ids) == 0 for _, token_ids in rows):
+            raise ValueError("forward_sequences needs at least one row, each with a token")
+        caches = [self._sequence(sequence_id) for sequence_id, _ in rows]
+        lengths = [len(token_ids) for _, token_ids in rows]
+        token_ids = [token for _, ids in rows for token in ids]
+        positions = [cache.get_seq_length() + i for cache, n in zip(caches, lengths)
+                     for i in range(n)]
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
+        # A 4-D mask is used as given: transformers builds none (attention ignores it here).
+        mask = torch.zeros((1, 1, len(token_ids), 1), device=self.device)
+        packed = PackedSequences(caches, lengths)
+        with kernel_mode(self.kernels), packed_sequences(packed), torch.inference_mode():
+            output = self.model(input_ids=input_ids, position_ids=position_ids,
+                                attention_mask=mask, cache=packed,
+                                use_cache=True, logits_to_keep=len(token_ids))
+        return list(output.logits[0].split(lengths))
+
+    def rollback_sequence(self, sequence_id: int, num_tokens: int) -> None:
+        cache = self._sequence(sequence_id)
+        if not 0 <= num_tokens <= cache.get_seq_length():
+            raise ValueError(f"rollback_sequence({sequence_id}, {num_tokens}) is invalid: the "
+                             f"sequence holds {cache.get_seq_length()} tokens")
+        if num_tokens:
+            cache.crop(-num_tokens)
+
+    def release_sequence(self, sequence_id: int) -> None:
+        self._sequences.pop(sequence_id, None)
+
+    def cached_tokens(self, sequence_id: int) -> int:
+        return self._sequence(sequence_id).get_seq_length()
+
+    def _sequence(self, sequence_id: int):
+        try:
+            return self._sequences[sequence_id]
+        except KeyError:
+            raise ValueError(f"sequence {sequence_id!r} is not held (prefill_sequence first)") from None
+
+    def _filled_cache(self, token_ids: Sequence[int]):
+        """A new cache holding ``token_ids``: the prompt is scored with the fast kernels (its
+        cache entries are shared by plain and speculative decoding alike)."""
+        cache = self._new_cache()
         if len(token_ids) > 0:
-            with kernel_mode("fast"):  # the cache it fills is shared by plain and speculative
-                self._run(token_ids, num_logits=1)
+            with kernel_mode("fast"):
+                self._run(token_ids, num_logits=1, cache=cache)
+        return cache
 
     def forward(self, token_ids: Sequence[int], num_logits: int | None = None) -> torch.Tensor:
         if len(token_ids) == 0:
@@ -194,10 +250,11 @@ class TransformersBackend:
         if num_tokens:
             self._cache.crop(-num_tokens)
 
-    def _run(self, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:
+    def _run(self, token_ids: Sequence[int], num_logits: int, cache=None) -> torch.Tensor:
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         with torch.inference_mode():
-            output = self.model(input_ids=input_ids, cache=self._cache, use_cache=True,
+            output = self.model(input_ids=input_ids,
+                                cache=self._cache if cache is None else cache, use_cache=True,
                                 logits_to_keep=num_logits)
         return output.logits[0]
 

@@ -1,0 +1,276 @@
+"""Batched speculative decoding: many sequences advance together, one target forward per cycle.
+
+Each cycle every active row drafts on its own (its own drafter state, policy, k, possibly
+none), one packed forward of the target scores every row's ``[last, d_1 .. d_k]``
+(:meth:`~exactspec.backends.base.BatchBackend.forward_sequences`), and each row is verified,
+committed and rolled back on its own, exactly as :class:`~exactspec.engine.SpeculativeGenerator`
+does for one sequence (the same ``_verify`` and ``_commit``). Rows join between cycles as
+others finish (continuous batching, Yu et al. 2022, "Orca", iteration-level scheduling).
+
+Exactness: a row's logits in the packed forward are bit-identical to scoring it alone (the
+backend's kernels work row by row, attention per sequence over its own cache: see
+:mod:`~exactspec.backends.batch_invariant`), its sampling parameters, stop conditions and
+``rng`` (seeded from its own ``SamplingParams.seed``) are its own, and its policy is
+*untimed* (prior cost model only: a forward's time belongs to the whole batch), so a row's
+tokens do not depend on its companions: greedy rows equal plain decoding, and a seeded row
+gives what :meth:`SpeculativeGenerator.generate` gives for the same request.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from exactspec.backends.base import BatchBackend
+from exactspec.engine import PLAIN_STEP, FinishReason, GenerationResult, SpeculativeGenerator, TokenLogprob
+from exactspec.logits_pipeline import LogitsPipeline
+from exactspec.metrics import GenerationStats
+from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
+from exactspec.sampling import SamplingParams, make_rng
+from exactspec.speculation_length import SpeculationLengthPolicy
+from exactspec.stopping import StopChecker
+
+DEFAULT_MAX_BATCH_SIZE = 8
+"""Rows decoded together when none is given."""
+
+
+@dataclass
+class _Row:
+    """One request being decoded: its record, processing, randomness and figures."""
+
+    request_id: int
+    tokens: list[int]  # prompt + committed tokens: the row's one record
+    num_prompt_tokens: int
+    pipeline: LogitsPipeline
+    rng: torch.Generator
+    stopper: StopChecker
+    stats: GenerationStats
+    proposer: Proposer | None
+    policy: SpeculationLengthPolicy
+    start: float
+    logprobs: list[TokenLogprob] | None
+    proposal: Proposal = EMPTY_PROPOSAL
+    peek: Proposal = EMPTY_PROPOSAL
+    chosen_k: int = 0
+    draft_seconds: float = 0.0
+    finish_reason: FinishReason | None = None
+    on_commit: Callable[[list[int]], None] | None = field(default=None, repr=False)
+
+
+class BatchedGenerator:
+    """Exact speculative decoding of many sequences at once on one target.
+
+    Args:
+        generator: the single-sequence engine whose target, drafter, k and policy every row
+            uses (each row gets its own copy of the drafter and the policy).
+        max_batch_size: most rows decoded together (≥ 1); more requests wait in order.
+    Raises:
+        ValueError: if the target cannot hold several sequences
+            (``supports_batches`` False: the llama.cpp backend, for now), the drafter runs a
+            model (only drafters with ``drafts_for_free``: prompt lookup, suffix), or
+            ``max_batch_size`` < 1.
+    """
+
+    def __init__(self, generator: SpeculativeGenerator,
+                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE) -> None:
+        target = generator.target
+        if not target.supports_batches:
+            raise ValueError(f"batched decoding needs a backend that holds several sequences; "
+                             f"{target.description} holds one (use the transformers backend)")
+        if generator.proposer is not None and not generator.proposer.drafts_for_free:
+            raise ValueError(f"batched decoding supports drafters that run no model "
+                             f"(prompt-lookup, suffix); {type(generator.proposer).__name__} "
+                             "keeps one model cache and cannot draft for several rows")
+        if (not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool)
+                or max_batch_size < 1):
+            raise ValueError(f"max_batch_size = {max_batch_size!r} is invalid: it must be an "
+                             "integer ≥ 1")
+        self.generator = generator
+        self.target: BatchBackend = target
+        self.max_batch_size = max_batch_size
+        self._waiting: deque[_Row] = deque()
+        self._active: list[_Row] = []
+        self._next_id = 0
+
+    @property
+    def num_active(self) -> int:
+        """Rows being decoded now."""
+        return len(self._active)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted but not started (the batch is full)."""
+        return len(self._waiting)
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 chat: bool = False) -> list[GenerationResult]:
+        """Decode every prompt, at most ``max_batch_size`` at a time, and return their results
+        in order.
+
+        Args:
+            prompts: ``[num_requests]`` texts or token-id lists.
+            params: one :class:`SamplingParams` for all, or one per prompt (default greedy).
+            chat: wrap text prompts in the model's chat template.
+        Returns:
+            ``[num_requests]`` :class:`GenerationResult`, one per prompt; each one's
+            ``stats`` time the row's own wall time (prefill included), so its TPOT is the
+            latency its client would see.
+        Raises:
+            ValueError: as :meth:`SpeculativeGenerator.generate`, for any prompt (before any
+                decoding), or when ``params`` is a list of another length.
+        """
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        elif len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one "
+                             "for all or one per prompt")
+        ids = [self.submit(prompt, p, chat=chat) for prompt, p in zip(prompts, params)]
+        results: dict[int, GenerationResult] = {}
+        while len(results) < len(ids):
+            results.update(self.step())
+        return [results[i] for i in ids]
+
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+               chat: bool = False,
+               on_commit: Callable[[list[int]], None] | None = None) -> int:
+        """Queue one request; it joins the batch at the next :meth:`step` with room.
+
+        Args:
+            prompt, params, chat: as :meth:`SpeculativeGenerator.generate`.
+            on_commit: called after every cycle that emitted tokens for this request, with
+                those tokens (for streaming).
+        Returns:
+            the request's id, the key of its result in what :meth:`step` returns.
+        Raises:
+            ValueError, TypeError: as :meth:`SpeculativeGenerator.generate`.
+        """
+        generator = self.generator
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
+        start = time.perf_counter()
+        prompt_token_ids = generator._prompt_token_ids(prompt, chat)
+        target = self.target
+        pipeline = LogitsPipeline(params, prompt_token_ids, target.vocab_size,
+                                  target.eos_token_ids, generator._bad_words_ids(params.bad_words),
+                                  target.device)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos
+                                                 else set(target.eos_token_ids))
+        k_max = generator.num_speculative_tokens
+        proposer = None
+        if generator.proposer is not None:
+            proposer = copy.copy(generator.proposer)  # shares only read-only config (and a corpus)
+            proposer.reset(reproducible=not (params.greedy or params.seed is None))
+        policy = copy.deepcopy(generator.policy)
+        policy.reset(timed=False)  # a forward's time is the batch's: see the module docstring
+        row = _Row(
+            request_id=self._next_id, tokens=list(prompt_token_ids),
+            num_prompt_tokens=len(prompt_token_ids), pipeline=pipeline,
+            rng=make_rng(params.seed, target.device),
+            stopper=StopChecker(target.tokenizer, stop_ids, params.stop, params.min_new_tokens),
+            stats=GenerationStats(num_speculative_tokens=k_max,
+                                  policy=policy.name if k_max else "none",
+                                  num_prompt_tokens=len(prompt_token_ids)),
+            proposer=proposer, policy=policy, start=start,
+            logprobs=[] if params.logprobs is not None else None, on_commit=on_commit)
+        self._next_id += 1
+        self._waiting.append(row)
+        return row.request_id
+
+    def step(self) -> dict[int, GenerationResult]:
+        """One cycle for every active row (after admitting waiting requests while there is
+        room): draft, one packed target forward, verify, commit, roll back.
+
+        Returns:
+            the results of the requests that finished in this cycle, by request id.
+        """
+        finished: dict[int, GenerationResult] = {}
+        self._admit()
+        scored = []
+        for row in self._active:
+            if self._draft(row):
+                scored.append(row)
+            else:
+                finished[row.request_id] = self._finish(row)
+        if scored:
+            t0 = time.perf_counter()
+            all_logits = self.target.forward_sequences(
+                [(row.request_id, [row.tokens[-1], *row.proposal.token_ids]) for row in scored])
+            forward_seconds = time.perf_counter() - t0
+            for row, logits in zip(scored, all_logits):
+                if self._verify_and_commit(row, logits, forward_seconds):
+                    finished[row.request_id] = self._finish(row)
+        self._active = [row for row in self._active if row.request_id not in finished]
+        return finished
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._active) < self.max_batch_size:
+            row = self._waiting.popleft()
+            t0 = time.perf_counter()
+            self.target.prefill_sequence(row.request_id, row.tokens[:-1])
+            row.stats.prefill_seconds = time.perf_counter() - t0
+            self._active.append(row)
+
+    def _draft(self, row: _Row) -> bool:
+        """Choose k and draft for ``row``; False when it has no room left (finished)."""
+        params = row.pipeline.params
+        generated = len(row.tokens) - row.num_prompt_tokens
+        context_limit = self.target.max_context_length or float("inf")
+        room = int(min(params.max_new_tokens - generated, context_limit - len(row.tokens)))
+        if room <= 0:
+            row.finish_reason = "length"
+            return False
+        choice = row.policy.choose() if self.generator.num_speculative_tokens else PLAIN_STEP
+        row.chosen_k = k = min(choice.k, room - 1)
+        t0 = time.perf_counter()
+        row.proposal = row.peek = EMPTY_PROPOSAL
+        if k:
+            row.proposal = row.proposer.propose(row.tokens, k, row.pipeline, row.rng,
+                                                row.policy.min_confidence)
+        elif choice.peek:
+            row.peek = row.proposer.propose(row.tokens, 1, row.pipeline, row.rng)  # never verified
+        row.draft_seconds = time.perf_counter() - t0
+        return True
+
+    def _verify_and_commit(self, row: _Row, logits: torch.Tensor, forward_seconds: float) -> bool:
+        """Verify ``row``'s drafts against its ``[k+1, vocab]`` logits, commit, roll back and
+        observe; True when the row finished (a stop)."""
+        generator, proposal = self.generator, row.proposal
+        t0 = time.perf_counter()
+        verified = generator._verify(row.tokens, proposal, logits, row.pipeline, row.rng)
+        verify_seconds = forward_seconds + time.perf_counter() - t0
+        num_emitted, row.finish_reason = generator._commit(
+            row.tokens, verified.committed, verified.logprobs, row.logprobs, row.stopper,
+            row.num_prompt_tokens)
+        self.target.rollback_sequence(row.request_id, len(proposal) - verified.num_accepted)
+        if generator.num_speculative_tokens:
+            row.proposer.observe(verified.num_accepted)
+            row.policy.observe(len(proposal), verified.num_accepted, None, None)
+            if row.peek.token_ids:
+                row.policy.observe_peek(verified.committed[0] == row.peek.token_ids[0])
+        row.stats.record_cycle(len(proposal), verified.num_accepted, num_emitted, row.chosen_k,
+                               draft_seconds=row.draft_seconds, verify_seconds=verify_seconds,
+                               target_forward_seconds=forward_seconds)
+        if row.stats.cycles == 1:
+            row.stats.ttft_seconds = time.perf_counter() - row.start
+        if row.on_commit is not None and num_emitted:
+            row.on_commit(row.tokens[len(row.tokens) - num_emitted:])
+        return row.finish_reason is not None
+
+    def _finish(self, row: _Row) -> GenerationResult:
+        self.target.release_sequence(row.request_id)
+        row.stats.total_seconds = time.perf_counter() - row.start
+        if row.proposer is not None:
+            row.proposer.end_sequence(row.tokens, row.num_prompt_tokens)
+        output = row.tokens[row.num_prompt_tokens:]
+        return GenerationResult(
+            text=self.target.tokenizer.decode(output), token_ids=output,
+            finish_reason=row.finish_reason, stop_reason=row.stopper.stop_reason,
+            prompt_token_ids=row.tokens[:row.num_prompt_tokens], stats=row.stats,
+            logprobs=row.logprobs)
