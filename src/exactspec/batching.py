@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from exactspec.backends.base import BatchBackend
+from exactspec.backends.base import BatchBackend, UnsupportedModelError
 from exactspec.engine import PLAIN_STEP, FinishReason, GenerationResult, SpeculativeGenerator, TokenLogprob
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.metrics import GenerationStats
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
 from exactspec.sampling import SamplingParams, make_rng
-from exactspec.speculation_length import SpeculationLengthPolicy
+from exactspec.speculation_length import (AutoPolicy, Choice, ForwardCost,
+                                          SpeculationLengthPolicy, batch_speculation_lengths)
 from exactspec.stopping import StopChecker
 
 DEFAULT_MAX_BATCH_SIZE = 8
@@ -52,6 +53,7 @@ class _Row:
     stats: GenerationStats
     proposer: Proposer | None
     policy: SpeculationLengthPolicy
+    batch_chosen: bool  # k comes from the batch-level auto policy (see BatchedGenerator._choose)
     start: float
     logprobs: list[TokenLogprob] | None
     proposal: Proposal = EMPTY_PROPOSAL
@@ -70,10 +72,12 @@ class BatchedGenerator:
             uses (each row gets its own copy of the drafter and the policy).
         max_batch_size: most rows decoded together (≥ 1); more requests wait in order.
     Raises:
-        ValueError: if the target cannot hold several sequences
-            (``supports_batches`` False: the llama.cpp backend, for now), the drafter runs a
-            model (only drafters with ``drafts_for_free``: prompt lookup, suffix), or
-            ``max_batch_size`` < 1.
+        ValueError: if the target cannot hold several sequences (``supports_batches``
+            False), the drafter runs a model (only drafters with ``drafts_for_free``: prompt
+            lookup, suffix), or ``max_batch_size`` < 1 or above what the backend holds.
+        UnsupportedModelError: if the target scores a sequence in a batch differently from
+            alone (``sequences_invariant`` False, measured on first use) and the generator
+            was not made with ``allow_batch_variance``.
     """
 
     def __init__(self, generator: SpeculativeGenerator,
@@ -90,12 +94,23 @@ class BatchedGenerator:
                 or max_batch_size < 1):
             raise ValueError(f"max_batch_size = {max_batch_size!r} is invalid: it must be an "
                              "integer ≥ 1")
+        if max_batch_size > target.max_sequences:
+            raise ValueError(f"max_batch_size = {max_batch_size} is invalid: {target.description} "
+                             f"holds at most {target.max_sequences} sequences")
+        if not generator.allow_batch_variance and not target.sequences_invariant:
+            raise UnsupportedModelError(
+                f"this backend ({target.description}) scores a sequence differently when other "
+                "sequences share its forward pass, so batched decoding would not reproduce "
+                "decoding it alone; batching is refused (allow_batch_variance=True batches "
+                "anyway, exact only up to rounding)")
         self.generator = generator
         self.target: BatchBackend = target
         self.max_batch_size = max_batch_size
         self._waiting: deque[_Row] = deque()
         self._active: list[_Row] = []
         self._next_id = 0
+        self.costs = ForwardCost(max_batch_size * (generator.num_speculative_tokens + 1))
+        """Seconds of a packed forward over N tokens, measured (the batch-level auto policy)."""
 
     @property
     def num_active(self) -> int:
@@ -163,10 +178,11 @@ class BatchedGenerator:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos
                                                  else set(target.eos_token_ids))
         k_max = generator.num_speculative_tokens
+        timed = params.greedy or params.seed is None  # as SpeculativeGenerator.generate_samples
         proposer = None
         if generator.proposer is not None:
             proposer = copy.copy(generator.proposer)  # shares only read-only config (and a corpus)
-            proposer.reset(reproducible=not (params.greedy or params.seed is None))
+            proposer.reset(reproducible=not timed)
         policy = copy.deepcopy(generator.policy)
         policy.reset(timed=False)  # a forward's time is the batch's: see the module docstring
         row = _Row(
@@ -178,6 +194,7 @@ class BatchedGenerator:
                                   policy=policy.name if k_max else "none",
                                   num_prompt_tokens=len(prompt_token_ids)),
             proposer=proposer, policy=policy, start=start,
+            batch_chosen=isinstance(policy, AutoPolicy) and timed,
             logprobs=[] if params.logprobs is not None else None, on_commit=on_commit)
         self._next_id += 1
         self._waiting.append(row)
@@ -185,25 +202,31 @@ class BatchedGenerator:
 
     def step(self) -> dict[int, GenerationResult]:
         """One cycle for every active row (after admitting waiting requests while there is
-        room): draft, one packed target forward, verify, commit, roll back.
+        room): choose k, draft, one packed target forward, verify, commit, roll back.
 
         Returns:
             the results of the requests that finished in this cycle, by request id.
         """
         finished: dict[int, GenerationResult] = {}
         self._admit()
-        scored = []
+        live = []  # (row, room): rows with room for at least one more token
         for row in self._active:
-            if self._draft(row):
-                scored.append(row)
+            room = self._room(row)
+            if room > 0:
+                live.append((row, room))
             else:
+                row.finish_reason = "length"
                 finished[row.request_id] = self._finish(row)
-        if scored:
+        for (row, room), choice in zip(live, self._choose(live)):
+            self._draft(row, choice, room)
+        if live:
+            rows = [row for row, _ in live]
+            inputs = [(row.request_id, [row.tokens[-1], *row.proposal.token_ids]) for row in rows]
             t0 = time.perf_counter()
-            all_logits = self.target.forward_sequences(
-                [(row.request_id, [row.tokens[-1], *row.proposal.token_ids]) for row in scored])
+            all_logits = self.target.forward_sequences(inputs)
             forward_seconds = time.perf_counter() - t0
-            for row, logits in zip(scored, all_logits):
+            self.costs.observe(sum(len(ids) for _, ids in inputs), forward_seconds)
+            for row, logits in zip(rows, all_logits):
                 if self._verify_and_commit(row, logits, forward_seconds):
                     finished[row.request_id] = self._finish(row)
         self._active = [row for row in self._active if row.request_id not in finished]
@@ -217,16 +240,38 @@ class BatchedGenerator:
             row.stats.prefill_seconds = time.perf_counter() - t0
             self._active.append(row)
 
-    def _draft(self, row: _Row) -> bool:
-        """Choose k and draft for ``row``; False when it has no room left (finished)."""
-        params = row.pipeline.params
+    def _room(self, row: _Row) -> int:
+        """Tokens ``row`` may still generate (max_new_tokens, the context limit)."""
         generated = len(row.tokens) - row.num_prompt_tokens
         context_limit = self.target.max_context_length or float("inf")
-        room = int(min(params.max_new_tokens - generated, context_limit - len(row.tokens)))
-        if room <= 0:
-            row.finish_reason = "length"
-            return False
-        choice = row.policy.choose() if self.generator.num_speculative_tokens else PLAIN_STEP
+        return int(min(row.pipeline.params.max_new_tokens - generated,
+                       context_limit - len(row.tokens)))
+
+    def _choose(self, live: list[tuple[_Row, int]]) -> list[Choice]:
+        """Each live row's choice: rows under ``auto`` that may be timed (greedy or unseeded)
+        get k from :func:`batch_speculation_lengths` over the batch's measured forward cost;
+        the others (seeded sampling, other policies) choose on their own, as alone."""
+        k_max = self.generator.num_speculative_tokens
+        if not k_max:
+            return [PLAIN_STEP] * len(live)
+        choices: list[Choice | None] = [None] * len(live)
+        batch_chosen, fixed_tokens = [], 0
+        for i, (row, room) in enumerate(live):
+            if row.batch_chosen:
+                batch_chosen.append(i)
+            else:
+                choices[i] = row.policy.choose()
+                fixed_tokens += min(choices[i].k, room - 1) + 1
+        if batch_chosen:
+            ks = batch_speculation_lengths(
+                [live[i][0].policy.acceptance() for i in batch_chosen],
+                [min(k_max, live[i][1] - 1) for i in batch_chosen], self.costs,
+                fixed_tokens, len(live) - len(batch_chosen))
+            for i, k in zip(batch_chosen, ks):
+                choices[i] = live[i][0].policy.choice(k)
+        return choices
+
+    def _draft(self, row: _Row, choice: Choice, room: int) -> None:
         row.chosen_k = k = min(choice.k, room - 1)
         t0 = time.perf_counter()
         row.proposal = row.peek = EMPTY_PROPOSAL
@@ -236,7 +281,6 @@ class BatchedGenerator:
         elif choice.peek:
             row.peek = row.proposer.propose(row.tokens, 1, row.pipeline, row.rng)  # never verified
         row.draft_seconds = time.perf_counter() - t0
-        return True
 
     def _verify_and_commit(self, row: _Row, logits: torch.Tensor, forward_seconds: float) -> bool:
         """Verify ``row``'s drafts against its ``[k+1, vocab]`` logits, commit, roll back and

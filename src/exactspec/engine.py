@@ -169,6 +169,7 @@ class SpeculativeGenerator:
                 "--allow-batch-variance, speculates anyway, exact only up to rounding.)")
         self.target = target
         self.proposer = proposer
+        self.allow_batch_variance = allow_batch_variance
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.policy = (make_policy(policy, self.num_speculative_tokens,
                                    proposer is not None and proposer.drafts_for_free)

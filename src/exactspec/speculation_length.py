@@ -38,6 +38,7 @@ verification rule is untouched, so every policy keeps the target's distribution 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 POLICIES = ("auto", "constant", "heuristic", "confidence")
@@ -179,7 +180,7 @@ class AutoPolicy(SpeculationLengthPolicy):
         self.k_max, self.peek = k_max, peek
         self.decay, self.prior_acceptance, self.prior_weight = decay, prior_acceptance, prior_weight
         self.cost_smoothing = cost_smoothing
-        self.forward_seconds: list[float | None] = [None] * (k_max + 2)  # index n = tokens scored
+        self.costs = ForwardCost(k_max + 1, cost_smoothing)
         self.draft_seconds_per_token: float | None = None
         self.reset(timed=True)
 
@@ -215,27 +216,20 @@ class AutoPolicy(SpeculationLengthPolicy):
             rates.append(expected / cost)
         return rates
 
+    @property
+    def forward_seconds(self) -> list[float | None]:
+        """``[k_max + 2]`` measured seconds of a forward over n tokens (index n), None where
+        not measured."""
+        return self.costs.seconds
+
+    @forward_seconds.setter
+    def forward_seconds(self, seconds: Sequence[float | None]) -> None:
+        self.costs.seconds = list(seconds)
+
     def forward_cost(self, n: int) -> float:
-        """Seconds of a target forward over n tokens: measured; else on the least-squares
-        line through the measured costs (slope ≥ 0) when two or more are measured; else
-        scaled from the one measured cost by the prior model; else (or in an untimed
-        generation) the prior in single-forward units."""
-        prior = lambda m: 1.0 + PRIOR_COST_PER_TOKEN * (m - 1)
-        if not self.timed:
-            return prior(n)
-        if self.forward_seconds[n] is not None:
-            return self.forward_seconds[n]
-        known = [(m, s) for m, s in enumerate(self.forward_seconds) if s is not None]
-        if not known:
-            return prior(n)
-        if len(known) == 1:
-            (m, seconds), = known
-            return seconds * prior(n) / prior(m)
-        mean_n = sum(m for m, _ in known) / len(known)
-        mean_s = sum(s for _, s in known) / len(known)
-        slope = max(0.0, sum((m - mean_n) * (s - mean_s) for m, s in known)
-                    / sum((m - mean_n) ** 2 for m, _ in known))
-        return max(mean_s + slope * (n - mean_n), 1e-9)
+        """Seconds of a target forward over n tokens (:class:`ForwardCost`), or in an untimed
+        generation the prior in single-forward units."""
+        return self.costs(n) if self.timed else prior_cost(n)
 
     def choose(self) -> Choice:
         if (self.timed and self.forward_seconds[1] is None
@@ -244,10 +238,7 @@ class AutoPolicy(SpeculationLengthPolicy):
         else:
             rates = self.expected_rates()
             k = max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
-        if k:
-            return Choice(k)
-        self.plain_steps += 1
-        return Choice(0, peek=self.peek and (self.plain_steps - 1) % PEEK_INTERVAL == 0)
+        return self.choice(k)
 
     def observe(self, num_drafted: int, num_accepted: int, draft_seconds: float | None,
                 verify_seconds: float | None) -> None:
@@ -267,15 +258,109 @@ class AutoPolicy(SpeculationLengthPolicy):
 
     def _observe_costs(self, num_drafted: int, draft_seconds: float,
                        verify_seconds: float) -> None:
-        n = num_drafted + 1
-        old = self.forward_seconds[n]
-        self.forward_seconds[n] = verify_seconds if old is None else (
-            (1 - self.cost_smoothing) * old + self.cost_smoothing * verify_seconds)
+        self.costs.observe(num_drafted + 1, verify_seconds)
         if num_drafted:
             per_token = draft_seconds / num_drafted
             old_draft = self.draft_seconds_per_token
             self.draft_seconds_per_token = per_token if old_draft is None else (
                 (1 - self.cost_smoothing) * old_draft + self.cost_smoothing * per_token)
+
+    def choice(self, k: int) -> Choice:
+        """The :class:`Choice` for ``k`` chosen elsewhere (batched decoding's
+        :func:`batch_speculation_lengths`): a plain step counts and may peek as in
+        :meth:`choose`."""
+        if k:
+            return Choice(k)
+        self.plain_steps += 1
+        return Choice(0, peek=self.peek and (self.plain_steps - 1) % PEEK_INTERVAL == 0)
+
+
+def prior_cost(n: int) -> float:
+    """The prior cost of a forward over n tokens, in single-token forwards
+    (:data:`PRIOR_COST_PER_TOKEN`)."""
+    return 1.0 + PRIOR_COST_PER_TOKEN * (n - 1)
+
+
+class ForwardCost:
+    """Seconds of a target forward over n tokens, learnt online: an exponential moving
+    average of the measured seconds per n; for an n not measured, the least-squares line
+    through the measured ones (slope ≥ 0) when two or more are measured, the one measured
+    cost scaled by :func:`prior_cost` when one is, else the prior itself.
+
+    Args:
+        max_tokens: the largest n measured or asked for.
+        smoothing: weight of a new timing in the moving average, in (0, 1].
+    """
+
+    def __init__(self, max_tokens: int, smoothing: float = 0.2) -> None:
+        self.smoothing = smoothing
+        self.seconds: list[float | None] = [None] * (max_tokens + 1)  # index n = tokens scored
+
+    def observe(self, n: int, seconds: float) -> None:
+        """A forward over ``n`` tokens took ``seconds``."""
+        old = self.seconds[n]
+        self.seconds[n] = seconds if old is None else (
+            (1 - self.smoothing) * old + self.smoothing * seconds)
+
+    def __call__(self, n: int) -> float:
+        if n < len(self.seconds) and self.seconds[n] is not None:
+            return self.seconds[n]
+        known = [(m, s) for m, s in enumerate(self.seconds) if s is not None]
+        if not known:
+            return prior_cost(n)
+        if len(known) == 1:
+            (m, seconds), = known
+            return seconds * prior_cost(n) / prior_cost(m)
+        mean_n = sum(m for m, _ in known) / len(known)
+        mean_s = sum(s for _, s in known) / len(known)
+        slope = max(0.0, sum((m - mean_n) * (s - mean_s) for m, s in known)
+                    / sum((m - mean_n) ** 2 for m, _ in known))
+        return max(mean_s + slope * (n - mean_n), 1e-9)
+
+
+def batch_speculation_lengths(acceptances: Sequence[Sequence[float]], caps: Sequence[int],
+                              cost: Callable[[int], float], fixed_tokens: int = 0,
+                              fixed_expected: float = 0.0) -> list[int]:
+    """The ``auto`` policy for a batch: each row's k maximising the batch's expected
+    committed tokens per second when one forward scores every row.
+
+    Row r drafting k_r tokens commits E_r(k_r) = 1 + Σ_{j≤k_r} Π_{i≤j} α_{r,i} tokens in
+    expectation (Leviathan et al. 2022, §3.1, per position), and the forward scores
+    N = Σ_r (k_r + 1) + ``fixed_tokens`` tokens, so the batch's rate is
+    (Σ_r E_r(k_r) + ``fixed_expected``) / cost(N). Each extra draft of row r adds the
+    survival probability of its next position, which falls along the row (α ≤ 1), so the
+    best allocation of m extra tokens takes the m largest of these gains over all rows; the
+    m with the best rate wins (ties: the smaller). As the batch fills, cost(N) grows and m
+    shrinks: speculation gives way to batching by itself.
+
+    Args:
+        acceptances: per row, ``[≥ caps[r]]`` estimated α_i (:meth:`AutoPolicy.acceptance`).
+        caps: per row, the most tokens it may draft (≥ 0).
+        cost: seconds (or any unit) of a forward over N tokens (:class:`ForwardCost`).
+        fixed_tokens, fixed_expected: tokens scored and committed (expected) by rows whose
+            k is chosen elsewhere.
+    Returns:
+        ``[len(caps)]`` k per row.
+    """
+    gains = []  # (gain, row) for every possible extra draft, each row's in falling order
+    for row, (alphas, cap) in enumerate(zip(acceptances, caps)):
+        survive = 1.0
+        for alpha in alphas[:cap]:
+            survive *= alpha
+            gains.append((survive, row))
+    gains.sort(key=lambda item: -item[0])  # stable: a row's gains stay in order
+    base_tokens = len(caps) + fixed_tokens
+    expected = len(caps) + fixed_expected
+    best_rate, best_m = expected / cost(base_tokens), 0
+    for m, (gain, _) in enumerate(gains, start=1):
+        expected += gain
+        rate = expected / cost(base_tokens + m)
+        if rate > best_rate:
+            best_rate, best_m = rate, m
+    ks = [0] * len(caps)
+    for _, row in gains[:best_m]:
+        ks[row] += 1
+    return ks
 
 
 def make_policy(name: str, k_max: int, drafts_for_free: bool = False) -> SpeculationLengthPolicy:

@@ -124,7 +124,17 @@ class BatchBackend(Backend, Protocol):
     scores several of them in one forward (batched decoding,
     :class:`~exactspec.batching.BatchedGenerator`). Row i of a batched forward must get
     bit-identical logits to scoring that sequence alone, whatever its companions.
+
+    Attributes:
+        max_sequences: most sequences held at once (besides the main one).
+        sequences_invariant: whether it does, as measured on the loaded model by
+            :func:`check_sequence_invariance` the first time it is read.
     """
+
+    max_sequences: int
+
+    @property
+    def sequences_invariant(self) -> bool: ...
 
     def prefill_sequence(self, sequence_id: int, token_ids: Sequence[int]) -> None:
         """Hold a new sequence ``sequence_id`` (replacing one of that id) with ``token_ids``
@@ -187,3 +197,30 @@ def check_batch_invariance(backend: Backend, num_tokens: int = 9) -> BatchInvari
     seconds_per_token = (time.perf_counter() - start) / num_tokens
     backend.prefill([])
     return BatchInvarianceCheck(torch.equal(block, singles), seconds_per_token)
+
+
+def check_sequence_invariance(backend: BatchBackend) -> bool:
+    """Score three sequences of different lengths together in one
+    :meth:`~BatchBackend.forward_sequences` (rows of 3, 1 and 5 tokens) and each token of
+    each alone through the one-sequence API (``prefill`` + ``forward`` of one token), and
+    compare bit for bit. Leaves no sequence held and the main cache empty."""
+    vocab = backend.vocab_size
+    prompts = [[(5 * i + 3 * j + 1) % vocab for j in range(length)]
+               for i, length in enumerate((4, 1, 7))]
+    rows = [[(11 * i + 7 * j + 2) % vocab for j in range(length)]
+            for i, length in enumerate((3, 1, 5))]
+    ids = [-1, -2, -3]  # ids no caller uses
+    try:
+        for sequence_id, prompt in zip(ids, prompts):
+            backend.prefill_sequence(sequence_id, prompt)
+        together = backend.forward_sequences(list(zip(ids, rows)))
+    finally:
+        for sequence_id in ids:
+            backend.release_sequence(sequence_id)
+    invariant = True
+    for prompt, row, logits in zip(prompts, rows, together):
+        backend.prefill(prompt)
+        alone = torch.cat([backend.forward([token]) for token in row])
+        invariant = invariant and torch.equal(alone, logits)
+    backend.prefill([])
+    return invariant

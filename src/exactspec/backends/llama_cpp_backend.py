@@ -37,7 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from exactspec.backends.base import UnsupportedModelError, chat_messages, check_batch_invariance
+from exactspec.backends.base import (UnsupportedModelError, chat_messages, check_batch_invariance,
+                                     check_sequence_invariance)
 from exactspec.models import gguf_architecture_value
 
 INSTALL_HINT = ("CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --no-cache-dir "
@@ -45,6 +46,8 @@ INSTALL_HINT = ("CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --no-cache-dir 
 """How to install a llama-cpp-python build whose CPU kernels are batch-invariant."""
 DEFAULT_CONTEXT_LENGTH = 8192
 """KV cache size (tokens) when the caller gives none, capped by the model's own context."""
+DEFAULT_MAX_SEQUENCES = 8
+"""Sequences the backend can hold by id for batched decoding (see :class:`LlamaCppBackend`)."""
 
 
 class LlamaCppNotInstalledError(ImportError):
@@ -159,15 +162,27 @@ class LlamaCppBackend:
             speed :func:`slow_decoding_warning` compares decoding with.
     Raises:
         UnsupportedModelError: for recurrent or hybrid models (their state cannot roll back).
+
+    Several sequences (:class:`~exactspec.backends.base.BatchBackend`) live in a second
+    llama.cpp context, made on first use: ``max_sequences`` slots (llama.cpp sequence ids),
+    each with a KV cache of its own (``kv_unified`` off, so a sequence's cells are its
+    positions, as in the one-sequence context) of the same length as the main context, so
+    it takes ``max_sequences`` × the main cache's memory.
     """
 
-    supports_batches = False
-    """One sequence only, for now (batched decoding runs on the transformers backend)."""
+    supports_batches = True
+
+    @functools.cached_property
+    def sequences_invariant(self) -> bool:
+        """Whether a batched forward scores each sequence bit for bit as alone (measured once,
+        :func:`~exactspec.backends.base.check_sequence_invariance`)."""
+        return check_sequence_invariance(self)
     batch_variance_fix = ("Reinstall llama-cpp-python without llamafile's kernels: "
                           + INSTALL_HINT + " --force-reinstall")
     """What the engine's refusal tells a user whose build is not batch-invariant."""
 
-    def __init__(self, llama, tokenizer=None, eos_token_ids: Sequence[int] | None = None) -> None:
+    def __init__(self, llama, tokenizer=None, eos_token_ids: Sequence[int] | None = None,
+                 max_sequences: int = DEFAULT_MAX_SEQUENCES) -> None:
         llama_cpp = import_llama_cpp()
         if getattr(llama, "_is_recurrent", False) or getattr(llama, "_is_hybrid", False):
             raise UnsupportedModelError(
@@ -191,6 +206,9 @@ class LlamaCppBackend:
         self._batch_capacity = int(llama.n_batch)
         self._batch = llama_cpp.llama_batch_init(self._batch_capacity, 0, 1)
         self._num_cached = 0
+        self.max_sequences = max_sequences
+        self._sequences: dict[int, int] = {}  # sequence id → its slot (llama.cpp seq_id)
+        self._slot_lengths = [0] * max_sequences  # tokens cached per slot
         self.batch_invariant, self.seconds_per_token_at_load = check_batch_invariance(self)
 
     @classmethod
@@ -261,6 +279,103 @@ class LlamaCppBackend:
                                             "model's cache")
             self._num_cached = keep
 
+    def prefill_sequence(self, sequence_id: int, token_ids: Sequence[int]) -> None:
+        if sequence_id not in self._sequences:
+            free = sorted(set(range(self.max_sequences)) - set(self._sequences.values()))
+            if not free:
+                raise ValueError(f"all {self.max_sequences} sequence slots are in use: release "
+                                 "one first (or load with a larger max_sequences)")
+            self._sequences[sequence_id] = free[0]
+        slot = self._sequences[sequence_id]
+        self._llama_cpp.llama_memory_seq_rm(self._sequence_memory, slot, -1, -1)
+        self._slot_lengths[slot] = 0
+        if len(token_ids) > 0:
+            self._decode_rows(self._sequence_context, [(slot, token_ids)], logits=False)
+
+    def forward_sequences(self, rows: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
+        if not rows or any(len(token_ids) == 0 for _, token_ids in rows):
+            raise ValueError("forward_sequences needs at least one row, each with a token")
+        slots = [(self._slot(sequence_id), token_ids) for sequence_id, token_ids in rows]
+        logits = self._decode_rows(self._sequence_context, slots, logits=True)
+        return list(logits.split([len(token_ids) for _, token_ids in rows]))
+
+    def rollback_sequence(self, sequence_id: int, num_tokens: int) -> None:
+        slot = self._slot(sequence_id)
+        if not 0 <= num_tokens <= self._slot_lengths[slot]:
+            raise ValueError(f"rollback_sequence({sequence_id}, {num_tokens}) is invalid: the "
+                             f"sequence holds {self._slot_lengths[slot]} tokens")
+        if num_tokens:
+            keep = self._slot_lengths[slot] - num_tokens
+            if not self._llama_cpp.llama_memory_seq_rm(self._sequence_memory, slot, keep, -1):
+                raise UnsupportedModelError("llama.cpp could not remove positions from this "
+                                            "model's cache")
+            self._slot_lengths[slot] = keep
+
+    def release_sequence(self, sequence_id: int) -> None:
+        slot = self._sequences.pop(sequence_id, None)
+        if slot is not None:
+            self._llama_cpp.llama_memory_seq_rm(self._sequence_memory, slot, -1, -1)
+            self._slot_lengths[slot] = 0
+
+    def cached_tokens(self, sequence_id: int) -> int:
+        return self._slot_lengths[self._slot(sequence_id)]
+
+    def _slot(self, sequence_id: int) -> int:
+        try:
+            return self._sequences[sequence_id]
+        except KeyError:
+            raise ValueError(f"sequence {sequence_id!r} is not held (prefill_sequence first)") from None
+
+    @functools.cached_property
+    def _sequence_context(self):
+        """The llama.cpp context of the sequences held by id: the main context's settings
+        with ``max_sequences`` separate KV streams of the main context's length."""
+        llama_cpp = self._llama_cpp
+        params = type(self.llama.context_params).from_buffer_copy(self.llama.context_params)
+        params.n_seq_max = self.max_sequences
+        params.kv_unified = False
+        params.n_ctx = self.llama.n_ctx() * self.max_sequences
+        context = llama_cpp.llama_init_from_model(self.llama.model, params)
+        if not context:
+            raise RuntimeError(f"llama.cpp could not make a context for {self.max_sequences} "
+                               f"sequences of {self.llama.n_ctx()} tokens (memory?)")
+        return context
+
+    @functools.cached_property
+    def _sequence_memory(self):
+        return self._llama_cpp.llama_get_memory(self._sequence_context)
+
+    def _decode_rows(self, context, rows: Sequence[tuple[int, Sequence[int]]],
+                     logits: bool) -> torch.Tensor:
+        """Append each ``(slot, token_ids)`` row to its slot of ``context`` in batches of at
+        most ``n_batch`` tokens; every token's logits in row order (``[total, vocab]``) when
+        ``logits``, else an empty tensor."""
+        items = [(slot, token) for slot, token_ids in rows for token in token_ids]
+        if any(self._slot_lengths[slot] + len(ids) > self.llama.n_ctx() for slot, ids in rows):
+            raise ValueError(f"a sequence would exceed the llama.cpp context of "
+                             f"{self.llama.n_ctx()} tokens")
+        out = []
+        for start in range(0, len(items), self._batch_capacity):
+            chunk = items[start:start + self._batch_capacity]
+            batch = self._batch
+            batch.n_tokens = len(chunk)
+            for i, (slot, token) in enumerate(chunk):
+                batch.token[i] = token
+                batch.pos[i] = self._slot_lengths[slot]
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = slot
+                batch.logits[i] = logits
+                self._slot_lengths[slot] += 1
+            status = self._llama_cpp.llama_decode(context, batch)
+            if status != 0:
+                raise RuntimeError(f"llama_decode failed with status {status}")
+            if logits:
+                pointer = self._llama_cpp.llama_get_logits(context)
+                out.append(np.ctypeslib.as_array(pointer, shape=(len(chunk), self.vocab_size)).copy())
+        if not out:
+            return torch.empty(0, self.vocab_size)
+        return torch.from_numpy(out[0] if len(out) == 1 else np.concatenate(out))
+
     def _decode(self, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:
         """Append ``token_ids`` in batches of at most ``n_batch``; logits of the last
         ``num_logits`` positions, ``[num_logits, vocab_size]`` (empty when 0)."""
@@ -294,6 +409,9 @@ class LlamaCppBackend:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self._llama_cpp.llama_batch_free(self._batch)
+        if "_sequence_context" in self.__dict__:
+            with contextlib.suppress(Exception):
+                self._llama_cpp.llama_free(self._sequence_context)
 
 
 def new_llama(path: str | Path, *, threads: int, context_length: int, **overrides):

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -22,7 +23,8 @@ import tempfile
 
 import torch
 
-from exactspec.backends.base import UnsupportedModelError, chat_messages, check_batch_invariance
+from exactspec.backends.base import (UnsupportedModelError, chat_messages, check_batch_invariance,
+                                     check_sequence_invariance)
 from exactspec.backends.batch_invariant import (KERNELS, PackedSequences, kernel_mode,
                                                  packed_sequences, use_exactspec_kernels)
 
@@ -178,6 +180,14 @@ class TransformersBackend:
         return cls(model.to(resolved_device), HFTokenizer(tokenizer), kernels=kernels)
 
     supports_batches = True
+    max_sequences = 256
+    """A bound on sequences held at once (each one's cache grows as it is used)."""
+
+    @functools.cached_property
+    def sequences_invariant(self) -> bool:
+        """Whether a batched forward scores each sequence bit for bit as alone (measured once,
+        :func:`~exactspec.backends.base.check_sequence_invariance`)."""
+        return check_sequence_invariance(self)
 
     @property
     def num_cached_tokens(self) -> int:
