@@ -73,8 +73,9 @@ class BatchedGenerator:
         max_batch_size: most rows decoded together (≥ 1); more requests wait in order.
     Raises:
         ValueError: if the target cannot hold several sequences (``supports_batches``
-            False), the drafter runs a model (only drafters with ``drafts_for_free``: prompt
-            lookup, suffix), or ``max_batch_size`` < 1 or above what the backend holds.
+            False), the drafter is not ``batchable`` (a draft model or early exit: one model
+            cache; prompt lookup and suffix are), or ``max_batch_size`` < 1 or above what the
+            backend holds.
         UnsupportedModelError: if the target scores a sequence in a batch differently from
             alone (``sequences_invariant`` False, measured on first use) and the generator
             was not made with ``allow_batch_variance``.
@@ -86,10 +87,11 @@ class BatchedGenerator:
         if not target.supports_batches:
             raise ValueError(f"batched decoding needs a backend that holds several sequences; "
                              f"{target.description} holds one (use the transformers backend)")
-        if generator.proposer is not None and not generator.proposer.drafts_for_free:
-            raise ValueError(f"batched decoding supports drafters that run no model "
-                             f"(prompt-lookup, suffix); {type(generator.proposer).__name__} "
-                             "keeps one model cache and cannot draft for several rows")
+        if generator.proposer is not None and not generator.proposer.batchable:
+            raise ValueError(f"batched decoding supports drafters without a model cache of "
+                             f"their own (prompt-lookup, suffix); "
+                             f"{type(generator.proposer).__name__} keeps one and cannot draft "
+                             "for several rows")
         if (not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool)
                 or max_batch_size < 1):
             raise ValueError(f"max_batch_size = {max_batch_size!r} is invalid: it must be an "
@@ -152,14 +154,18 @@ class BatchedGenerator:
         return [results[i] for i in ids]
 
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-               chat: bool = False,
-               on_commit: Callable[[list[int]], None] | None = None) -> int:
+               chat: bool = False, on_commit: Callable[[list[int]], None] | None = None,
+               rng: torch.Generator | None = None) -> int:
         """Queue one request; it joins the batch at the next :meth:`step` with room.
 
         Args:
             prompt, params, chat: as :meth:`SpeculativeGenerator.generate`.
             on_commit: called after every cycle that emitted tokens for this request, with
                 those tokens (for streaming).
+            rng: the request's random source (default: seeded from ``params.seed``, random
+                without one). Given with an unseeded ``params``, the request is treated as
+                unseeded (its k may follow the batch) but its draws are reproducible: the
+                audit samples the serving path this way.
         Returns:
             the request's id, the key of its result in what :meth:`step` returns.
         Raises:
@@ -181,14 +187,14 @@ class BatchedGenerator:
         timed = params.greedy or params.seed is None  # as SpeculativeGenerator.generate_samples
         proposer = None
         if generator.proposer is not None:
-            proposer = copy.copy(generator.proposer)  # shares only read-only config (and a corpus)
+            proposer = copy.copy(generator.proposer)  # see Proposer.batchable
             proposer.reset(reproducible=not timed)
         policy = copy.deepcopy(generator.policy)
         policy.reset(timed=False)  # a forward's time is the batch's: see the module docstring
         row = _Row(
             request_id=self._next_id, tokens=list(prompt_token_ids),
             num_prompt_tokens=len(prompt_token_ids), pipeline=pipeline,
-            rng=make_rng(params.seed, target.device),
+            rng=make_rng(params.seed, target.device) if rng is None else rng,
             stopper=StopChecker(target.tokenizer, stop_ids, params.stop, params.min_new_tokens),
             stats=GenerationStats(num_speculative_tokens=k_max,
                                   policy=policy.name if k_max else "none",

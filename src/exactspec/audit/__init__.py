@@ -2,7 +2,7 @@
 real model? See :mod:`exactspec.audit.runner` for the procedure."""
 
 from exactspec.audit.broken import BROKEN_VERIFIERS, BrokenGenerator
-from exactspec.audit.engines import EngineUnderTest, ExactspecEngine, PeerEngine
+from exactspec.audit.engines import BatchedEngine, EngineUnderTest, ExactspecEngine, PeerEngine
 from exactspec.audit.reference import next_token_probs
 from exactspec.audit.report import write_audit_report
 from exactspec.audit.runner import (AuditResult, audit_distribution, check_greedy, fit_prompt,
@@ -18,5 +18,5 @@ AUDIT_PROMPTS = (
 """Default prompts: repetitive enough that prompt lookup drafts from the first token."""
 
 __all__ = ["AUDIT_PROMPTS", "AuditResult", "BROKEN_VERIFIERS", "BrokenGenerator",
-           "EngineUnderTest", "ExactspecEngine", "PeerEngine", "audit_distribution",
+           "BatchedEngine", "EngineUnderTest", "ExactspecEngine", "PeerEngine", "audit_distribution",
            "check_greedy", "fit_prompt", "next_token_probs", "verdict", "write_audit_report"]

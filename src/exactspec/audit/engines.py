@@ -9,10 +9,13 @@ draft).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
 
+from exactspec.batching import BatchedGenerator
 from exactspec.engine import SpeculativeGenerator
+from exactspec.sampling import make_rng
 from exactspec.peers import Peer, set_fields
 from exactspec.sampling import SamplingParams
 
@@ -54,15 +57,46 @@ class ExactspecEngine:
     def sample(self, prompt_ids: Sequence[int], params: SamplingParams,
                num_samples: int) -> list[tuple[int, ...]]:
         results = self.generator.generate_samples(list(prompt_ids), params, n=num_samples)
-        for result in results:
-            stats = result.stats
-            self.drafted += stats.drafted_tokens
-            self.accepted += stats.accepted_tokens
-            for i, (d, a) in enumerate(zip(stats.drafted_per_position,
-                                           stats.accepted_per_position)):
-                self.drafted_per_position[i] += d
-                self.accepted_per_position[i] += a
+        _count_drafts(self, results)
         return [tuple(result.token_ids) for result in results]
+
+
+class BatchedEngine:
+    """exactspec's :class:`~exactspec.batching.BatchedGenerator`: the samples of one call are
+    decoded as concurrent requests, ``max_batch_size`` at a time, each as an unseeded request
+    would be served (its k chosen by the batch-level ``auto`` policy) but drawing from its
+    own generator seeded from ``params.seed`` and its index, so a run is reproducible."""
+
+    def __init__(self, batched: BatchedGenerator, name: str) -> None:
+        self.batched, self.name = batched, name
+        k = batched.generator.num_speculative_tokens
+        self.drafted = self.accepted = 0
+        self.drafted_per_position, self.accepted_per_position = [0] * k, [0] * k
+
+    def sample(self, prompt_ids: Sequence[int], params: SamplingParams,
+               num_samples: int) -> list[tuple[int, ...]]:
+        unseeded = dataclasses.replace(params, seed=None)
+        device = self.batched.target.device
+        ids = [self.batched.submit(list(prompt_ids), unseeded,
+                                   rng=make_rng((params.seed or 0) * 1_000_003 + i, device))
+               for i in range(num_samples)]
+        results = {}
+        while len(results) < len(ids):
+            results.update(self.batched.step())
+        _count_drafts(self, results.values())
+        return [tuple(results[i].token_ids) for i in ids]
+
+
+def _count_drafts(engine: ExactspecEngine | BatchedEngine, results) -> None:
+    """Add the drafted and accepted counts (in total and per block position) of
+    ``results`` (:class:`~exactspec.engine.GenerationResult`) to ``engine``'s."""
+    for result in results:
+        stats = result.stats
+        engine.drafted += stats.drafted_tokens
+        engine.accepted += stats.accepted_tokens
+        for i, (d, a) in enumerate(zip(stats.drafted_per_position, stats.accepted_per_position)):
+            engine.drafted_per_position[i] += d
+            engine.accepted_per_position[i] += a
 
 
 class PeerEngine:

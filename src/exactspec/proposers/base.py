@@ -58,6 +58,10 @@ class Proposer(Protocol):
     supports_min_confidence: bool = False
     """The drafter has probabilities of its own and stops drafting below ``min_confidence``
     (the ``confidence`` policy needs it)."""
+    batchable: bool = False
+    """A shallow copy per sequence, each ``reset`` on its own, drafts independently of the
+    others (no model cache of its own), so batched decoding can give every row one
+    (:class:`~exactspec.batching.BatchedGenerator`)."""
 
     def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
                 rng: torch.Generator, min_confidence: float = 0.0) -> Proposal:

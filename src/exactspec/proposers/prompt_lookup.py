@@ -33,6 +33,7 @@ class PromptLookupProposer(Proposer):
     """
 
     drafts_for_free = True
+    batchable = True
 
     def __init__(self, min_ngram: int = 2, max_ngram: int = 3) -> None:
         check_ngram_sizes(min_ngram, max_ngram, ("min_ngram", "max_ngram"))

@@ -177,6 +177,7 @@ class SuffixProposer(Proposer):
     """
 
     drafts_for_free = True
+    batchable = True
     supports_min_confidence = True
 
     def __init__(self, min_match: int = DEFAULT_MATCH[0], max_match: int = DEFAULT_MATCH[1],

@@ -1,0 +1,227 @@
+"""Batched decoding (exactspec.batching): every row exact whatever its companions.
+
+Greedy rows equal decoding them alone token for token, a seeded row gives what
+``generate`` gives, rows join and leave between cycles, the packed forward scores each
+sequence bit for bit as alone on both backends, the batch-level ``auto`` policy gives way
+to batching as the batch fills, and the per-position distribution test passes under
+batched decoding with the batch choosing k (with broken controls that must fail).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_backend
+from exactspec import (BatchedGenerator, DraftModelProposer, PromptLookupProposer,
+                       SamplingParams, SpeculativeGenerator, SuffixProposer)
+from exactspec.audit import BatchedEngine, audit_distribution
+from exactspec.audit.broken import BROKEN_VERIFIERS, BrokenGenerator
+from exactspec.backends.base import check_sequence_invariance
+from exactspec.proposers.base import Proposal, Proposer
+from exactspec.speculation_length import ForwardCost, batch_speculation_lengths
+
+PROMPTS = [[1, 5, 9, 3, 1, 5, 9], [2, 7], [4, 4, 4, 8, 1, 2, 3, 4, 4], [3] * 5,
+           [9, 8, 7, 9, 8, 7, 9, 8], [6, 1, 6, 1, 6]]
+
+
+def drafters():
+    return {"none": None, "prompt-lookup": PromptLookupProposer(1, 3), "suffix": SuffixProposer()}
+
+
+def test_the_packed_forward_scores_each_sequence_as_alone(make_backend):
+    target = make_backend(0)
+    assert check_sequence_invariance(target) and target.sequences_invariant
+    prompts = [[1, 5, 9, 3], [2, 7], [4, 4, 4, 8, 1, 2, 3]]
+    for i, prompt in enumerate(prompts):
+        target.prefill_sequence(i, prompt[:-1])
+    rows = [(0, [3, 10, 11]), (1, [7]), (2, [3, 20, 21, 22, 23])]
+    together = target.forward_sequences(rows)
+    target.rollback_sequence(2, 2)
+    assert target.cached_tokens(2) == 9
+    again = target.forward_sequences([(2, [22, 23]), (0, [12])])
+    for (i, tokens), logits in zip(rows, together):
+        target.prefill(prompts[i][:-1])
+        alone = torch.cat([target.forward([t]) for t in tokens])
+        assert torch.equal(alone, logits)
+        if i == 2:
+            assert torch.equal(alone[3:], again[0])
+    with pytest.raises(ValueError, match="not held"):
+        target.forward_sequences([(7, [1])])
+    with pytest.raises(ValueError, match="at least one row"):
+        target.forward_sequences([(0, [])])
+    with pytest.raises(ValueError, match="rollback_sequence"):
+        target.rollback_sequence(1, 5)
+    target.release_sequence(1)
+    with pytest.raises(ValueError, match="not held"):
+        target.cached_tokens(1)
+
+
+@pytest.mark.parametrize("policy", ["constant", "auto"])
+@pytest.mark.parametrize("drafter", ["none", "prompt-lookup", "suffix"])
+def test_greedy_rows_equal_decoding_them_alone(drafter, policy, make_backend):
+    """Six requests of different prompts and lengths, three at a time (rows join as others
+    finish), equal plain decoding of each alone; the same request in another batch too."""
+    target = make_backend(0)
+    generator = SpeculativeGenerator(target, drafters()[drafter], 4, policy)
+    params = [SamplingParams(max_new_tokens=10 + 7 * i) for i in range(len(PROMPTS))]
+    batched = BatchedGenerator(generator, max_batch_size=3)
+    results = batched.generate(PROMPTS, params)
+    plain = SpeculativeGenerator(make_backend(0), None)
+    expected = [plain.generate(p, q).token_ids for p, q in zip(PROMPTS, params)]
+    assert [r.token_ids for r in results] == expected
+    assert [len(r.token_ids) for r in results] == [p.max_new_tokens for p in params]
+    assert batched.num_active == batched.num_waiting == 0
+    if drafter != "none":
+        assert sum(r.stats.accepted_tokens for r in results) > 0
+    other = BatchedGenerator(generator, max_batch_size=2).generate(PROMPTS[::-1], params[::-1])
+    assert [r.token_ids for r in other] == expected[::-1]
+
+
+@pytest.mark.parametrize("policy", ["constant", "auto", "heuristic"])
+def test_a_seeded_row_samples_what_it_samples_alone(policy, make_backend):
+    target = make_backend(0)
+    generator = SpeculativeGenerator(target, PromptLookupProposer(1, 3), 3, policy)
+    params = [SamplingParams(temperature=0.9, top_k=10, seed=i, max_new_tokens=12 + i)
+              for i in range(len(PROMPTS))]
+    alone = [generator.generate(p, q).token_ids for p, q in zip(PROMPTS, params)]
+    for size in (1, 2, 4):
+        results = BatchedGenerator(generator, max_batch_size=size).generate(PROMPTS, params)
+        assert [r.token_ids for r in results] == alone
+
+
+def test_rows_keep_their_own_parameters_stops_and_logprobs():
+    target = tiny_backend(0)
+    generator = SpeculativeGenerator(target, SuffixProposer(), 4, "constant")
+    plain = SpeculativeGenerator(tiny_backend(0), None)
+    first = plain.generate(PROMPTS[0], SamplingParams(max_new_tokens=12))
+    stop_token = first.token_ids[5]
+    params = [SamplingParams(max_new_tokens=12, stop_token_ids=(stop_token,)),
+              SamplingParams(max_new_tokens=9, logprobs=2),
+              SamplingParams(max_new_tokens=15, frequency_penalty=0.7, repetition_penalty=1.3),
+              SamplingParams(max_new_tokens=10, temperature=0.7, seed=5, min_new_tokens=4)]
+    prompts = PROMPTS[:4]
+    results = BatchedGenerator(generator, 4).generate(prompts, params)
+    for prompt, p, result in zip(prompts, params, results):
+        alone = generator.generate(prompt, p)  # the same drafter and k: the same draws
+        if p.greedy:
+            assert alone.token_ids == plain.generate(prompt, p).token_ids
+        assert result.token_ids == alone.token_ids
+        assert result.finish_reason == alone.finish_reason
+        assert result.stop_reason == alone.stop_reason
+        if p.logprobs:
+            assert [lp.token_id for lp in result.logprobs] == result.token_ids
+            for got, want in zip(result.logprobs, alone.logprobs):
+                assert got.logprob == pytest.approx(want.logprob, abs=1e-6)
+                assert [t for t, _ in got.top] == [t for t, _ in want.top]
+    assert results[0].finish_reason == "stop" and results[0].token_ids[-1] == stop_token
+
+
+def test_streaming_callbacks_get_every_token_in_order():
+    generator = SpeculativeGenerator(tiny_backend(0), PromptLookupProposer(1, 3), 4, "constant")
+    batched = BatchedGenerator(generator, 2)
+    streamed: dict[int, list[int]] = {}
+    ids = [batched.submit(p, SamplingParams(max_new_tokens=15),
+                          on_commit=lambda tokens, i=i: streamed.setdefault(i, []).extend(tokens))
+           for i, p in enumerate(PROMPTS[:3])]
+    assert batched.num_waiting == 3
+    results = {}
+    while len(results) < 3:
+        results.update(batched.step())
+        assert batched.num_active <= 2
+    assert [streamed[i] for i in range(3)] == [results[i].token_ids for i in ids]
+
+
+def test_what_cannot_be_batched_is_refused():
+    target = tiny_backend(0)
+    draft = DraftModelProposer(tiny_backend(1), target)
+    with pytest.raises(ValueError, match="model cache"):
+        BatchedGenerator(SpeculativeGenerator(target, draft, 4))
+    with pytest.raises(ValueError, match="max_batch_size = 0"):
+        BatchedGenerator(SpeculativeGenerator(target, None), 0)
+    with pytest.raises(ValueError, match="at most 256"):
+        BatchedGenerator(SpeculativeGenerator(target, None), 1000)
+    batched = BatchedGenerator(SpeculativeGenerator(target, None))
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        batched.generate(PROMPTS[:3], [SamplingParams()] * 2)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        batched.generate([[1, 10_000]])
+
+
+def test_llama_cpp_slots_run_out_with_a_clear_error(make_backend):
+    target = make_backend(0)
+    if make_backend.kind != "llama_cpp":
+        pytest.skip("slots are llama.cpp's (the transformers backend holds up to 256)")
+    for i in range(target.max_sequences):
+        target.prefill_sequence(i, [1, 2])
+    with pytest.raises(ValueError, match="sequence slots are in use"):
+        target.prefill_sequence(99, [1, 2])
+    target.release_sequence(0)
+    target.prefill_sequence(99, [1, 2])
+    assert target.cached_tokens(99) == 2
+
+
+def test_batch_level_auto_gives_way_to_batching_as_the_batch_fills():
+    """A transformers-like cost (a forward over N tokens costs a + b·N) and rows with α = 0.6:
+    a lone row drafts several tokens, eight rows draft fewer each, and a cost line as steep
+    as a plain step per token stops drafting altogether."""
+    cost = lambda n: 0.030 + 0.004 * n
+    alone = batch_speculation_lengths([[0.6] * 4], [4], cost)
+    eight = batch_speculation_lengths([[0.6] * 4] * 8, [4] * 8, cost)
+    assert alone[0] >= 2 and max(eight) < alone[0] and sum(eight) < 8 * alone[0]
+    steep = lambda n: 0.010 * n
+    assert batch_speculation_lengths([[0.6] * 4] * 4, [4] * 4, steep) == [0, 0, 0, 0]
+    # A row whose drafts are never accepted never drafts; caps are kept.
+    assert batch_speculation_lengths([[0.0] * 4, [0.99] * 4], [4, 2],
+                                     lambda n: 1.0) == [0, 2]
+    # Rows chosen elsewhere count in the cost: with many fixed tokens, drafting stops.
+    assert batch_speculation_lengths([[0.6] * 4], [4], steep, fixed_tokens=10,
+                                     fixed_expected=10) == [0]
+    measured = ForwardCost(16)
+    measured.observe(1, 0.03)
+    measured.observe(8, 0.06)
+    assert measured(4) == pytest.approx(0.03 + 3 * 0.03 / 7)
+
+
+class ArgmaxProposer(Proposer):
+    """Drafts the target's own greedy continuation (point mass), scored on a separate backend
+    from scratch every call: no state between calls, so batchable. At a temperature its
+    drafts are accepted with probability p(argmax) < 1 at every position."""
+
+    batchable = True
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def propose(self, token_ids, k, pipeline, rng, min_confidence=0.0):
+        self.backend.prefill(list(token_ids[:-1]))
+        context, drafted = list(token_ids), []
+        for _ in range(k):
+            logits = pipeline.process(self.backend.forward([context[-1]]), context)
+            drafted.append(int(logits[0].argmax()))
+            context.append(drafted[-1])
+        return Proposal(drafted)
+
+
+@pytest.mark.parametrize("policy", ["constant", "auto"])
+@pytest.mark.parametrize("broken", [None, *BROKEN_VERIFIERS])
+def test_batched_sampling_follows_the_target_at_every_block_position(broken, policy):
+    """Unseeded requests (each with its own reproducible generator), eight at a time: every
+    position of the continuation follows the target's conditional (the audit's per-position
+    test) and the broken verifiers are caught. Under ``constant`` every block position is
+    drafted and accepted many times; under ``auto`` the batch-level policy chooses every
+    row's k (it drafts less where the measured forward cost grows per token), and drafts are
+    still accepted at the first two positions."""
+    target = tiny_backend(0)
+    proposer = ArgmaxProposer(tiny_backend(0))
+    generator = (BrokenGenerator(target, proposer, 3, policy, broken=broken) if broken
+                 else SpeculativeGenerator(target, proposer, 3, policy))
+    batched = BatchedGenerator(generator, 8)
+    params = SamplingParams(temperature=0.2, seed=0, max_new_tokens=4)
+    test = audit_distribution(target, BatchedEngine(batched, "batched"),
+                              [[1, 2, 3, 1, 2], [23, 15, 9]], params, 600, 0.01)
+    assert test.rejected == (broken is not None), [p.positions for p in test.prompts]
+    if not broken:
+        floor = [50, 50, 50] if policy == "constant" else [50, 20, 1]
+        assert all(a >= f for a, f in zip(test.accepted_per_position, floor)), (
+            test.drafted_per_position, test.accepted_per_position)
