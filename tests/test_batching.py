@@ -120,16 +120,54 @@ def test_rows_keep_their_own_parameters_stops_and_logprobs():
 def test_streaming_callbacks_get_every_token_in_order():
     generator = SpeculativeGenerator(tiny_backend(0), PromptLookupProposer(1, 3), 4, "constant")
     batched = BatchedGenerator(generator, 2)
-    streamed: dict[int, list[int]] = {}
-    ids = [batched.submit(p, SamplingParams(max_new_tokens=15),
-                          on_commit=lambda tokens, i=i: streamed.setdefault(i, []).extend(tokens))
+    streamed: dict[tuple[int, int], list[int]] = {}
+    ids = [batched.submit(p, SamplingParams(max_new_tokens=15), n=1 + i % 2,
+                          on_commit=lambda sample, tokens, i=i:
+                          streamed.setdefault((i, sample), []).extend(tokens))
            for i, p in enumerate(PROMPTS[:3])]
     assert batched.num_waiting == 3
-    results = {}
-    while len(results) < 3:
-        results.update(batched.step())
+    outputs = {}
+    while len(outputs) < 3:
+        outputs.update(batched.step())
         assert batched.num_active <= 2
-    assert [streamed[i] for i in range(3)] == [results[i].token_ids for i in ids]
+    for i, request_id in enumerate(ids):
+        assert [streamed[i, s] for s in range(1 + i % 2)] == [
+            r.token_ids for r in outputs[request_id]]
+
+
+@pytest.mark.parametrize("policy", ["constant", "auto"])
+def test_n_samples_of_a_seeded_request_equal_generate_samples(policy, make_backend):
+    """n samples of one prompt decode one after another in the request's row on one rng,
+    so a seeded request gives what generate_samples gives, beside other requests."""
+    target = make_backend(0)
+    generator = SpeculativeGenerator(target, SuffixProposer(), 3, policy)
+    params = SamplingParams(temperature=1.0, seed=11, max_new_tokens=9)
+    expected = generator.generate_samples(PROMPTS[0], params, n=3)
+    batched = BatchedGenerator(generator, 3)
+    ids = [batched.submit(PROMPTS[0], params, n=3), batched.submit(PROMPTS[1]),
+           batched.submit(PROMPTS[2], params, n=2)]
+    outputs = {}
+    while len(outputs) < 3:
+        outputs.update(batched.step())
+    assert [r.token_ids for r in outputs[ids[0]]] == [r.token_ids for r in expected]
+    assert len({tuple(r.token_ids) for r in outputs[ids[0]]}) > 1
+    assert outputs[ids[0]][0].stats.prefill_seconds > 0 == outputs[ids[0]][1].stats.prefill_seconds
+
+
+def test_a_failing_request_ends_alone_and_cancel_drops_one():
+    target = tiny_backend(0)
+    batched = BatchedGenerator(SpeculativeGenerator(target, SuffixProposer(), 3, "constant"), 4)
+    good = batched.submit(PROMPTS[0], SamplingParams(max_new_tokens=6))
+    bad = batched.submit(PROMPTS[1], SamplingParams(max_new_tokens=6,
+                                                       banned_token_ids=tuple(range(target.vocab_size))))
+    dropped = batched.submit(PROMPTS[2], SamplingParams(max_new_tokens=6))
+    outputs = batched.step()
+    assert isinstance(outputs[bad], ValueError) and "every token is banned" in str(outputs[bad])
+    batched.cancel(dropped)
+    while good not in outputs:
+        outputs.update(batched.step())
+    assert dropped not in outputs and batched.num_active == 0
+    assert len(outputs[good][0].token_ids) == 6
 
 
 def test_what_cannot_be_batched_is_refused():

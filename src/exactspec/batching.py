@@ -21,13 +21,14 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from exactspec.backends.base import BatchBackend, UnsupportedModelError
-from exactspec.engine import PLAIN_STEP, FinishReason, GenerationResult, SpeculativeGenerator, TokenLogprob
+from exactspec.engine import (PLAIN_STEP, FinishReason, GenerationResult, OnCommit,
+                              SpeculativeGenerator, TokenLogprob)
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.metrics import GenerationStats
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
@@ -42,34 +43,67 @@ DEFAULT_MAX_BATCH_SIZE = 8
 
 @dataclass
 class _Row:
-    """One request being decoded: its record, processing, randomness and figures."""
+    """One request being decoded: its settings, record, processing, randomness and figures.
+    A request of ``n`` samples decodes them one after another in its row, on one ``rng``
+    (as :meth:`SpeculativeGenerator.generate_samples` does)."""
 
     request_id: int
-    tokens: list[int]  # prompt + committed tokens: the row's one record
-    num_prompt_tokens: int
+    generator: SpeculativeGenerator  # the row's drafter, k_max and policy come from it
+    prompt_token_ids: list[int]
     pipeline: LogitsPipeline
     rng: torch.Generator
-    stopper: StopChecker
-    stats: GenerationStats
+    stop_ids: set[int]
     proposer: Proposer | None
     policy: SpeculationLengthPolicy
-    batch_chosen: bool  # k comes from the batch-level auto policy (see BatchedGenerator._choose)
-    start: float
-    logprobs: list[TokenLogprob] | None
+    batch_chosen: bool  # k comes from the batch-level auto policy (BatchedGenerator._choose)
+    num_samples: int
+    on_commit: OnCommit | None = field(default=None, repr=False)
+    start: float = 0.0
+    prefill_seconds: float = 0.0
+    results: list[GenerationResult] = field(default_factory=list)
+    # the sample being decoded
+    tokens: list[int] = field(default_factory=list)  # prompt + committed: the one record
+    stopper: StopChecker | None = None
+    stats: GenerationStats | None = None
+    logprobs: list[TokenLogprob] | None = None
     proposal: Proposal = EMPTY_PROPOSAL
     peek: Proposal = EMPTY_PROPOSAL
     chosen_k: int = 0
     draft_seconds: float = 0.0
     finish_reason: FinishReason | None = None
-    on_commit: Callable[[list[int]], None] | None = field(default=None, repr=False)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def start_sample(self, target: BatchBackend) -> None:
+        """Begin the next sample: the record is the prompt again, fresh figures."""
+        params = self.pipeline.params
+        self.tokens = list(self.prompt_token_ids)
+        self.stopper = StopChecker(target.tokenizer, self.stop_ids, params.stop,
+                                   params.min_new_tokens)
+        k_max = self.generator.num_speculative_tokens
+        self.stats = GenerationStats(num_speculative_tokens=k_max,
+                                     policy=self.policy.name if k_max else "none",
+                                     num_prompt_tokens=self.num_prompt_tokens,
+                                     prefill_seconds=self.prefill_seconds)
+        self.logprobs = [] if params.logprobs is not None else None
+        self.finish_reason = None
+        self.prefill_seconds = 0.0  # the first sample's stats include the prefill
+
+
+RequestOutput = list[GenerationResult] | Exception
+"""What :meth:`BatchedGenerator.step` returns for a finished request: its ``n`` results, or
+the error that ended it (its parameters left nothing to sample, say)."""
 
 
 class BatchedGenerator:
     """Exact speculative decoding of many sequences at once on one target.
 
     Args:
-        generator: the single-sequence engine whose target, drafter, k and policy every row
-            uses (each row gets its own copy of the drafter and the policy).
+        generator: the single-sequence engine whose target, drafter, k and policy rows use
+            by default (each row gets its own copy of the drafter and the policy; a request
+            may bring another generator on the same target, see :meth:`submit`).
         max_batch_size: most rows decoded together (≥ 1); more requests wait in order.
     Raises:
         ValueError: if the target cannot hold several sequences (``supports_batches``
@@ -86,12 +120,7 @@ class BatchedGenerator:
         target = generator.target
         if not target.supports_batches:
             raise ValueError(f"batched decoding needs a backend that holds several sequences; "
-                             f"{target.description} holds one (use the transformers backend)")
-        if generator.proposer is not None and not generator.proposer.batchable:
-            raise ValueError(f"batched decoding supports drafters without a model cache of "
-                             f"their own (prompt-lookup, suffix); "
-                             f"{type(generator.proposer).__name__} keeps one and cannot draft "
-                             "for several rows")
+                             f"{target.description} holds one")
         if (not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool)
                 or max_batch_size < 1):
             raise ValueError(f"max_batch_size = {max_batch_size!r} is invalid: it must be an "
@@ -99,6 +128,8 @@ class BatchedGenerator:
         if max_batch_size > target.max_sequences:
             raise ValueError(f"max_batch_size = {max_batch_size} is invalid: {target.description} "
                              f"holds at most {target.max_sequences} sequences")
+        self.target: BatchBackend = target
+        self._check(generator)
         if not generator.allow_batch_variance and not target.sequences_invariant:
             raise UnsupportedModelError(
                 f"this backend ({target.description}) scores a sequence differently when other "
@@ -106,7 +137,6 @@ class BatchedGenerator:
                 "decoding it alone; batching is refused (allow_batch_variance=True batches "
                 "anyway, exact only up to rounding)")
         self.generator = generator
-        self.target: BatchBackend = target
         self.max_batch_size = max_batch_size
         self._waiting: deque[_Row] = deque()
         self._active: list[_Row] = []
@@ -148,42 +178,51 @@ class BatchedGenerator:
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one "
                              "for all or one per prompt")
         ids = [self.submit(prompt, p, chat=chat) for prompt, p in zip(prompts, params)]
-        results: dict[int, GenerationResult] = {}
-        while len(results) < len(ids):
-            results.update(self.step())
-        return [results[i] for i in ids]
+        outputs: dict[int, RequestOutput] = {}
+        while len(outputs) < len(ids):
+            outputs.update(self.step())
+        for output in outputs.values():
+            if isinstance(output, Exception):
+                raise output
+        return [outputs[i][0] for i in ids]
 
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-               chat: bool = False, on_commit: Callable[[list[int]], None] | None = None,
-               rng: torch.Generator | None = None) -> int:
+               n: int = 1, chat: bool = False, on_commit: OnCommit | None = None,
+               rng: torch.Generator | None = None,
+               generator: SpeculativeGenerator | None = None) -> int:
         """Queue one request; it joins the batch at the next :meth:`step` with room.
 
         Args:
             prompt, params, chat: as :meth:`SpeculativeGenerator.generate`.
+            n: samples of this prompt, decoded one after another in the request's row on one
+                ``rng``, so a seeded request gives what ``generate_samples(n=n)`` gives.
             on_commit: called after every cycle that emitted tokens for this request, with
-                those tokens (for streaming).
+                the sample's index and those tokens (for streaming).
             rng: the request's random source (default: seeded from ``params.seed``, random
                 without one). Given with an unseeded ``params``, the request is treated as
                 unseeded (its k may follow the batch) but its draws are reproducible: the
                 audit samples the serving path this way.
+            generator: the drafter, k and policy of this request (default: the batch's);
+                its target must be the batch's.
         Returns:
-            the request's id, the key of its result in what :meth:`step` returns.
+            the request's id, the key of its output in what :meth:`step` returns.
         Raises:
-            ValueError, TypeError: as :meth:`SpeculativeGenerator.generate`.
+            ValueError, TypeError: as :meth:`SpeculativeGenerator.generate_samples`, or for a
+                generator on another target or with a drafter that is not batchable.
         """
-        generator = self.generator
+        generator = self.generator if generator is None else generator
+        self._check(generator)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n = {n!r} is invalid: it must be an integer ≥ 1")
         start = time.perf_counter()
         prompt_token_ids = generator._prompt_token_ids(prompt, chat)
         target = self.target
         pipeline = LogitsPipeline(params, prompt_token_ids, target.vocab_size,
                                   target.eos_token_ids, generator._bad_words_ids(params.bad_words),
                                   target.device)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos
-                                                 else set(target.eos_token_ids))
-        k_max = generator.num_speculative_tokens
         timed = params.greedy or params.seed is None  # as SpeculativeGenerator.generate_samples
         proposer = None
         if generator.proposer is not None:
@@ -192,28 +231,35 @@ class BatchedGenerator:
         policy = copy.deepcopy(generator.policy)
         policy.reset(timed=False)  # a forward's time is the batch's: see the module docstring
         row = _Row(
-            request_id=self._next_id, tokens=list(prompt_token_ids),
-            num_prompt_tokens=len(prompt_token_ids), pipeline=pipeline,
-            rng=make_rng(params.seed, target.device) if rng is None else rng,
-            stopper=StopChecker(target.tokenizer, stop_ids, params.stop, params.min_new_tokens),
-            stats=GenerationStats(num_speculative_tokens=k_max,
-                                  policy=policy.name if k_max else "none",
-                                  num_prompt_tokens=len(prompt_token_ids)),
-            proposer=proposer, policy=policy, start=start,
-            batch_chosen=isinstance(policy, AutoPolicy) and timed,
-            logprobs=[] if params.logprobs is not None else None, on_commit=on_commit)
+            request_id=self._next_id, generator=generator, prompt_token_ids=prompt_token_ids,
+            pipeline=pipeline, rng=make_rng(params.seed, target.device) if rng is None else rng,
+            stop_ids=set(params.stop_token_ids) | (set() if params.ignore_eos
+                                                   else set(target.eos_token_ids)),
+            proposer=proposer, policy=policy,
+            batch_chosen=isinstance(policy, AutoPolicy) and timed, num_samples=n,
+            on_commit=on_commit, start=start)
         self._next_id += 1
         self._waiting.append(row)
         return row.request_id
 
-    def step(self) -> dict[int, GenerationResult]:
+    def cancel(self, request_id: int) -> None:
+        """Drop a request, waiting or active, without an output (no error if it is gone)."""
+        self._waiting = deque(row for row in self._waiting if row.request_id != request_id)
+        for row in self._active:
+            if row.request_id == request_id:
+                self.target.release_sequence(request_id)
+        self._active = [row for row in self._active if row.request_id != request_id]
+
+    def step(self) -> dict[int, RequestOutput]:
         """One cycle for every active row (after admitting waiting requests while there is
         room): choose k, draft, one packed target forward, verify, commit, roll back.
 
         Returns:
-            the results of the requests that finished in this cycle, by request id.
+            the outputs of the requests that finished in this cycle, by request id: their
+            results, or the error that ended one (the others go on). An error of the forward
+            itself ends every active request.
         """
-        finished: dict[int, GenerationResult] = {}
+        finished: dict[int, RequestOutput] = {}
         self._admit()
         live = []  # (row, room): rows with room for at least one more token
         for row in self._active:
@@ -222,28 +268,53 @@ class BatchedGenerator:
                 live.append((row, room))
             else:
                 row.finish_reason = "length"
-                finished[row.request_id] = self._finish(row)
+                self._end_sample(row, finished)
+        drafted = []
         for (row, room), choice in zip(live, self._choose(live)):
-            self._draft(row, choice, room)
-        if live:
-            rows = [row for row, _ in live]
-            inputs = [(row.request_id, [row.tokens[-1], *row.proposal.token_ids]) for row in rows]
+            try:
+                self._draft(row, choice, room)
+                drafted.append(row)
+            except Exception as error:
+                finished[row.request_id] = error
+        if drafted:
+            inputs = [(row.request_id, [row.tokens[-1], *row.proposal.token_ids])
+                      for row in drafted]
             t0 = time.perf_counter()
-            all_logits = self.target.forward_sequences(inputs)
+            try:
+                all_logits = self.target.forward_sequences(inputs)
+            except Exception as error:
+                finished.update((row.request_id, error) for row in drafted)
+                all_logits = []
             forward_seconds = time.perf_counter() - t0
-            self.costs.observe(sum(len(ids) for _, ids in inputs), forward_seconds)
-            for row, logits in zip(rows, all_logits):
-                if self._verify_and_commit(row, logits, forward_seconds):
-                    finished[row.request_id] = self._finish(row)
+            if all_logits:
+                self.costs.observe(sum(len(ids) for _, ids in inputs), forward_seconds)
+            for row, logits in zip(drafted, all_logits):
+                try:
+                    if self._verify_and_commit(row, logits, forward_seconds):
+                        self._end_sample(row, finished)
+                except Exception as error:
+                    finished[row.request_id] = error
+        for request_id in finished:
+            self.target.release_sequence(request_id)
         self._active = [row for row in self._active if row.request_id not in finished]
         return finished
+
+    def _check(self, generator: SpeculativeGenerator) -> None:
+        if generator.target is not self.target:
+            raise ValueError("a request's generator must run on the batch's target")
+        if generator.proposer is not None and not generator.proposer.batchable:
+            raise ValueError(f"batched decoding supports drafters without a model cache of "
+                             f"their own (prompt-lookup, suffix); "
+                             f"{type(generator.proposer).__name__} keeps one and cannot draft "
+                             "for several rows")
 
     def _admit(self) -> None:
         while self._waiting and len(self._active) < self.max_batch_size:
             row = self._waiting.popleft()
             t0 = time.perf_counter()
-            self.target.prefill_sequence(row.request_id, row.tokens[:-1])
-            row.stats.prefill_seconds = time.perf_counter() - t0
+            self.target.prefill_sequence(row.request_id, row.prompt_token_ids[:-1])
+            row.prefill_seconds = time.perf_counter() - t0
+            row.start_sample(self.target)
             self._active.append(row)
 
     def _room(self, row: _Row) -> int:
@@ -257,22 +328,23 @@ class BatchedGenerator:
         """Each live row's choice: rows under ``auto`` that may be timed (greedy or unseeded)
         get k from :func:`batch_speculation_lengths` over the batch's measured forward cost;
         the others (seeded sampling, other policies) choose on their own, as alone."""
-        k_max = self.generator.num_speculative_tokens
-        if not k_max:
-            return [PLAIN_STEP] * len(live)
         choices: list[Choice | None] = [None] * len(live)
         batch_chosen, fixed_tokens = [], 0
         for i, (row, room) in enumerate(live):
-            if row.batch_chosen:
+            if not row.generator.num_speculative_tokens:
+                choices[i] = PLAIN_STEP
+            elif row.batch_chosen:
                 batch_chosen.append(i)
+                continue
             else:
                 choices[i] = row.policy.choose()
-                fixed_tokens += min(choices[i].k, room - 1) + 1
+            fixed_tokens += min(choices[i].k, room - 1) + 1
         if batch_chosen:
             ks = batch_speculation_lengths(
                 [live[i][0].policy.acceptance() for i in batch_chosen],
-                [min(k_max, live[i][1] - 1) for i in batch_chosen], self.costs,
-                fixed_tokens, len(live) - len(batch_chosen))
+                [min(live[i][0].generator.num_speculative_tokens, live[i][1] - 1)
+                 for i in batch_chosen],
+                self.costs, fixed_tokens, len(live) - len(batch_chosen))
             for i, k in zip(batch_chosen, ks):
                 choices[i] = live[i][0].policy.choice(k)
         return choices
@@ -290,8 +362,8 @@ class BatchedGenerator:
 
     def _verify_and_commit(self, row: _Row, logits: torch.Tensor, forward_seconds: float) -> bool:
         """Verify ``row``'s drafts against its ``[k+1, vocab]`` logits, commit, roll back and
-        observe; True when the row finished (a stop)."""
-        generator, proposal = self.generator, row.proposal
+        observe; True when the sample finished (a stop)."""
+        generator, proposal = row.generator, row.proposal
         t0 = time.perf_counter()
         verified = generator._verify(row.tokens, proposal, logits, row.pipeline, row.rng)
         verify_seconds = forward_seconds + time.perf_counter() - t0
@@ -310,17 +382,24 @@ class BatchedGenerator:
         if row.stats.cycles == 1:
             row.stats.ttft_seconds = time.perf_counter() - row.start
         if row.on_commit is not None and num_emitted:
-            row.on_commit(row.tokens[len(row.tokens) - num_emitted:])
+            row.on_commit(len(row.results), row.tokens[len(row.tokens) - num_emitted:])
         return row.finish_reason is not None
 
-    def _finish(self, row: _Row) -> GenerationResult:
-        self.target.release_sequence(row.request_id)
+    def _end_sample(self, row: _Row, finished: dict[int, RequestOutput]) -> None:
+        """Record ``row``'s finished sample; start its next one, or finish the request."""
         row.stats.total_seconds = time.perf_counter() - row.start
         if row.proposer is not None:
             row.proposer.end_sequence(row.tokens, row.num_prompt_tokens)
         output = row.tokens[row.num_prompt_tokens:]
-        return GenerationResult(
+        row.results.append(GenerationResult(
             text=self.target.tokenizer.decode(output), token_ids=output,
             finish_reason=row.finish_reason, stop_reason=row.stopper.stop_reason,
-            prompt_token_ids=row.tokens[:row.num_prompt_tokens], stats=row.stats,
-            logprobs=row.logprobs)
+            prompt_token_ids=list(row.prompt_token_ids), stats=row.stats,
+            logprobs=row.logprobs))
+        if len(row.results) == row.num_samples:
+            finished[row.request_id] = row.results
+            return
+        self.target.rollback_sequence(row.request_id, self.target.cached_tokens(row.request_id)
+                                      - (row.num_prompt_tokens - 1))
+        row.start = time.perf_counter()
+        row.start_sample(self.target)

@@ -288,7 +288,7 @@ class ForwardCost:
     cost scaled by :func:`prior_cost` when one is, else the prior itself.
 
     Args:
-        max_tokens: the largest n measured or asked for.
+        max_tokens: the largest n expected (a larger one is still measured).
         smoothing: weight of a new timing in the moving average, in (0, 1].
     """
 
@@ -298,6 +298,8 @@ class ForwardCost:
 
     def observe(self, n: int, seconds: float) -> None:
         """A forward over ``n`` tokens took ``seconds``."""
+        if n >= len(self.seconds):
+            self.seconds += [None] * (n + 1 - len(self.seconds))
         old = self.seconds[n]
         self.seconds[n] = seconds if old is None else (
             (1 - self.smoothing) * old + self.smoothing * seconds)

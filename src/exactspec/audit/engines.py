@@ -80,11 +80,16 @@ class BatchedEngine:
         ids = [self.batched.submit(list(prompt_ids), unseeded,
                                    rng=make_rng((params.seed or 0) * 1_000_003 + i, device))
                for i in range(num_samples)]
-        results = {}
-        while len(results) < len(ids):
-            results.update(self.batched.step())
-        _count_drafts(self, results.values())
-        return [tuple(results[i].token_ids) for i in ids]
+        outputs = {}
+        while len(outputs) < len(ids):
+            outputs.update(self.batched.step())
+        results = []
+        for i in ids:
+            if isinstance(outputs[i], Exception):
+                raise outputs[i]
+            results += outputs[i]
+        _count_drafts(self, results)
+        return [tuple(result.token_ids) for result in results]
 
 
 def _count_drafts(engine: ExactspecEngine | BatchedEngine, results) -> None:
