@@ -173,8 +173,13 @@ def test_a_failing_request_ends_alone_and_cancel_drops_one():
 def test_what_cannot_be_batched_is_refused():
     target = tiny_backend(0)
     draft = DraftModelProposer(tiny_backend(1), target)
-    with pytest.raises(ValueError, match="model cache"):
+    with pytest.raises(ValueError, match="max_batch_size = 1"):
         BatchedGenerator(SpeculativeGenerator(target, draft, 4))
+    one_by_one = BatchedGenerator(SpeculativeGenerator(target, draft, 4, "constant"), 1)
+    seeded = SamplingParams(temperature=1.0, seed=4, max_new_tokens=8)
+    assert [r.token_ids for r in one_by_one.generate(PROMPTS[:3], seeded)] == [
+        SpeculativeGenerator(target, draft, 4, "constant").generate(p, seeded).token_ids
+        for p in PROMPTS[:3]]
     with pytest.raises(ValueError, match="max_batch_size = 0"):
         BatchedGenerator(SpeculativeGenerator(target, None), 0)
     with pytest.raises(ValueError, match="at most 256"):

@@ -635,3 +635,42 @@ def test_load_test_script_passes_and_catches_a_broken_stream(server, tmp_path, m
     assert '"mismatches": 0' not in capsys.readouterr().out
     with pytest.raises(SystemExit, match="not a loopback"):
         script.main(["--url", "http://10.1.2.3:8000"])
+
+
+# --- batching: concurrent requests share the engine's forwards -------------------------
+
+def test_concurrent_requests_are_batched_and_each_equals_the_library(library):
+    """Eight streaming greedy requests at once (different prompts and lengths) join one
+    batch: the engine decodes several together (its batch holds more than one row while
+    they run), and each stream equals the library's greedy output for its request alone; a
+    seeded sampling request among them samples what it samples alone."""
+    app = create_app(make_target(), PromptLookupProposer(1, 3), model_name=MODEL,
+                     speculation=SpeculationSettings(4, "constant"), max_batch_size=4)
+    prompts = [PROMPT, "xyzxyzxy", "hello hello hel", "aaaaaaa", "abcdabcdab", "qwqwqwq",
+               "the cat the cat the", "0101010"]
+    texts: dict[int, str] = {}
+    most_active = []
+
+    with serving(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+        def request(i: int) -> None:
+            extra = {"seed": 5, "temperature": 0.9} if i == 3 else {"temperature": 0}
+            stream = client.completions.create(model=MODEL, prompt=prompts[i],
+                                               max_tokens=30 + 5 * i, stream=True, **extra)
+            texts[i] = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+
+        threads = [threading.Thread(target=request, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        while any(thread.is_alive() for thread in threads):
+            most_active.append(app.state.worker.batched.num_active)
+            time.sleep(0.005)
+        for thread in threads:
+            thread.join()
+    assert max(most_active) >= 2, "the engine never decoded two requests together"
+    assert max(most_active) <= 4
+    for i, prompt in enumerate(prompts):
+        params = (SamplingParams(temperature=0.9, seed=5, max_new_tokens=30 + 5 * i) if i == 3
+                  else SamplingParams(max_new_tokens=30 + 5 * i))
+        assert texts[i] == library.generate(prompt, params).text, i

@@ -55,6 +55,7 @@ class _Row:
     stop_ids: set[int]
     proposer: Proposer | None
     policy: SpeculationLengthPolicy
+    timed: bool  # greedy or unseeded: may depend on what ran before (SpeculationLengthPolicy.reset)
     batch_chosen: bool  # k comes from the batch-level auto policy (BatchedGenerator._choose)
     num_samples: int
     on_commit: OnCommit | None = field(default=None, repr=False)
@@ -108,8 +109,8 @@ class BatchedGenerator:
     Raises:
         ValueError: if the target cannot hold several sequences (``supports_batches``
             False), the drafter is not ``batchable`` (a draft model or early exit: one model
-            cache; prompt lookup and suffix are), or ``max_batch_size`` < 1 or above what the
-            backend holds.
+            cache; prompt lookup and suffix are) and ``max_batch_size`` > 1, or
+            ``max_batch_size`` < 1 or above what the backend holds.
         UnsupportedModelError: if the target scores a sequence in a batch differently from
             alone (``sequences_invariant`` False, measured on first use) and the generator
             was not made with ``allow_batch_variance``.
@@ -129,6 +130,7 @@ class BatchedGenerator:
             raise ValueError(f"max_batch_size = {max_batch_size} is invalid: {target.description} "
                              f"holds at most {target.max_sequences} sequences")
         self.target: BatchBackend = target
+        self.max_batch_size = max_batch_size
         self._check(generator)
         if not generator.allow_batch_variance and not target.sequences_invariant:
             raise UnsupportedModelError(
@@ -137,7 +139,6 @@ class BatchedGenerator:
                 "decoding it alone; batching is refused (allow_batch_variance=True batches "
                 "anyway, exact only up to rounding)")
         self.generator = generator
-        self.max_batch_size = max_batch_size
         self._waiting: deque[_Row] = deque()
         self._active: list[_Row] = []
         self._next_id = 0
@@ -224,10 +225,9 @@ class BatchedGenerator:
                                   target.eos_token_ids, generator._bad_words_ids(params.bad_words),
                                   target.device)
         timed = params.greedy or params.seed is None  # as SpeculativeGenerator.generate_samples
-        proposer = None
-        if generator.proposer is not None:
-            proposer = copy.copy(generator.proposer)  # see Proposer.batchable
-            proposer.reset(reproducible=not timed)
+        proposer = generator.proposer
+        if proposer is not None and proposer.batchable:
+            proposer = copy.copy(proposer)  # see Proposer.batchable; reset when it starts
         policy = copy.deepcopy(generator.policy)
         policy.reset(timed=False)  # a forward's time is the batch's: see the module docstring
         row = _Row(
@@ -236,7 +236,7 @@ class BatchedGenerator:
             stop_ids=set(params.stop_token_ids) | (set() if params.ignore_eos
                                                    else set(target.eos_token_ids)),
             proposer=proposer, policy=policy,
-            batch_chosen=isinstance(policy, AutoPolicy) and timed, num_samples=n,
+            timed=timed, batch_chosen=isinstance(policy, AutoPolicy) and timed, num_samples=n,
             on_commit=on_commit, start=start)
         self._next_id += 1
         self._waiting.append(row)
@@ -302,11 +302,11 @@ class BatchedGenerator:
     def _check(self, generator: SpeculativeGenerator) -> None:
         if generator.target is not self.target:
             raise ValueError("a request's generator must run on the batch's target")
-        if generator.proposer is not None and not generator.proposer.batchable:
-            raise ValueError(f"batched decoding supports drafters without a model cache of "
-                             f"their own (prompt-lookup, suffix); "
-                             f"{type(generator.proposer).__name__} keeps one and cannot draft "
-                             "for several rows")
+        proposer = generator.proposer
+        if proposer is not None and not proposer.batchable and self.max_batch_size > 1:
+            raise ValueError(f"{type(proposer).__name__} keeps a model cache of its own and "
+                             f"drafts for one sequence at a time: use max_batch_size = 1 with "
+                             "it (drafters for several rows: prompt-lookup, suffix)")
 
     def _admit(self) -> None:
         while self._waiting and len(self._active) < self.max_batch_size:
@@ -314,6 +314,8 @@ class BatchedGenerator:
             t0 = time.perf_counter()
             self.target.prefill_sequence(row.request_id, row.prompt_token_ids[:-1])
             row.prefill_seconds = time.perf_counter() - t0
+            if row.proposer is not None:  # a shared one (batch size 1) is this row's from now
+                row.proposer.reset(reproducible=not row.timed)
             row.start_sample(self.target)
             self._active.append(row)
 

@@ -10,6 +10,7 @@ from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_model_options,
                                   add_policy_option, allows_batch_variance,
                                   check_drafter_before_loading, drafter_spec, load_from_args,
                                   positive_int)
+from exactspec.batching import DEFAULT_MAX_BATCH_SIZE
 from exactspec.proposers.spec import DEFAULT_NGRAM, FORMS, parse_drafter
 
 API_KEY_VARIABLE = "EXACTSPEC_API_KEY"
@@ -35,6 +36,13 @@ def add_parser(commands) -> None:
     spec.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K, metavar="K",
                       help=f"most tokens drafted per cycle (default {DEFAULT_K}; 0 = plain)")
     add_policy_option(spec)
+    spec.add_argument("--max-batch-size", type=positive_int, default=DEFAULT_MAX_BATCH_SIZE,
+                      metavar="B",
+                      help="most prompts decoded together, all in one target forward per cycle "
+                           f"(continuous batching: requests join as others finish; default "
+                           f"{DEFAULT_MAX_BATCH_SIZE}; 1 with a draft model or early exit, "
+                           "whose cache follows one sequence). Each request's output is what "
+                           "it would be alone")
     http = serve.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1",
                       help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 "
@@ -106,5 +114,6 @@ def _app(args: argparse.Namespace, target, proposer):
     return create_app(target, proposer, model_name=args.served_model_name or args.model,
                       speculation=SpeculationSettings(k, args.policy), api_key=args.api_key,
                       max_queue=args.max_queue, max_request_bytes=args.max_request_bytes,
+                      max_batch_size=args.max_batch_size,
                       allow_batch_variance=allows_batch_variance(args))
 

@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exactspec.backends.base import Backend
+from exactspec.batching import DEFAULT_MAX_BATCH_SIZE
 from exactspec.engine import GenerationResult
 from exactspec.logits_pipeline import outside_vocabulary
 from exactspec.proposers.base import Proposer
@@ -49,6 +50,7 @@ that went away)."""
 def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
                speculation: SpeculationSettings, api_key: str | None = None,
                max_queue: int = 64, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
                allow_batch_variance: bool = False) -> FastAPI:
     """The server for one loaded ``target`` (and drafter), named ``model_name`` in the API.
 
@@ -57,6 +59,8 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
         api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>`` (else 401).
         max_queue: most requests waiting for the engine (beyond it: 503).
         max_request_bytes: largest request body (beyond it: 413).
+        max_batch_size: most prompts decoded together, in one target forward per cycle
+            (:class:`~exactspec.batching.BatchedGenerator`).
     Raises:
         ValueError: if the default policy cannot run with ``proposer``.
     """
@@ -64,6 +68,7 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
     if isinstance(proposer, SuffixProposer) and proposer.corpus is not None:
         metrics.watch_corpus(proposer.corpus)
     worker = EngineWorker(target, proposer, speculation, metrics, max_queue=max_queue,
+                          max_batch_size=max_batch_size,
                           allow_batch_variance=allow_batch_variance)
 
     @contextlib.asynccontextmanager

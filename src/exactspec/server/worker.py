@@ -1,11 +1,13 @@
 """One engine, one thread, a bounded queue: how the server runs generations.
 
-The engine decodes one sequence at a time and its backend holds one KV cache, so a single
-worker thread owns it and takes jobs first come, first served. HTTP handlers (asyncio)
-submit a :class:`Job` and read its events from an ``asyncio.Queue`` that the worker fills
-through ``loop.call_soon_threadsafe``; a full job queue is refused at once (the caller
-answers 503). Cancelling a job (its client went away) stops its generation at the next
-cycle.
+A single worker thread owns the target and a
+:class:`~exactspec.batching.BatchedGenerator`: jobs join the batch first come, first served
+while it has room (continuous batching: between any two cycles), and every cycle advances
+all of them in one target forward. HTTP handlers (asyncio) submit a :class:`Job` and read
+its events from an ``asyncio.Queue`` that the worker fills through
+``loop.call_soon_threadsafe``; jobs wait in a bounded queue while the batch is full, and a
+full queue is refused at once (the caller answers 503). Cancelling a job (its client went
+away) drops its rows before the next cycle.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from exactspec.backends.base import Backend
-from exactspec.engine import SpeculativeGenerator
+from exactspec.batching import DEFAULT_MAX_BATCH_SIZE, BatchedGenerator
+from exactspec.engine import GenerationResult, SpeculativeGenerator
 from exactspec.proposers.base import Proposer
 from exactspec.sampling import SamplingParams
 from exactspec.server.metrics import ServerMetrics
@@ -62,6 +65,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    first_token: float | None = None  # when its first token was emitted (perf_counter)
 
     def put(self, kind: str, choice: int | None, value: Any) -> None:
         """Hand an event to the request's handler (thread-safe)."""
@@ -69,7 +73,7 @@ class Job:
 
 
 class EngineWorker:
-    """The thread that runs every job on one target and drafter.
+    """The thread that runs every job on one target and drafter, batched.
 
     Args:
         target: the loaded target model.
@@ -77,25 +81,35 @@ class EngineWorker:
         speculation: the server's default k_max and policy.
         metrics: where finished requests are counted.
         max_queue: most jobs waiting (beyond it :meth:`submit` raises QueueFullError).
+        max_batch_size: most prompts decoded together (1 with a drafter that is not
+            ``batchable``: a draft model's cache follows one sequence).
         allow_batch_variance: as :class:`~exactspec.engine.SpeculativeGenerator`.
     """
 
     def __init__(self, target: Backend, proposer: Proposer | None,
                  speculation: SpeculationSettings, metrics: ServerMetrics, *,
-                 max_queue: int = 64, allow_batch_variance: bool = False) -> None:
+                 max_queue: int = 64, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+                 allow_batch_variance: bool = False) -> None:
         self.target, self.proposer = target, proposer
         self.default_speculation = speculation
         self.metrics = metrics
         self.allow_batch_variance = allow_batch_variance
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._generators: dict[SpeculationSettings, SpeculativeGenerator] = {}
-        self.generator(speculation)  # a bad default fails at start, not at the first request
+        if proposer is not None and not proposer.batchable and max_batch_size > 1:
+            logger.info("%s drafts for one sequence at a time: requests are decoded one by one",
+                        type(proposer).__name__)
+            max_batch_size = 1
+        # a bad default fails at start, not at the first request
+        self.batched = BatchedGenerator(self.generator(speculation), max_batch_size)
+        self._rows: dict[int, tuple[Job, int]] = {}  # request id → (job, prompt index)
+        self._outstanding: dict[int, int] = {}  # id(job) → rows not finished
         self._thread = threading.Thread(target=self._run, name="exactspec-engine", daemon=True)
         self._thread.start()
 
     def generator(self, speculation: SpeculationSettings) -> SpeculativeGenerator:
-        """The generator for these settings (made once, then reused: the engine resets its
-        policy and drafter at every generation).
+        """The generator for these settings (made once, then reused: every row gets its
+        own copy of its policy and drafter).
 
         Raises:
             ValueError: if the policy cannot run with the server's drafter.
@@ -122,7 +136,7 @@ class EngineWorker:
         self.metrics.waiting.set(self._jobs.qsize())
 
     def close(self) -> None:
-        """Stop the thread after the job it is running (waiting jobs are cancelled)."""
+        """Stop the thread after the jobs it is running (waiting jobs are cancelled)."""
         while True:
             try:
                 job = self._jobs.get_nowait()
@@ -135,39 +149,92 @@ class EngineWorker:
         self._thread.join(timeout=60)
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        closing = False
+        while not closing or self._rows:
+            while not closing and self._has_room():
+                try:  # block only when there is nothing to decode
+                    job = self._jobs.get(block=not self._rows)
+                except queue.Empty:
+                    break
+                if job is None:
+                    closing = True
+                else:
+                    self._start(job)
             self.metrics.waiting.set(self._jobs.qsize())
-            self.metrics.running.set(1)
-            try:
-                self._run_job(job)
-            except Cancelled:
-                self.metrics.aborted.inc()
-            except Exception as error:  # reported to the client, the server goes on
-                logger.exception("generation failed")
-                job.put("error", None, error)
-            finally:
-                self.metrics.running.set(0)
-                job.put("end", None, None)
-
-    def _run_job(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            raise Cancelled
-        generator = self.generator(job.speculation)
-        first_token: list[float] = []
-
-        for p, prompt in enumerate(job.prompts):
-            def on_commit(index: int, token_ids: list[int], base: int = p * job.n) -> None:
+            for request_id, (job, _) in list(self._rows.items()):
                 if job.cancelled.is_set():
-                    raise Cancelled
-                if not first_token:
-                    first_token.append(time.perf_counter())
-                job.put("tokens", base + index, token_ids)
+                    self.batched.cancel(request_id)
+                    self._end_row(request_id, Cancelled())
+            if not self._rows:
+                continue
+            try:
+                outputs = self.batched.step()
+            except Exception as error:  # reported to every client, the server goes on
+                logger.exception("generation failed")
+                outputs = dict.fromkeys(self._rows, error)
+            for request_id, output in outputs.items():
+                self._end_row(request_id, output)
 
-            results = generator.generate_samples(prompt, job.params, n=job.n, on_commit=on_commit)
-            for index, result in enumerate(results):
-                job.put("result", p * job.n + index, result)
-                self.metrics.record(result, len(prompt) if index == 0 else 0)
-        ttft = (first_token[0] if first_token else time.perf_counter()) - job.arrival
-        self.metrics.ttft.observe(ttft)
-        self.metrics.e2e.observe(time.perf_counter() - job.arrival)
+    def _has_room(self) -> bool:
+        return self.batched.num_active + self.batched.num_waiting < self.batched.max_batch_size
 
+    def _start(self, job: Job) -> None:
+        """Submit every prompt of ``job`` as one row of ``n`` samples."""
+        if job.cancelled.is_set():
+            self.metrics.aborted.inc()
+            job.put("end", None, None)
+            return
+        generator = self.generator(job.speculation)
+        self._outstanding[id(job)] = 0
+        for p, prompt in enumerate(job.prompts):
+            def on_commit(sample: int, token_ids: list[int], base: int = p * job.n) -> None:
+                if job.first_token is None:
+                    job.first_token = time.perf_counter()
+                job.put("tokens", base + sample, token_ids)
+
+            try:
+                request_id = self.batched.submit(prompt, job.params, n=job.n,
+                                                 on_commit=on_commit, generator=generator)
+            except Exception as error:
+                self._fail(job, error)
+                return
+            self._rows[request_id] = (job, p)
+            self._outstanding[id(job)] += 1
+        self.metrics.running.set(len(self._outstanding))
+
+    def _end_row(self, request_id: int, output: list[GenerationResult] | Exception) -> None:
+        """A row finished (its results), failed or was cancelled (an exception)."""
+        if request_id not in self._rows:  # its job already failed
+            return
+        job, p = self._rows.pop(request_id)
+        if isinstance(output, Exception):
+            self._fail(job, output)
+            return
+        for index, result in enumerate(output):
+            job.put("result", p * job.n + index, result)
+            self.metrics.record(result, len(job.prompts[p]) if index == 0 else 0)
+        self._outstanding[id(job)] -= 1
+        if not self._outstanding[id(job)]:
+            del self._outstanding[id(job)]
+            now = time.perf_counter()
+            self.metrics.ttft.observe((job.first_token or now) - job.arrival)
+            self.metrics.e2e.observe(now - job.arrival)
+            self.metrics.running.set(len(self._outstanding))
+            job.put("end", None, None)
+
+    def _fail(self, job: Job, error: Exception) -> None:
+        """End ``job`` with ``error`` (a cancellation is counted, not reported), dropping
+        its other rows."""
+        for request_id, (other, _) in list(self._rows.items()):
+            if other is job:
+                self.batched.cancel(request_id)
+                del self._rows[request_id]
+        if isinstance(error, Cancelled):
+            self.metrics.aborted.inc()
+        else:
+            if not isinstance(error, ValueError):
+                logger.error("generation failed: %s", error)
+            job.put("error", None, error)
+        self._outstanding.pop(id(job), None)
+        self.metrics.running.set(len(self._outstanding))
+        job.put("end", None, None)
