@@ -19,6 +19,8 @@ from (the audit refuses the others).
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -72,6 +74,27 @@ class Peer(Protocol):
         """
         ...
 
+    def sample_wave(self, prompts: Sequence[Sequence[int]],
+                    params: SamplingParams) -> tuple[list[list[int]], list[float]]:
+        """One continuation of each prompt, all submitted at once (the benchmark's
+        ``--concurrency``): the outputs, and each one's seconds from the start to its last
+        token.
+
+        Raises:
+            ValueError: as :meth:`sample`.
+        """
+        ...
+
+
+def one_after_another(peer: Peer, prompts: Sequence[Sequence[int]],
+                      params: SamplingParams) -> tuple[list[list[int]], list[float]]:
+    """:meth:`Peer.sample_wave` for a peer that serves one request at a time."""
+    start, outputs, latencies = time.perf_counter(), [], []
+    for prompt_ids in prompts:
+        outputs.append(list(peer.sample(prompt_ids, params, 1)[0]))
+        latencies.append(time.perf_counter() - start)
+    return outputs, latencies
+
 
 def _refuse_untranslated(peer: Peer, params: SamplingParams) -> None:
     untranslated = set_fields(params, peer.translates)
@@ -109,18 +132,46 @@ class TransformersPeer:
             torch.manual_seed(params.seed)
         return [tuple(self._generate(prompt_ids, params)) for _ in range(num_samples)]
 
+    def sample_wave(self, prompts: Sequence[Sequence[int]],
+                    params: SamplingParams) -> tuple[list[list[int]], list[float]]:
+        """Plain ``generate()`` decodes the prompts as one left-padded batch; its assisted
+        modes refuse batches, so they serve one request at a time."""
+        if self.generate_kwargs:
+            return one_after_another(self, prompts, params)
+        _refuse_untranslated(self, params)
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        start = time.perf_counter()
+        outputs = self._generate_padded(prompts, params)
+        return outputs, [time.perf_counter() - start] * len(prompts)
+
     def _generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        input_ids = torch.tensor([list(prompt_ids)], device=self.target.device)
+        return self._generate_padded([prompt_ids], params)[0]
+
+    def _generate_padded(self, prompts: Sequence[Sequence[int]],
+                         params: SamplingParams) -> list[list[int]]:
+        """``generate()`` on the prompts as one batch, left-padded; each output cut after
+        its first EOS."""
+        width = max(len(p) for p in prompts)
         eos = list(self.target.eos_token_ids)
+        pad = eos[0] if eos else 0
+        input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts],
+                                 device=self.target.device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                                      device=self.target.device)
         sampling = {"do_sample": False} if params.greedy else {
             "do_sample": True, "temperature": params.temperature, "top_k": params.top_k,
             "top_p": params.top_p, "min_p": params.min_p or None}
         with torch.inference_mode():
             output = self.target.model.generate(
-                input_ids, attention_mask=torch.ones_like(input_ids),
+                input_ids, attention_mask=attention_mask,
                 max_new_tokens=params.max_new_tokens, eos_token_id=eos or None,
-                pad_token_id=eos[0] if eos else 0, **sampling, **self.generate_kwargs)
-        return output[0, input_ids.shape[1]:].tolist()
+                pad_token_id=pad, **sampling, **self.generate_kwargs)
+        outputs = []
+        for row in output[:, width:].tolist():
+            end = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
+            outputs.append(row[:end])
+        return outputs
 
 
 def transformers_generate_kwargs(drafter: DrafterSpec, k: int,
@@ -195,6 +246,11 @@ class LlamaCppPeer:
             self.llama.set_seed((params.seed or 0) * 1_000_003 + i)
             samples.append(tuple(self._generate(prompt_ids, params)))
         return samples
+
+    def sample_wave(self, prompts: Sequence[Sequence[int]],
+                    params: SamplingParams) -> tuple[list[list[int]], list[float]]:
+        """One request at a time (a ``Llama`` holds one sequence)."""
+        return one_after_another(self, prompts, params)
 
     def _generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """From an empty cache, stopped after an EOS token or ``max_new_tokens`` tokens; no

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from exactspec.backends.base import Backend
+from exactspec.batching import BatchedGenerator
 from exactspec.engine import SpeculativeGenerator
 from exactspec.peers import DEFAULT_PROMPT_LOOKUP_K, PEERS, is_peer, make_peer
 from exactspec.proposers.spec import DrafterSpec, build_proposer, parse_drafter
@@ -44,10 +45,17 @@ class Outcome:
     stats: dict | None
 
 
+Wave = Callable[[list[list[int]], SamplingParams], tuple[list[list[int]], list[float]]]
+"""Decode several prompts submitted at once → (their outputs, each one's seconds from the
+start to its last token)."""
+
+
 @dataclass
 class Method:
     """A named way to decode; ``run(prompt_ids, params, question_id)`` → :class:`Outcome`
-    (``question_id`` None for a warm-up). ``kind`` is ``plain``, ``prompt-lookup``,
+    (``question_id`` None for a warm-up); ``run_wave(prompts, params)`` decodes several
+    requests submitted at once (:data:`Wave`; batched for exactspec and ``hf-plain``, one
+    after another for the other peers). ``kind`` is ``plain``, ``prompt-lookup``,
     ``suffix``, ``draft``, ``early-exit``, or one of them with its peer prefix
     (``hf-assistant`` for a transformers draft model). ``notes``: how the method was kept
     honest, for the report (e.g. what its corpus held)."""
@@ -56,6 +64,7 @@ class Method:
     kind: str
     k: int
     run: Callable[[list[int], SamplingParams, int | None], Outcome]
+    run_wave: Wave
     notes: str | None = None
 
     @property
@@ -103,7 +112,8 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
             start = time.perf_counter()
             token_ids = list(peer.sample(prompt_ids, params, 1)[0])
             return Outcome(token_ids, time.perf_counter() - start, None)
-        return Method(spec, kind, k, run_peer)
+
+        return Method(spec, kind, k, run_peer, peer.sample_wave)
     proposer = build_proposer(drafter, target, load_model)
     generator = SpeculativeGenerator(target, proposer, k, drafter.policy,
                                      allow_batch_variance=allow_batch_variance)
@@ -123,7 +133,21 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
             if question_id is not None:
                 earlier.setdefault(question_id, result.token_ids)
         return Outcome(result.token_ids, result.stats.total_seconds, result.stats.to_dict())
+
+    batched: dict[int, BatchedGenerator] = {}  # by wave size
+
+    def run_wave(prompts: list[list[int]], params: SamplingParams):
+        if len(prompts) not in batched:
+            batched[len(prompts)] = BatchedGenerator(generator, len(prompts))
+        if corpus is not None:  # only the wave's other questions, finished before
+            corpus.clear()
+        results = batched[len(prompts)].generate(prompts, params)
+        if corpus is not None:
+            corpus.clear()
+        return ([r.token_ids for r in results], [r.stats.total_seconds for r in results])
     notes = None if corpus is None else (
         "suffix corpus: refilled before every run with the outputs of the questions run "
-        "before this one (never its own; the warm-up's is dropped), and cleared after it")
-    return Method(spec, kind, k, run, notes)
+        "before this one (never its own; the warm-up's is dropped), and cleared after it; "
+        "under --concurrency emptied before each wave, so it holds only the outputs of the "
+        "wave's other questions that finished earlier")
+    return Method(spec, kind, k, run, run_wave, notes)

@@ -16,6 +16,11 @@ DEFAULT_BENCH_METHODS = {
                   "llama-prompt-lookup:k=10"),
 }
 """Methods compared when no --method is given, by the target's backend."""
+CONCURRENCY_METHODS = {
+    "transformers": ("plain", "prompt-lookup:k=4:policy=auto", "hf-plain"),
+    "llama_cpp": ("plain", "prompt-lookup:k=4:policy=auto", "llama-plain"),
+}
+"""Methods compared under --concurrency when no --method is given."""
 FULL = {"per_category": 5, "max_new_tokens": 128, "repetitions": 2}
 QUICK = {"per_category": 2, "max_new_tokens": 64, "repetitions": 1}
 """Run sizes without and with --quick, where the flag itself is not given."""
@@ -66,6 +71,14 @@ def add_parser(commands) -> None:
     bench.add_argument("--output", default="bench-results", metavar="DIR",
                        help="where results.json, report.md and the plots go (default bench-results)")
     bench.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    bench.add_argument("--concurrency", type=concurrency_list, default=None, metavar="C,C,…",
+                       help="measure throughput under load instead: waves of C questions "
+                            "submitted at once (e.g. 1,2,4,8), exactspec batching each wave in "
+                            "one target forward per cycle, hf-plain as one padded batch, other "
+                            "peers one request after another; reports total tokens/s, its ratio "
+                            "to C = 1, and request latency. Default methods: "
+                            + " ".join(CONCURRENCY_METHODS["transformers"]) + " (transformers), "
+                            + " ".join(CONCURRENCY_METHODS["llama_cpp"]) + " (llama_cpp)")
     bench.add_argument("--quick", action="store_true",
                        help=f"smoke run: {QUICK['per_category']} questions per group, "
                             f"{QUICK['max_new_tokens']} new tokens, {QUICK['repetitions']} "
@@ -73,6 +86,18 @@ def add_parser(commands) -> None:
                             "given explicitly override these")
     add_model_options(bench)
     bench.set_defaults(subparser=bench)
+
+
+def concurrency_list(text: str) -> list[int]:
+    """``--concurrency``'s value: comma-separated integers ≥ 1."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: give comma-separated integers "
+                                         "≥ 1, e.g. 1,2,4,8")
+    return values
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -106,9 +131,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             target = load_from_args(args)
             load = lambda name: load_from_args(args, name)
             backend = "llama_cpp" if isinstance(target, LlamaCppBackend) else "transformers"
+            defaults = (CONCURRENCY_METHODS if args.concurrency else DEFAULT_BENCH_METHODS)
             methods = [parse_method(spec, target, load,
                                     allow_batch_variance=allows_batch_variance(args))
-                       for spec in args.method or DEFAULT_BENCH_METHODS[backend]]
+                       for spec in args.method or defaults[backend]]
         config = {"model": args.model, "backend": target.description, "device": str(target.device),
                   "questions": str(args.questions or "exactspec prompts.jsonl"),
                   "groups": args.category or "all", "per_category": args.per_category,
@@ -116,6 +142,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                   "temperature": args.temperature, "repetitions": args.repetitions,
                   "seed": args.seed, "chat": not args.no_chat}
         config |= {f"{m.name}: how": m.notes for m in methods if m.notes}
+        if args.concurrency:
+            return _run_concurrency(args, target, questions, methods, params, config, console)
         results = run_bench(target, questions, methods, params=params,
                             repetitions=args.repetitions, chat=not args.no_chat, config=config)
     except (ValueError, FileNotFoundError, LlamaCppNotInstalledError) as error:
@@ -132,3 +160,20 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         raise KeyboardInterrupt  # the report says what was kept; exit as interrupted
     failures = sum(e["mismatches"] for m, e in summary["overall"].items() if not is_peer(m))
     return 1 if failures else EXIT_UNSTABLE if summary["unstable"] else 0
+
+
+def _run_concurrency(args, target, questions, methods, params, config, console) -> int:
+    """``--concurrency``: the waves, the report, the exit status (1 on a greedy mismatch)."""
+    from exactspec.bench.concurrency import run_concurrency_bench, write_concurrency_report
+
+    results = run_concurrency_bench(target, questions, methods, args.concurrency, params=params,
+                                    repetitions=args.repetitions, chat=not args.no_chat,
+                                    config=config)
+    summary = write_concurrency_report(results, args.output)
+    console.print(f"wrote {', '.join(summary['files'])}", highlight=False)
+    print((Path(args.output) / "report.md").read_text())
+    if results.incomplete:
+        raise KeyboardInterrupt
+    mismatches = sum(entry["mismatches"] for by_c in summary["table"].values()
+                     for entry in by_c.values())
+    return 1 if mismatches else 0
