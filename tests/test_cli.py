@@ -400,3 +400,13 @@ def test_generate_prints_the_slow_decoding_warning(model_folder, capsys, monkeyp
                        "--temperature", 1, "--ignore-eos")
     assert code == 0 and seen == [(10, True)]
     assert err.endswith("warning: decoding ran at 0.5 tokens/s [...] (--threads 1)\n")
+
+
+def test_bench_concurrency_values_are_checked(capsys):
+    from exactspec.cli import main
+
+    for bad in ("0,2", "a,b", ""):
+        with pytest.raises(SystemExit) as exited:
+            main(["bench", "--concurrency", bad])
+        assert exited.value.code == 2
+        assert "integers ≥ 1" in capsys.readouterr().err

@@ -86,12 +86,13 @@ class Peer(Protocol):
         ...
 
 
-def one_after_another(peer: Peer, prompts: Sequence[Sequence[int]],
-                      params: SamplingParams) -> tuple[list[list[int]], list[float]]:
-    """:meth:`Peer.sample_wave` for a peer that serves one request at a time."""
+def one_after_another(decode: Callable[[Sequence[int]], Sequence[int]],
+                      prompts: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[float]]:
+    """A wave (:meth:`Peer.sample_wave`) served one request at a time by ``decode`` (prompt
+    → output): the outputs and each one's seconds from the start to its end."""
     start, outputs, latencies = time.perf_counter(), [], []
     for prompt_ids in prompts:
-        outputs.append(list(peer.sample(prompt_ids, params, 1)[0]))
+        outputs.append(list(decode(prompt_ids)))
         latencies.append(time.perf_counter() - start)
     return outputs, latencies
 
@@ -137,7 +138,7 @@ class TransformersPeer:
         """Plain ``generate()`` decodes the prompts as one left-padded batch; its assisted
         modes refuse batches, so they serve one request at a time."""
         if self.generate_kwargs:
-            return one_after_another(self, prompts, params)
+            return one_after_another(lambda ids: self.sample(ids, params, 1)[0], prompts)
         _refuse_untranslated(self, params)
         if params.seed is not None:
             torch.manual_seed(params.seed)
@@ -250,7 +251,7 @@ class LlamaCppPeer:
     def sample_wave(self, prompts: Sequence[Sequence[int]],
                     params: SamplingParams) -> tuple[list[list[int]], list[float]]:
         """One request at a time (a ``Llama`` holds one sequence)."""
-        return one_after_another(self, prompts, params)
+        return one_after_another(lambda ids: self.sample(ids, params, 1)[0], prompts)
 
     def _generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """From an empty cache, stopped after an EOS token or ``max_new_tokens`` tokens; no

@@ -83,7 +83,7 @@ def run_concurrency_bench(target: Backend, questions: list[Question], methods: l
     warm_up = SamplingParams(**{**asdict(params), "max_new_tokens": 4, "min_new_tokens": 0})
     for method in methods:
         for c in sorted(set(concurrencies)):
-            method.run_wave(prompts[:c], warm_up)
+            method.wave(prompts[:c], warm_up)
     alone: dict[int, list[int]] = {}  # greedy: plain decoding of each question alone
     results = ConcurrencyResults(config | {"questions_used": usable,
                                            "concurrencies": list(concurrencies)},
@@ -99,7 +99,7 @@ def run_concurrency_bench(target: Backend, questions: list[Question], methods: l
                 for method in methods:
                     progress.update(task, description=f"c={c} wave {start // c + 1} {method.name}")
                     begin = time.perf_counter()
-                    outputs, latencies = method.run_wave(prompts[wave], params)
+                    outputs, latencies = method.wave(prompts[wave], params)
                     block.append((method, outputs, WaveRecord(
                         method.name, c, repetition, [q.question_id for q in questions[wave]],
                         sum(len(o) for o in outputs), time.perf_counter() - begin, latencies)))

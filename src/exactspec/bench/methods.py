@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from exactspec.backends.base import Backend
 from exactspec.batching import BatchedGenerator
 from exactspec.engine import SpeculativeGenerator
-from exactspec.peers import DEFAULT_PROMPT_LOOKUP_K, PEERS, is_peer, make_peer
+from exactspec.peers import (DEFAULT_PROMPT_LOOKUP_K, PEERS, is_peer, make_peer,
+                             one_after_another)
 from exactspec.proposers.spec import DrafterSpec, build_proposer, parse_drafter
 from exactspec.proposers.suffix import SuffixProposer
 from exactspec.sampling import SamplingParams
@@ -64,8 +65,14 @@ class Method:
     kind: str
     k: int
     run: Callable[[list[int], SamplingParams, int | None], Outcome]
-    run_wave: Wave
+    run_wave: Wave | None = None  # None: one ``run`` after another
     notes: str | None = None
+
+    def wave(self, prompts: list[list[int]], params: SamplingParams):
+        """:data:`Wave`: ``run_wave``, or each prompt's ``run`` one after another."""
+        if self.run_wave is not None:
+            return self.run_wave(prompts, params)
+        return one_after_another(lambda ids: self.run(list(ids), params).token_ids, prompts)
 
     @property
     def is_peer(self) -> bool:
