@@ -43,6 +43,28 @@ def test_the_load_check_tells_the_kernels_apart(seed):
     assert invariant.batch_invariant and check_batch_invariance(invariant, 17).invariant
     assert not fast.batch_invariant
     assert fast.description.endswith("fast kernels")
+    wide = backend("batch-invariant-4", seed)
+    assert wide.batch_invariant and wide.sequences_invariant
+    assert wide.description.endswith("4-row kernels")
+
+
+def test_the_4_row_kernels_decode_as_the_2_row_ones_up_to_rounding_and_exactly_as_themselves():
+    """Blocks of 4 rows round differently from blocks of 2 (another kernel), so the two
+    choices are each exact against themselves: greedy speculative and batched output equal
+    plain decoding on the same kernels."""
+    from exactspec import BatchedGenerator, PromptLookupProposer
+
+    wide = backend("batch-invariant-4")
+    prompts = [[1, 2, 3, 1, 2, 3, 1], [4, 5, 4, 5], [7] * 6, [9, 3, 9, 3, 9]]
+    params = SamplingParams(max_new_tokens=20)
+    plain = [SpeculativeGenerator(wide, None).generate(p, params).token_ids for p in prompts]
+    generator = SpeculativeGenerator(wide, PromptLookupProposer(1, 3), 5, "constant")
+    assert [generator.generate(p, params).token_ids for p in prompts] == plain
+    assert [r.token_ids for r in BatchedGenerator(generator, 4).generate(prompts, params)] == plain
+    single, block = first_row_logits(wide, 6)
+    assert torch.equal(single, block)
+    narrow_single, _ = first_row_logits(backend("batch-invariant"), 6)
+    assert torch.allclose(single, narrow_single, atol=1e-4)
 
 
 @pytest.mark.parametrize("k", [1, 4, 7, 8, 12])
@@ -95,5 +117,5 @@ def test_a_backend_that_is_not_batch_invariant_is_refused_unless_allowed():
     SpeculativeGenerator(target, None)  # plain decoding needs no invariance
     SpeculativeGenerator(target, FixedDrafter(), 4, allow_batch_variance=True)
     with pytest.raises(ValueError, match="kernels 'quick' is invalid: choose one of "
-                                         "batch-invariant, fast"):
+                                         "batch-invariant, batch-invariant-4, fast"):
         TransformersBackend(tiny_model(0), CharTokenizer(), kernels="quick")

@@ -46,13 +46,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNELS = ("batch-invariant", "fast")
-"""Kernel choices of the transformers backend (``batch-invariant`` is the default)."""
+KERNELS = ("batch-invariant", "batch-invariant-4", "fast")
+"""Kernel choices of the transformers backend (``batch-invariant`` is the default;
+``batch-invariant-4`` the same on blocks of 4 rows, see :data:`FIXED_ROWS`)."""
 FIXED_ROWS = 2
-"""Rows of every decode-phase matrix product in batch-invariant mode. A plain step (padded
-to this many rows) then costs what the fast kernels' plain step costs, and a verification
-of n tokens costs ceil(n / FIXED_ROWS) products; wider blocks make verification cheaper and
-plain steps dearer (measured trade-off: results/kernels-2026-11-30)."""
+"""Rows of every decode-phase matrix product with the ``batch-invariant`` kernels. A plain
+step (padded to this many rows) then costs what the fast kernels' plain step costs, and a
+forward over n tokens (a verification, or a batch of sequences) costs ceil(n / FIXED_ROWS)
+products; wider blocks make many-token forwards cheaper and plain steps dearer (measured
+trade-off: results/kernels-2026-11-30, results/batch-2026-12-01). ``batch-invariant-4``
+uses :data:`WIDE_ROWS` for serving many requests at once."""
+WIDE_ROWS = 4
+"""Rows of every decode-phase matrix product with the ``batch-invariant-4`` kernels."""
 SKINNY_MAX_ROWS = 16
 """The fast kernels compute products over at most this many rows as ``(W @ x.T).T``."""
 ATTENTION = "exactspec"
@@ -81,8 +86,10 @@ class BatchInvariantLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         flat = x.reshape(rows, x.shape[-1])
-        if _kernels.get() == "batch-invariant":
-            out = _fixed_rows_product(self.weight, flat)
+        mode = _kernels.get()
+        if mode != "fast":
+            out = _fixed_rows_product(self.weight, flat,
+                                      WIDE_ROWS if mode == "batch-invariant-4" else FIXED_ROWS)
         elif rows <= SKINNY_MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32:
             doubled = torch.cat((flat, flat)) if rows == 1 else flat
             out = (self.weight @ doubled.t()).t()[:rows].contiguous()
@@ -93,15 +100,15 @@ class BatchInvariantLinear(nn.Linear):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def _fixed_rows_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for ``x`` ``[rows, in]``, computed in blocks of :data:`FIXED_ROWS`
-    rows (zero-padded) so that every kernel call has the same shape. Returns a contiguous
+def _fixed_rows_product(weight: torch.Tensor, x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x @ weight.T`` for ``x`` ``[rows, in]``, computed in blocks of ``width`` rows
+    (zero-padded) so that every kernel call has the same shape. Returns a contiguous
     ``[rows, out]`` (element-wise kernels take another path on a strided view)."""
     rows, blocks = x.shape[0], []
-    for start in range(0, rows, FIXED_ROWS):
-        block = x[start:start + FIXED_ROWS]
-        if block.shape[0] < FIXED_ROWS:
-            block = torch.cat((block, block.new_zeros(FIXED_ROWS - block.shape[0], x.shape[1])))
+    for start in range(0, rows, width):
+        block = x[start:start + width]
+        if block.shape[0] < width:
+            block = torch.cat((block, block.new_zeros(width - block.shape[0], x.shape[1])))
         blocks.append((weight @ block.t()).t())
     return torch.cat(blocks)[:rows].contiguous()
 
@@ -128,7 +135,7 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
                    if kwargs.get(name) is not None]
     if unsupported:
         raise ValueError(f"exactspec's attention does not implement {', '.join(unsupported)}")
-    if _kernels.get() != "batch-invariant" and _packed.get() is None:
+    if _kernels.get() == "fast" and _packed.get() is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     batch, heads, q_len, head_dim = query.shape

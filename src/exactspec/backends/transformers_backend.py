@@ -83,9 +83,10 @@ class TransformersBackend:
         tokenizer: a :class:`~exactspec.backends.base.Tokenizer`.
         eos_token_ids: ids that end generation; by default the model's generation config's.
         kernels: ``batch-invariant`` (the default: a token's logits are bit-identical
-            whether scored alone or in a block) or ``fast`` (PyTorch's own kernels, faster
-            on a CPU, equal only up to rounding); see
-            :mod:`~exactspec.backends.batch_invariant`.
+            whether scored alone or in a block), ``batch-invariant-4`` (the same on blocks
+            of 4 rows: plain steps dearer, forwards over many tokens, as batches of many
+            requests, cheaper) or ``fast`` (PyTorch's own kernels, faster on a CPU, equal
+            only up to rounding); see :mod:`~exactspec.backends.batch_invariant`.
     Attributes:
         batch_invariant: the result of the bit-identity check run at construction.
         supports_batches: True: besides its one sequence (``prefill``/``forward``/``rollback``)
@@ -120,7 +121,8 @@ class TransformersBackend:
         self.device = next(model.parameters()).device
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.description = (f"transformers {dtype} {self.device.type}"
-                            + (", fast kernels" if kernels == "fast" else ""))
+                            + {"fast": ", fast kernels",
+                               "batch-invariant-4": ", 4-row kernels"}.get(kernels, ""))
         self._new_cache = lambda: DynamicCache(config=model.config)
         _check_rollback(model, self._new_cache())
         self._cache = self._new_cache()
