@@ -90,18 +90,23 @@ def test_a_seeded_row_samples_what_it_samples_alone(policy, make_backend):
         assert [r.token_ids for r in results] == alone
 
 
-def test_rows_keep_their_own_parameters_stops_and_logprobs():
+@pytest.mark.parametrize("policy", ["constant", "auto"])
+def test_rows_keep_their_own_parameters_stops_and_logprobs(policy):
+    """Greedy rows (k from the batch under auto) beside seeded ones (k their own): each
+    as alone, with stop token ids, a stop string, logprobs, penalties, min_new_tokens."""
     target = tiny_backend(0)
-    generator = SpeculativeGenerator(target, SuffixProposer(), 4, "constant")
+    generator = SpeculativeGenerator(target, SuffixProposer(), 4, policy)
     plain = SpeculativeGenerator(tiny_backend(0), None)
     first = plain.generate(PROMPTS[0], SamplingParams(max_new_tokens=12))
     stop_token = first.token_ids[5]
     params = [SamplingParams(max_new_tokens=12, stop_token_ids=(stop_token,)),
               SamplingParams(max_new_tokens=9, logprobs=2),
               SamplingParams(max_new_tokens=15, frequency_penalty=0.7, repetition_penalty=1.3),
-              SamplingParams(max_new_tokens=10, temperature=0.7, seed=5, min_new_tokens=4)]
-    prompts = PROMPTS[:4]
-    results = BatchedGenerator(generator, 4).generate(prompts, params)
+              SamplingParams(max_new_tokens=10, temperature=0.7, seed=5, min_new_tokens=4),
+              SamplingParams(max_new_tokens=20, stop=(target.tokenizer.decode(first.token_ids[3:5]),)),
+              SamplingParams(max_new_tokens=14, temperature=1.0, seed=8, top_k=12)]
+    prompts = [*PROMPTS[:4], PROMPTS[0], PROMPTS[4]]
+    results = BatchedGenerator(generator, 6).generate(prompts, params)
     for prompt, p, result in zip(prompts, params, results):
         alone = generator.generate(prompt, p)  # the same drafter and k: the same draws
         if p.greedy:
@@ -111,10 +116,9 @@ def test_rows_keep_their_own_parameters_stops_and_logprobs():
         assert result.stop_reason == alone.stop_reason
         if p.logprobs:
             assert [lp.token_id for lp in result.logprobs] == result.token_ids
-            for got, want in zip(result.logprobs, alone.logprobs):
-                assert got.logprob == pytest.approx(want.logprob, abs=1e-6)
-                assert [t for t, _ in got.top] == [t for t, _ in want.top]
+            assert result.logprobs == alone.logprobs  # bit for bit
     assert results[0].finish_reason == "stop" and results[0].token_ids[-1] == stop_token
+    assert results[4].finish_reason == "stop" and results[4].stop_reason == params[4].stop[0]
 
 
 def test_streaming_callbacks_get_every_token_in_order():
@@ -154,20 +158,57 @@ def test_n_samples_of_a_seeded_request_equal_generate_samples(policy, make_backe
     assert outputs[ids[0]][0].stats.prefill_seconds > 0 == outputs[ids[0]][1].stats.prefill_seconds
 
 
-def test_a_failing_request_ends_alone_and_cancel_drops_one():
-    target = tiny_backend(0)
-    batched = BatchedGenerator(SpeculativeGenerator(target, SuffixProposer(), 3, "constant"), 4)
-    good = batched.submit(PROMPTS[0], SamplingParams(max_new_tokens=6))
-    bad = batched.submit(PROMPTS[1], SamplingParams(max_new_tokens=6,
-                                                       banned_token_ids=tuple(range(target.vocab_size))))
-    dropped = batched.submit(PROMPTS[2], SamplingParams(max_new_tokens=6))
+def test_a_failing_request_ends_alone_and_cancel_drops_one(make_backend):
+    """A request whose parameters leave nothing to sample, one whose prefill fails, and one
+    cancelled from a streaming callback of another end alone: the others' tokens are those
+    of decoding them alone, and every sequence is released."""
+    target = make_backend(0)
+    generator = SpeculativeGenerator(target, SuffixProposer(), 3, "constant")
+    batched = BatchedGenerator(generator, 4)
+    params = SamplingParams(max_new_tokens=12)
+    alone = [generator.generate(p, params).token_ids for p in PROMPTS[:2]]
+    holder = {}
+    good = batched.submit(PROMPTS[0], params,
+                          on_commit=lambda sample, tokens: batched.cancel(holder["dropped"]))
+    banned = SamplingParams(max_new_tokens=6, banned_token_ids=tuple(range(target.vocab_size)))
+    bad = batched.submit(PROMPTS[1], banned)
+    holder["dropped"] = batched.submit(PROMPTS[2], params)
+    prefill = target.prefill_sequence
+
+    def failing_prefill(sequence_id, token_ids):  # e.g. out of memory on a long prompt
+        if len(token_ids) == 29:
+            raise RuntimeError("out of memory")
+        prefill(sequence_id, token_ids)
+
+    target.prefill_sequence = failing_prefill
+    too_long = batched.submit(list(range(1, 31)), params)
+    other = batched.submit(PROMPTS[1], params)
     outputs = batched.step()
     assert isinstance(outputs[bad], ValueError) and "every token is banned" in str(outputs[bad])
-    batched.cancel(dropped)
-    while good not in outputs:
+    assert isinstance(outputs[too_long], RuntimeError), outputs[too_long]
+    while not (good in outputs and other in outputs):
         outputs.update(batched.step())
-    assert dropped not in outputs and batched.num_active == 0
-    assert len(outputs[good][0].token_ids) == 6
+    assert holder["dropped"] not in outputs and batched.num_active == batched.num_waiting == 0
+    assert outputs[good][0].token_ids == alone[0] and outputs[other][0].token_ids == alone[1]
+    for request_id in (good, bad, holder["dropped"], too_long, other):
+        with pytest.raises(ValueError, match="not held"):
+            target.cached_tokens(request_id)
+
+
+def test_two_batches_on_one_target_never_share_a_sequence():
+    target = tiny_backend(0)
+    params = SamplingParams(max_new_tokens=15)
+    alone = [SpeculativeGenerator(target, None).generate(p, params).token_ids for p in PROMPTS[:2]]
+    first = BatchedGenerator(SpeculativeGenerator(target, None), 2)
+    second = BatchedGenerator(SpeculativeGenerator(target, PromptLookupProposer(1, 3), 3), 2)
+    a = first.submit(PROMPTS[0], params)
+    first.step()
+    b = second.submit(PROMPTS[1], params)
+    outputs = {}
+    while a not in outputs or b not in outputs:
+        outputs.update(first.step())
+        outputs.update(second.step())
+    assert [outputs[a][0].token_ids, outputs[b][0].token_ids] == alone
 
 
 def test_what_cannot_be_batched_is_refused():
@@ -182,26 +223,47 @@ def test_what_cannot_be_batched_is_refused():
         for p in PROMPTS[:3]]
     with pytest.raises(ValueError, match="max_batch_size = 0"):
         BatchedGenerator(SpeculativeGenerator(target, None), 0)
-    with pytest.raises(ValueError, match="at most 256"):
+    with pytest.raises(ValueError, match="max_batch_size = 1000 is invalid: .* holds 1 to 256"):
         BatchedGenerator(SpeculativeGenerator(target, None), 1000)
     batched = BatchedGenerator(SpeculativeGenerator(target, None))
     with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
         batched.generate(PROMPTS[:3], [SamplingParams()] * 2)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         batched.generate([[1, 10_000]])
+    with pytest.raises(TypeError, match="a list of prompts"):
+        batched.generate("hello")
+    with pytest.raises(TypeError, match="a list of prompts"):
+        batched.generate([1, 2, 3])
+    batched.submit(PROMPTS[0])
+    with pytest.raises(ValueError, match="1 submitted ones are pending"):
+        batched.generate(PROMPTS[:1])
 
 
-def test_llama_cpp_slots_run_out_with_a_clear_error(make_backend):
+def test_llama_cpp_slots_are_reserved_and_run_out_with_a_clear_error(make_backend):
     target = make_backend(0)
     if make_backend.kind != "llama_cpp":
         pytest.skip("slots are llama.cpp's (the transformers backend holds up to 256)")
-    for i in range(target.max_sequences):
+    assert target.max_sequences == 0  # nothing allocated before batching is used
+    BatchedGenerator(SpeculativeGenerator(target, None), 2)
+    assert target.max_sequences == 2 and target.sequences_invariant
+    for i in range(2):
         target.prefill_sequence(i, [1, 2])
-    with pytest.raises(ValueError, match="sequence slots are in use"):
+    with pytest.raises(ValueError, match="all 2 sequence slots are in use"):
         target.prefill_sequence(99, [1, 2])
+    with pytest.raises(ValueError, match="cannot grow from 2 to 4 sequence slots while 2 are held"):
+        BatchedGenerator(SpeculativeGenerator(target, None), 4)
     target.release_sequence(0)
     target.prefill_sequence(99, [1, 2])
     assert target.cached_tokens(99) == 2
+    target.release_sequence(1)
+    target.release_sequence(99)
+    batched = BatchedGenerator(SpeculativeGenerator(target, PromptLookupProposer(1, 3), 3), 4)
+    assert target.max_sequences == 4
+    params = SamplingParams(max_new_tokens=12)
+    assert [r.token_ids for r in batched.generate(PROMPTS[:4], params)] == [
+        SpeculativeGenerator(target, None).generate(p, params).token_ids for p in PROMPTS[:4]]
+    with pytest.raises(ValueError, match="cannot be reserved: llama.cpp holds 1 to"):
+        target.reserve_sequences(100_000)
 
 
 def test_batch_level_auto_gives_way_to_batching_as_the_batch_fills():

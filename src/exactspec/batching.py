@@ -19,6 +19,7 @@ gives what :meth:`SpeculativeGenerator.generate` gives for the same request.
 from __future__ import annotations
 
 import copy
+import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -39,6 +40,9 @@ from exactspec.stopping import StopChecker
 
 DEFAULT_MAX_BATCH_SIZE = 8
 """Rows decoded together when none is given."""
+_request_ids = itertools.count()
+"""Request ids, unique in the process: they are the backend's sequence ids too, so two
+batches on one target never touch each other's sequences."""
 
 
 @dataclass
@@ -93,6 +97,17 @@ class _Row:
         self.prefill_seconds = 0.0  # the first sample's stats include the prefill
 
 
+def _expected_committed(policy: SpeculationLengthPolicy, k: int) -> float:
+    """Tokens a row drafting ``k`` is expected to commit: 1 + Σ_{j≤k} Π_{i≤j} α_i with its
+    own acceptance estimates under ``auto``, α = 0.5 under the other policies."""
+    alphas = policy.acceptance() if isinstance(policy, AutoPolicy) else [0.5] * k
+    expected, survive = 1.0, 1.0
+    for alpha in alphas[:k]:
+        survive *= alpha
+        expected += survive
+    return expected
+
+
 RequestOutput = list[GenerationResult] | Exception
 """What :meth:`BatchedGenerator.step` returns for a finished request: its ``n`` results, or
 the error that ended it (its parameters left nothing to sample, say)."""
@@ -126,9 +141,10 @@ class BatchedGenerator:
                 or max_batch_size < 1):
             raise ValueError(f"max_batch_size = {max_batch_size!r} is invalid: it must be an "
                              "integer ≥ 1")
-        if max_batch_size > target.max_sequences:
-            raise ValueError(f"max_batch_size = {max_batch_size} is invalid: {target.description} "
-                             f"holds at most {target.max_sequences} sequences")
+        try:
+            target.reserve_sequences(max_batch_size)
+        except ValueError as error:
+            raise ValueError(f"max_batch_size = {max_batch_size} is invalid: {error}") from None
         self.target: BatchBackend = target
         self.max_batch_size = max_batch_size
         self._check(generator)
@@ -141,7 +157,8 @@ class BatchedGenerator:
         self.generator = generator
         self._waiting: deque[_Row] = deque()
         self._active: list[_Row] = []
-        self._next_id = 0
+        self._stepping = False
+        self._cancelled: set[int] = set()  # cancelled during a step (from a callback)
         self.costs = ForwardCost(max_batch_size * (generator.num_speculative_tokens + 1))
         """Seconds of a packed forward over N tokens, measured (the batch-level auto policy)."""
 
@@ -154,6 +171,10 @@ class BatchedGenerator:
     def num_waiting(self) -> int:
         """Requests submitted but not started (the batch is full)."""
         return len(self._waiting)
+
+    def is_active(self, request_id: int) -> bool:
+        """Whether the request is being decoded (not waiting, not finished)."""
+        return any(row.request_id == request_id for row in self._active)
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -173,6 +194,13 @@ class BatchedGenerator:
             ValueError: as :meth:`SpeculativeGenerator.generate`, for any prompt (before any
                 decoding), or when ``params`` is a list of another length.
         """
+        if isinstance(prompts, str) or (prompts and not isinstance(prompts[0], (str, Sequence))):
+            raise TypeError("prompts must be a list of prompts (texts or token-id lists), "
+                            f"not {type(prompts).__name__} of {type(prompts[0]).__name__}")
+        if self._waiting or self._active:
+            raise ValueError(f"generate() decodes its own requests only, and "
+                             f"{self.num_waiting + self.num_active} submitted ones are pending: "
+                             "step() until they finish first")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         elif len(params) != len(prompts):
@@ -180,7 +208,7 @@ class BatchedGenerator:
                              "for all or one per prompt")
         ids = [self.submit(prompt, p, chat=chat) for prompt, p in zip(prompts, params)]
         outputs: dict[int, RequestOutput] = {}
-        while len(outputs) < len(ids):
+        while self._waiting or self._active:
             outputs.update(self.step())
         for output in outputs.values():
             if isinstance(output, Exception):
@@ -231,24 +259,26 @@ class BatchedGenerator:
         policy = copy.deepcopy(generator.policy)
         policy.reset(timed=False)  # a forward's time is the batch's: see the module docstring
         row = _Row(
-            request_id=self._next_id, generator=generator, prompt_token_ids=prompt_token_ids,
+            request_id=next(_request_ids), generator=generator, prompt_token_ids=prompt_token_ids,
             pipeline=pipeline, rng=make_rng(params.seed, target.device) if rng is None else rng,
             stop_ids=set(params.stop_token_ids) | (set() if params.ignore_eos
                                                    else set(target.eos_token_ids)),
             proposer=proposer, policy=policy,
             timed=timed, batch_chosen=isinstance(policy, AutoPolicy) and timed, num_samples=n,
             on_commit=on_commit, start=start)
-        self._next_id += 1
         self._waiting.append(row)
         return row.request_id
 
     def cancel(self, request_id: int) -> None:
-        """Drop a request, waiting or active, without an output (no error if it is gone)."""
+        """Drop a request, waiting or active, without an output (no error if it is gone).
+        Called from an ``on_commit`` callback, it takes effect at the end of the cycle."""
+        if self._stepping:
+            self._cancelled.add(request_id)
+            return
         self._waiting = deque(row for row in self._waiting if row.request_id != request_id)
-        for row in self._active:
-            if row.request_id == request_id:
-                self.target.release_sequence(request_id)
-        self._active = [row for row in self._active if row.request_id != request_id]
+        if any(row.request_id == request_id for row in self._active):
+            self.target.release_sequence(request_id)
+            self._active = [row for row in self._active if row.request_id != request_id]
 
     def step(self) -> dict[int, RequestOutput]:
         """One cycle for every active row (after admitting waiting requests while there is
@@ -257,46 +287,66 @@ class BatchedGenerator:
         Returns:
             the outputs of the requests that finished in this cycle, by request id: their
             results, or the error that ended one (the others go on). An error of the forward
-            itself ends every active request.
+            itself ends every request in it.
         """
-        finished: dict[int, RequestOutput] = {}
-        self._admit()
+        self._stepping = True
+        try:
+            finished = self._cycle()
+        finally:
+            self._stepping = False
+        for request_id in finished:
+            self.target.release_sequence(request_id)
+        self._active = [row for row in self._active if row.request_id not in finished]
+        for request_id in self._cancelled:
+            finished.pop(request_id, None)
+            self.cancel(request_id)
+        self._cancelled.clear()
+        return finished
+
+    def _cycle(self) -> dict[int, RequestOutput]:
+        """:meth:`step` but the clean-up; every error is one request's output."""
+        finished: dict[int, RequestOutput] = self._admit()
         live = []  # (row, room): rows with room for at least one more token
         for row in self._active:
-            room = self._room(row)
-            if room > 0:
-                live.append((row, room))
-            else:
-                row.finish_reason = "length"
-                self._end_sample(row, finished)
+            if row.request_id in finished:
+                continue
+            try:
+                room = self._room(row)
+                if room > 0:
+                    live.append((row, room))
+                else:
+                    row.finish_reason = "length"
+                    self._end_sample(row, finished)
+            except Exception as error:
+                finished[row.request_id] = error
         drafted = []
-        for (row, room), choice in zip(live, self._choose(live)):
+        for (row, room), choice in zip(live, self._choose(live, finished)):
+            if row.request_id in finished:
+                continue
             try:
                 self._draft(row, choice, room)
                 drafted.append(row)
             except Exception as error:
                 finished[row.request_id] = error
-        if drafted:
-            inputs = [(row.request_id, [row.tokens[-1], *row.proposal.token_ids])
-                      for row in drafted]
-            t0 = time.perf_counter()
+        if not drafted:
+            return finished
+        inputs = [(row.request_id, [row.tokens[-1], *row.proposal.token_ids]) for row in drafted]
+        t0 = time.perf_counter()
+        try:
+            all_logits = self.target.forward_sequences(inputs)
+        except Exception as error:
+            finished.update((row.request_id, error) for row in drafted)
+            return finished
+        forward_seconds = time.perf_counter() - t0
+        self.costs.observe(sum(len(ids) for _, ids in inputs), forward_seconds)
+        for row, logits in zip(drafted, all_logits):
+            if row.request_id in self._cancelled:
+                continue
             try:
-                all_logits = self.target.forward_sequences(inputs)
+                if self._verify_and_commit(row, logits, forward_seconds):
+                    self._end_sample(row, finished)
             except Exception as error:
-                finished.update((row.request_id, error) for row in drafted)
-                all_logits = []
-            forward_seconds = time.perf_counter() - t0
-            if all_logits:
-                self.costs.observe(sum(len(ids) for _, ids in inputs), forward_seconds)
-            for row, logits in zip(drafted, all_logits):
-                try:
-                    if self._verify_and_commit(row, logits, forward_seconds):
-                        self._end_sample(row, finished)
-                except Exception as error:
-                    finished[row.request_id] = error
-        for request_id in finished:
-            self.target.release_sequence(request_id)
-        self._active = [row for row in self._active if row.request_id not in finished]
+                finished[row.request_id] = error
         return finished
 
     def _check(self, generator: SpeculativeGenerator) -> None:
@@ -308,16 +358,23 @@ class BatchedGenerator:
                              f"drafts for one sequence at a time: use max_batch_size = 1 with "
                              "it (drafters for several rows: prompt-lookup, suffix)")
 
-    def _admit(self) -> None:
+    def _admit(self) -> dict[int, RequestOutput]:
+        """Start waiting requests while there is room; those whose prefill failed → their
+        errors."""
+        failed: dict[int, RequestOutput] = {}
         while self._waiting and len(self._active) < self.max_batch_size:
             row = self._waiting.popleft()
-            t0 = time.perf_counter()
-            self.target.prefill_sequence(row.request_id, row.prompt_token_ids[:-1])
-            row.prefill_seconds = time.perf_counter() - t0
-            if row.proposer is not None:  # a shared one (batch size 1) is this row's from now
-                row.proposer.reset(reproducible=not row.timed)
-            row.start_sample(self.target)
             self._active.append(row)
+            try:
+                t0 = time.perf_counter()
+                self.target.prefill_sequence(row.request_id, row.prompt_token_ids[:-1])
+                row.prefill_seconds = time.perf_counter() - t0
+                if row.proposer is not None:  # a shared one (batch size 1) is the row's now
+                    row.proposer.reset(reproducible=not row.timed)
+                row.start_sample(self.target)
+            except Exception as error:
+                failed[row.request_id] = error
+        return failed
 
     def _room(self, row: _Row) -> int:
         """Tokens ``row`` may still generate (max_new_tokens, the context limit)."""
@@ -326,27 +383,35 @@ class BatchedGenerator:
         return int(min(row.pipeline.params.max_new_tokens - generated,
                        context_limit - len(row.tokens)))
 
-    def _choose(self, live: list[tuple[_Row, int]]) -> list[Choice]:
+    def _choose(self, live: list[tuple[_Row, int]],
+                finished: dict[int, RequestOutput]) -> list[Choice]:
         """Each live row's choice: rows under ``auto`` that may be timed (greedy or unseeded)
         get k from :func:`batch_speculation_lengths` over the batch's measured forward cost;
-        the others (seeded sampling, other policies) choose on their own, as alone."""
-        choices: list[Choice | None] = [None] * len(live)
-        batch_chosen, fixed_tokens = [], 0
+        the others (seeded sampling, other policies) choose on their own, as alone. A row
+        whose policy fails gets its error in ``finished`` (and a plain step)."""
+        choices: list[Choice] = [PLAIN_STEP] * len(live)
+        batch_chosen, fixed_tokens, fixed_expected = [], 0, 0.0
         for i, (row, room) in enumerate(live):
             if not row.generator.num_speculative_tokens:
-                choices[i] = PLAIN_STEP
+                pass
             elif row.batch_chosen:
                 batch_chosen.append(i)
                 continue
             else:
-                choices[i] = row.policy.choose()
-            fixed_tokens += min(choices[i].k, room - 1) + 1
+                try:
+                    choices[i] = row.policy.choose()
+                except Exception as error:
+                    finished[row.request_id] = error
+                    continue
+            k = min(choices[i].k, room - 1)
+            fixed_tokens += k + 1
+            fixed_expected += _expected_committed(row.policy, k)
         if batch_chosen:
             ks = batch_speculation_lengths(
                 [live[i][0].policy.acceptance() for i in batch_chosen],
                 [min(live[i][0].generator.num_speculative_tokens, live[i][1] - 1)
                  for i in batch_chosen],
-                self.costs, fixed_tokens, len(live) - len(batch_chosen))
+                self.costs, fixed_tokens, fixed_expected)
             for i, k in zip(batch_chosen, ks):
                 choices[i] = live[i][0].policy.choice(k)
         return choices

@@ -81,7 +81,7 @@ class BatchedEngine:
                                    rng=make_rng((params.seed or 0) * 1_000_003 + i, device))
                for i in range(num_samples)]
         outputs = {}
-        while len(outputs) < len(ids):
+        while not all(i in outputs for i in ids):
             outputs.update(self.batched.step())
         results = []
         for i in ids:

@@ -126,7 +126,8 @@ class BatchBackend(Backend, Protocol):
     bit-identical logits to scoring that sequence alone, whatever its companions.
 
     Attributes:
-        max_sequences: most sequences held at once (besides the main one).
+        max_sequences: most sequences that can be held now, besides the main one
+            (:meth:`reserve_sequences` may raise it).
         sequences_invariant: whether it does, as measured on the loaded model by
             :func:`check_sequence_invariance` the first time it is read.
     """
@@ -135,6 +136,15 @@ class BatchBackend(Backend, Protocol):
 
     @property
     def sequences_invariant(self) -> bool: ...
+
+    def reserve_sequences(self, num_sequences: int) -> None:
+        """Make room for ``num_sequences`` sequences held at once (may allocate their caches).
+
+        Raises:
+            ValueError: beyond what the backend can hold (naming the limit), or when room
+                cannot be made while sequences are held.
+        """
+        ...
 
     def prefill_sequence(self, sequence_id: int, token_ids: Sequence[int]) -> None:
         """Hold a new sequence ``sequence_id`` (replacing one of that id) with ``token_ids``
@@ -200,16 +210,20 @@ def check_batch_invariance(backend: Backend, num_tokens: int = 9) -> BatchInvari
 
 
 def check_sequence_invariance(backend: BatchBackend) -> bool:
-    """Score three sequences of different lengths together in one
-    :meth:`~BatchBackend.forward_sequences` (rows of 3, 1 and 5 tokens) and each token of
-    each alone through the one-sequence API (``prefill`` + ``forward`` of one token), and
-    compare bit for bit. Leaves no sequence held and the main cache empty."""
+    """Score up to three sequences of different lengths together in one
+    :meth:`~BatchBackend.forward_sequences` (rows of 3, 1 and 5 tokens; as many as the
+    backend holds now, three where it holds none yet) and each token of each alone through the one-sequence
+    API (``prefill`` + ``forward`` of one token), and compare bit for bit. Leaves no
+    sequence held and the main cache empty."""
     vocab = backend.vocab_size
+    if not backend.max_sequences:
+        backend.reserve_sequences(3)
+    count = min(3, backend.max_sequences)
     prompts = [[(5 * i + 3 * j + 1) % vocab for j in range(length)]
-               for i, length in enumerate((4, 1, 7))]
+               for i, length in enumerate((4, 1, 7))][:count]
     rows = [[(11 * i + 7 * j + 2) % vocab for j in range(length)]
-            for i, length in enumerate((3, 1, 5))]
-    ids = [-1, -2, -3]  # ids no caller uses
+            for i, length in enumerate((3, 1, 5))][:count]
+    ids = [-1, -2, -3][:count]  # ids no caller uses
     try:
         for sequence_id, prompt in zip(ids, prompts):
             backend.prefill_sequence(sequence_id, prompt)

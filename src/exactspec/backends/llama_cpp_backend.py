@@ -47,7 +47,7 @@ INSTALL_HINT = ("CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --no-cache-dir 
 DEFAULT_CONTEXT_LENGTH = 8192
 """KV cache size (tokens) when the caller gives none, capped by the model's own context."""
 DEFAULT_MAX_SEQUENCES = 8
-"""Sequences the backend can hold by id for batched decoding (see :class:`LlamaCppBackend`)."""
+"""Slots made for sequences held by id when none were reserved (see :class:`LlamaCppBackend`)."""
 
 
 class LlamaCppNotInstalledError(ImportError):
@@ -164,10 +164,11 @@ class LlamaCppBackend:
         UnsupportedModelError: for recurrent or hybrid models (their state cannot roll back).
 
     Several sequences (:class:`~exactspec.backends.base.BatchBackend`) live in a second
-    llama.cpp context, made on first use: ``max_sequences`` slots (llama.cpp sequence ids),
-    each with a KV cache of its own (``kv_unified`` off, so a sequence's cells are its
-    positions, as in the one-sequence context) of the same length as the main context, so
-    it takes ``max_sequences`` × the main cache's memory.
+    llama.cpp context, made by :meth:`reserve_sequences` (or the first
+    ``prefill_sequence``, with :data:`DEFAULT_MAX_SEQUENCES` slots): one slot (llama.cpp
+    sequence id) per sequence, each with a KV cache of its own (``kv_unified`` off, so a
+    sequence's cells are its positions, as in the one-sequence context) as long as the main
+    context, so n slots take n × the main cache's memory.
     """
 
     supports_batches = True
@@ -181,8 +182,7 @@ class LlamaCppBackend:
                           + INSTALL_HINT + " --force-reinstall")
     """What the engine's refusal tells a user whose build is not batch-invariant."""
 
-    def __init__(self, llama, tokenizer=None, eos_token_ids: Sequence[int] | None = None,
-                 max_sequences: int = DEFAULT_MAX_SEQUENCES) -> None:
+    def __init__(self, llama, tokenizer=None, eos_token_ids: Sequence[int] | None = None) -> None:
         llama_cpp = import_llama_cpp()
         if getattr(llama, "_is_recurrent", False) or getattr(llama, "_is_hybrid", False):
             raise UnsupportedModelError(
@@ -206,9 +206,9 @@ class LlamaCppBackend:
         self._batch_capacity = int(llama.n_batch)
         self._batch = llama_cpp.llama_batch_init(self._batch_capacity, 0, 1)
         self._num_cached = 0
-        self.max_sequences = max_sequences
         self._sequences: dict[int, int] = {}  # sequence id → its slot (llama.cpp seq_id)
-        self._slot_lengths = [0] * max_sequences  # tokens cached per slot
+        self._slot_lengths: list[int] = []  # tokens cached per slot; one per slot reserved
+        self._sequence_context = self._sequence_memory = None
         self.batch_invariant, self.seconds_per_token_at_load = check_batch_invariance(self)
 
     @classmethod
@@ -279,18 +279,54 @@ class LlamaCppBackend:
                                             "model's cache")
             self._num_cached = keep
 
+    @property
+    def max_sequences(self) -> int:
+        """Sequences that can be held now: the slots reserved (0 before any)."""
+        return len(self._slot_lengths)
+
+    def reserve_sequences(self, num_sequences: int) -> None:
+        limit = int(self._llama_cpp.llama_max_parallel_sequences())
+        if (not isinstance(num_sequences, int) or isinstance(num_sequences, bool)
+                or not 1 <= num_sequences <= limit):
+            raise ValueError(f"{num_sequences!r} sequences cannot be reserved: llama.cpp holds "
+                             f"1 to {limit}")
+        if num_sequences <= self.max_sequences:
+            return
+        if self._sequences:
+            raise ValueError(f"cannot grow from {self.max_sequences} to {num_sequences} sequence "
+                             f"slots while {len(self._sequences)} are held: release them first")
+        self._free_sequence_context()
+        llama_cpp = self._llama_cpp
+        params = type(self.llama.context_params).from_buffer_copy(self.llama.context_params)
+        params.n_seq_max = num_sequences
+        params.kv_unified = False
+        params.n_ctx = self.llama.n_ctx() * num_sequences
+        context = llama_cpp.llama_init_from_model(self.llama.model, params)
+        if not context:
+            raise RuntimeError(f"llama.cpp could not make a context for {num_sequences} "
+                               f"sequences of {self.llama.n_ctx()} tokens (memory?)")
+        self._sequence_context = context
+        self._sequence_memory = llama_cpp.llama_get_memory(context)
+        self._slot_lengths = [0] * num_sequences
+
     def prefill_sequence(self, sequence_id: int, token_ids: Sequence[int]) -> None:
+        if not self.max_sequences:
+            self.reserve_sequences(DEFAULT_MAX_SEQUENCES)
         if sequence_id not in self._sequences:
             free = sorted(set(range(self.max_sequences)) - set(self._sequences.values()))
             if not free:
                 raise ValueError(f"all {self.max_sequences} sequence slots are in use: release "
-                                 "one first (or load with a larger max_sequences)")
+                                 "one first (or reserve_sequences more while none is held)")
             self._sequences[sequence_id] = free[0]
         slot = self._sequences[sequence_id]
         self._llama_cpp.llama_memory_seq_rm(self._sequence_memory, slot, -1, -1)
         self._slot_lengths[slot] = 0
         if len(token_ids) > 0:
-            self._decode_rows(self._sequence_context, [(slot, token_ids)], logits=False)
+            try:
+                self._decode_rows(self._sequence_context, [(slot, token_ids)], logits=False)
+            except Exception:
+                self.release_sequence(sequence_id)
+                raise
 
     def forward_sequences(self, rows: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
         if not rows or any(len(token_ids) == 0 for _, token_ids in rows):
@@ -326,24 +362,11 @@ class LlamaCppBackend:
         except KeyError:
             raise ValueError(f"sequence {sequence_id!r} is not held (prefill_sequence first)") from None
 
-    @functools.cached_property
-    def _sequence_context(self):
-        """The llama.cpp context of the sequences held by id: the main context's settings
-        with ``max_sequences`` separate KV streams of the main context's length."""
-        llama_cpp = self._llama_cpp
-        params = type(self.llama.context_params).from_buffer_copy(self.llama.context_params)
-        params.n_seq_max = self.max_sequences
-        params.kv_unified = False
-        params.n_ctx = self.llama.n_ctx() * self.max_sequences
-        context = llama_cpp.llama_init_from_model(self.llama.model, params)
-        if not context:
-            raise RuntimeError(f"llama.cpp could not make a context for {self.max_sequences} "
-                               f"sequences of {self.llama.n_ctx()} tokens (memory?)")
-        return context
-
-    @functools.cached_property
-    def _sequence_memory(self):
-        return self._llama_cpp.llama_get_memory(self._sequence_context)
+    def _free_sequence_context(self) -> None:
+        if self._sequence_context is not None:
+            self._llama_cpp.llama_free(self._sequence_context)
+            self._sequence_context = self._sequence_memory = None
+            self._slot_lengths = []
 
     def _decode_rows(self, context, rows: Sequence[tuple[int, Sequence[int]]],
                      logits: bool) -> torch.Tensor:
@@ -409,9 +432,8 @@ class LlamaCppBackend:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self._llama_cpp.llama_batch_free(self._batch)
-        if "_sequence_context" in self.__dict__:
-            with contextlib.suppress(Exception):
-                self._llama_cpp.llama_free(self._sequence_context)
+        with contextlib.suppress(Exception):
+            self._free_sequence_context()
 
 
 def new_llama(path: str | Path, *, threads: int, context_length: int, **overrides):

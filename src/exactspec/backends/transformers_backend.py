@@ -185,6 +185,12 @@ class TransformersBackend:
     max_sequences = 256
     """A bound on sequences held at once (each one's cache grows as it is used)."""
 
+    def reserve_sequences(self, num_sequences: int) -> None:
+        if (not isinstance(num_sequences, int) or isinstance(num_sequences, bool)
+                or not 1 <= num_sequences <= self.max_sequences):
+            raise ValueError(f"{num_sequences!r} sequences cannot be reserved: this backend "
+                             f"holds 1 to {self.max_sequences}")
+
     @functools.cached_property
     def sequences_invariant(self) -> bool:
         """Whether a batched forward scores each sequence bit for bit as alone (measured once,

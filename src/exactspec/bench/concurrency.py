@@ -10,7 +10,8 @@ requests one after another (transformers' assisted generation refuses batches;
 llama-cpp-python's ``Llama`` holds one sequence). Figures per method and c: total tokens
 per second (all of the wave's tokens / its wall time) and its ratio to c = 1, and the mean
 request latency (seconds from the wave's start to the request's last token). Greedy
-outputs of exactspec's methods must equal plain decoding of each question alone.
+outputs of exactspec's methods must equal plain decoding of each question alone (the
+one-sequence engine, run once before the waves).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from exactspec.backends.base import Backend
 from exactspec.bench.methods import Method
 from exactspec.bench.questions import Question
 from exactspec.bench.runner import machine_info
+from exactspec.engine import SpeculativeGenerator
 from exactspec.files import readable_json, replaced_atomically, write_text_atomically
 from exactspec.sampling import SamplingParams
 
@@ -84,7 +86,10 @@ def run_concurrency_bench(target: Backend, questions: list[Question], methods: l
     for method in methods:
         for c in sorted(set(concurrencies)):
             method.wave(prompts[:c], warm_up)
-    alone: dict[int, list[int]] = {}  # greedy: plain decoding of each question alone
+    alone = None  # greedy: plain decoding of each question alone, the one-sequence engine
+    if params.greedy:
+        plain = SpeculativeGenerator(target, None)
+        alone = [plain.generate(ids, params).token_ids for ids in prompts]
     results = ConcurrencyResults(config | {"questions_used": usable,
                                            "concurrencies": list(concurrencies)},
                                  machine_info())
@@ -95,22 +100,20 @@ def run_concurrency_bench(target: Backend, questions: list[Question], methods: l
         try:
             for repetition, c, start in plan:
                 wave = slice(start, start + c)
-                block = []
+                block = []  # every method's record of this wave, kept only once all ran
                 for method in methods:
                     progress.update(task, description=f"c={c} wave {start // c + 1} {method.name}")
                     begin = time.perf_counter()
                     outputs, latencies = method.wave(prompts[wave], params)
-                    block.append((method, outputs, WaveRecord(
-                        method.name, c, repetition, [q.question_id for q in questions[wave]],
-                        sum(len(o) for o in outputs), time.perf_counter() - begin, latencies)))
-                    if params.greedy and method.kind == "plain" and c == 1:
-                        alone.setdefault(start, outputs[0])
+                    record = WaveRecord(method.name, c, repetition,
+                                        [q.question_id for q in questions[wave]],
+                                        sum(len(o) for o in outputs),
+                                        time.perf_counter() - begin, latencies)
+                    if alone is not None and not method.is_peer:
+                        record.matches_alone = outputs == alone[wave]
+                    block.append(record)
                     progress.advance(task)
-                expected = [alone.get(i) for i in range(wave.start, wave.stop)]
-                for method, outputs, record in block:
-                    if params.greedy and not method.is_peer and None not in expected:
-                        record.matches_alone = outputs == expected
-                    results.records.append(record)
+                results.records.extend(block)
         except KeyboardInterrupt:
             if not results.records:
                 raise
@@ -133,7 +136,8 @@ def summarize_concurrency(results: ConcurrencyResults) -> dict:
                 "tokens_per_second": rate,
                 "mean_latency_seconds": statistics.fmean(x for r in records for x in r.latencies),
                 "waves": len(records),
-                "mismatches": sum(r.matches_alone is False for r in records)}
+                "mismatches": (None if all(r.matches_alone is None for r in records)
+                               else sum(r.matches_alone is False for r in records))}
         base = table[method].get(1)
         for entry in table[method].values():
             entry["vs_concurrency_1"] = (entry["tokens_per_second"] / base["tokens_per_second"]
@@ -177,7 +181,8 @@ def concurrency_markdown(results: ConcurrencyResults, table: dict) -> str:
             cells.append("–" if entry is None else
                          f"{entry['tokens_per_second']:.1f} ({entry['vs_concurrency_1']:.2f}×) · "
                          f"{entry['mean_latency_seconds']:.2f} s")
-        mismatches = sum(e["mismatches"] for e in by_c.values())
+        counts = [e["mismatches"] for e in by_c.values() if e["mismatches"] is not None]
+        mismatches = sum(counts) if counts else "not checked"
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {mismatches} |")
     plain = table.get("plain")
     if plain:

@@ -144,6 +144,8 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
     batched: dict[int, BatchedGenerator] = {}  # by wave size
 
     def run_wave(prompts: list[list[int]], params: SamplingParams):
+        if proposer is not None and not proposer.batchable:  # one draft cache: one by one
+            return one_after_another(lambda ids: run(list(ids), params).token_ids, prompts)
         if len(prompts) not in batched:
             batched[len(prompts)] = BatchedGenerator(generator, len(prompts))
         if corpus is not None:  # only the wave's other questions, finished before

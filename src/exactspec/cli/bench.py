@@ -174,6 +174,6 @@ def _run_concurrency(args, target, questions, methods, params, config, console) 
     print((Path(args.output) / "report.md").read_text())
     if results.incomplete:
         raise KeyboardInterrupt
-    mismatches = sum(entry["mismatches"] for by_c in summary["table"].values()
+    mismatches = sum(entry["mismatches"] or 0 for by_c in summary["table"].values()
                      for entry in by_c.values())
     return 1 if mismatches else 0

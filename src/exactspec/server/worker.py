@@ -96,6 +96,7 @@ class EngineWorker:
         self.allow_batch_variance = allow_batch_variance
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._generators: dict[SpeculationSettings, SpeculativeGenerator] = {}
+        self._generators_lock = threading.Lock()  # the HTTP thread checks settings too
         if proposer is not None and not proposer.batchable and max_batch_size > 1:
             logger.info("%s drafts for one sequence at a time: requests are decoded one by one",
                         type(proposer).__name__)
@@ -104,6 +105,7 @@ class EngineWorker:
         self.batched = BatchedGenerator(self.generator(speculation), max_batch_size)
         self._rows: dict[int, tuple[Job, int]] = {}  # request id → (job, prompt index)
         self._outstanding: dict[int, int] = {}  # id(job) → rows not finished
+        self._jobs_waiting_for_room = 0  # jobs taken from the queue, none of their rows active
         self._thread = threading.Thread(target=self._run, name="exactspec-engine", daemon=True)
         self._thread.start()
 
@@ -114,13 +116,14 @@ class EngineWorker:
         Raises:
             ValueError: if the policy cannot run with the server's drafter.
         """
-        if speculation not in self._generators:
-            plain = speculation.num_speculative_tokens == 0 or self.proposer is None
-            self._generators[speculation] = SpeculativeGenerator(
-                self.target, None if plain else self.proposer,
-                speculation.num_speculative_tokens, speculation.policy,
-                allow_batch_variance=self.allow_batch_variance)
-        return self._generators[speculation]
+        with self._generators_lock:
+            if speculation not in self._generators:
+                plain = speculation.num_speculative_tokens == 0 or self.proposer is None
+                self._generators[speculation] = SpeculativeGenerator(
+                    self.target, None if plain else self.proposer,
+                    speculation.num_speculative_tokens, speculation.policy,
+                    allow_batch_variance=self.allow_batch_variance)
+            return self._generators[speculation]
 
     def submit(self, job: Job) -> None:
         """Queue ``job``.
@@ -133,7 +136,7 @@ class EngineWorker:
         except queue.Full:
             raise QueueFullError(f"the server is busy: {self._jobs.maxsize} requests are "
                                  "waiting; retry later") from None
-        self.metrics.waiting.set(self._jobs.qsize())
+        self.metrics.waiting.set(self._jobs.qsize() + self._jobs_waiting_for_room)
 
     def close(self) -> None:
         """Stop the thread after the jobs it is running (waiting jobs are cancelled)."""
@@ -160,7 +163,7 @@ class EngineWorker:
                     closing = True
                 else:
                     self._start(job)
-            self.metrics.waiting.set(self._jobs.qsize())
+            self._update_gauges()
             for request_id, (job, _) in list(self._rows.items()):
                 if job.cancelled.is_set():
                     self.batched.cancel(request_id)
@@ -171,9 +174,12 @@ class EngineWorker:
                 outputs = self.batched.step()
             except Exception as error:  # reported to every client, the server goes on
                 logger.exception("generation failed")
+                for request_id in self._rows:
+                    self.batched.cancel(request_id)
                 outputs = dict.fromkeys(self._rows, error)
             for request_id, output in outputs.items():
                 self._end_row(request_id, output)
+            self._update_gauges()
 
     def _has_room(self) -> bool:
         return self.batched.num_active + self.batched.num_waiting < self.batched.max_batch_size
@@ -200,7 +206,7 @@ class EngineWorker:
                 return
             self._rows[request_id] = (job, p)
             self._outstanding[id(job)] += 1
-        self.metrics.running.set(len(self._outstanding))
+        self._update_gauges()
 
     def _end_row(self, request_id: int, output: list[GenerationResult] | Exception) -> None:
         """A row finished (its results), failed or was cancelled (an exception)."""
@@ -219,7 +225,6 @@ class EngineWorker:
             now = time.perf_counter()
             self.metrics.ttft.observe((job.first_token or now) - job.arrival)
             self.metrics.e2e.observe(now - job.arrival)
-            self.metrics.running.set(len(self._outstanding))
             job.put("end", None, None)
 
     def _fail(self, job: Job, error: Exception) -> None:
@@ -236,5 +241,14 @@ class EngineWorker:
                 logger.error("generation failed: %s", error)
             job.put("error", None, error)
         self._outstanding.pop(id(job), None)
-        self.metrics.running.set(len(self._outstanding))
         job.put("end", None, None)
+
+    def _update_gauges(self) -> None:
+        """Requests running (a row of theirs in the batch) and waiting (queued, or all of
+        their rows waiting for room in the batch)."""
+        running = {id(job) for request_id, (job, _) in self._rows.items()
+                   if self.batched.is_active(request_id)}
+        jobs = {id(job) for job, _ in self._rows.values()}
+        self._jobs_waiting_for_room = len(jobs - running)
+        self.metrics.running.set(len(running))
+        self.metrics.waiting.set(self._jobs.qsize() + self._jobs_waiting_for_room)
