@@ -674,3 +674,89 @@ def test_concurrent_requests_are_batched_and_each_equals_the_library(library):
         params = (SamplingParams(temperature=0.9, seed=5, max_new_tokens=30 + 5 * i) if i == 3
                   else SamplingParams(max_new_tokens=30 + 5 * i))
         assert texts[i] == library.generate(prompt, params).text, i
+
+
+class BatchableGatedProposer(GatedProposer):
+    """The gated prompt lookup, batchable: several rows decode together while it waits."""
+
+    batchable = True
+
+
+@pytest.fixture
+def gated_batch():
+    proposer = BatchableGatedProposer()
+    app = create_app(make_target(), proposer, model_name=MODEL,
+                     speculation=SpeculationSettings(4, "constant"), max_queue=1,
+                     max_batch_size=2)
+    with serving(app) as url:
+        yield url, proposer, app
+        proposer.gate.set()
+
+
+def test_a_full_batch_and_queue_answer_503_and_a_leaving_client_frees_its_row(gated_batch,
+                                                                             library):
+    """Batch of 2, queue of 1, drafting slowed to 0.1 s a cycle: two requests run together,
+    one waits, a fourth gets 503 at once. One of the running clients leaves: its row is
+    dropped (aborted) and the waiting request takes its place; the others finish with the
+    library's output."""
+    url, proposer, app = gated_batch
+    proposer.delay = 0.1
+    proposer.gate.set()
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    outcomes: dict[int, object] = {}
+    prompts = [PROMPT, "xyzxyzxyz", "hello hello hel"]
+
+    def request(i: int) -> None:
+        outcomes[i] = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=40,
+                                                temperature=0, extra_body={"ignore_eos": True})
+
+    body = {"model": MODEL, "prompt": "qwqwqwqw", "max_tokens": 200, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    deadline = time.monotonic() + 10
+    with httpx.stream("POST", url + "/v1/completions", json=body) as leaving:
+        assert leaving.status_code == 200
+        running = threading.Thread(target=request, args=(0,))
+        running.start()
+        while metric(url, "exactspec:num_requests_running") < 2:  # both rows in the batch
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        waiting = threading.Thread(target=request, args=(1,))
+        waiting.start()
+        while metric(url, "exactspec:num_requests_waiting") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        start = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as raised:
+            client.completions.create(model=MODEL, prompt=prompts[2], max_tokens=5)
+        assert raised.value.status_code == 503 and time.monotonic() - start < 5
+    deadline = time.monotonic() + 20
+    while metric(url, "exactspec:request_aborted_total") < 1:
+        assert time.monotonic() < deadline, "the leaving client's row was not dropped"
+        time.sleep(0.05)
+    running.join(60)
+    waiting.join(60)
+    assert metric(url, "exactspec:generation_tokens_total") == 80  # the aborted row's: none
+    for i in (0, 1):
+        params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+        assert outcomes[i].choices[0].text == library.generate(prompts[i], params).text
+    assert app.state.worker.batched.num_active == 0
+
+
+def test_several_prompts_and_n_samples_in_a_batch_equal_the_library(library):
+    """A completions request with two prompts and n = 2 seeded samples, beside a greedy
+    chat request: each prompt is one row decoding its n samples on one rng, as
+    generate_samples does."""
+    app = create_app(make_target(), PromptLookupProposer(1, 3), model_name=MODEL,
+                     speculation=SpeculationSettings(4, "constant"), max_batch_size=4)
+    prompts = [PROMPT, "xyzxyzxyzx"]
+    with serving(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        other = threading.Thread(target=lambda: client.completions.create(
+            model=MODEL, prompt="hello hello", max_tokens=40, temperature=0))
+        other.start()
+        response = client.completions.create(model=MODEL, prompt=prompts, max_tokens=15,
+                                             temperature=0.9, n=2, seed=3)
+        other.join(30)
+    params = SamplingParams(temperature=0.9, seed=3, max_new_tokens=15)
+    expected = [r.text for p in prompts for r in library.generate_samples(p, params, n=2)]
+    assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == expected

@@ -358,9 +358,21 @@ class BatchedGenerator:
                              f"drafts for one sequence at a time: use max_batch_size = 1 with "
                              "it (drafters for several rows: prompt-lookup, suffix)")
 
+    def admit(self) -> dict[int, RequestOutput]:
+        """Start waiting requests while there is room (prefill their sequences); :meth:`step`
+        does it first anyway, this lets a caller see which are active before the cycle.
+
+        Returns:
+            the errors of those whose prefill failed, by request id (they are dropped).
+        """
+        failed = self._admit()
+        for request_id in failed:
+            self.target.release_sequence(request_id)
+        self._active = [row for row in self._active if row.request_id not in failed]
+        return failed
+
     def _admit(self) -> dict[int, RequestOutput]:
-        """Start waiting requests while there is room; those whose prefill failed → their
-        errors."""
+        """:meth:`admit` without dropping the failed rows."""
         failed: dict[int, RequestOutput] = {}
         while self._waiting and len(self._active) < self.max_batch_size:
             row = self._waiting.popleft()

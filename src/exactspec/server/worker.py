@@ -171,7 +171,9 @@ class EngineWorker:
             if not self._rows:
                 continue
             try:
-                outputs = self.batched.step()
+                outputs = self.batched.admit()
+                self._update_gauges()  # the cycle may take a while: show who is in it
+                outputs |= self.batched.step()
             except Exception as error:  # reported to every client, the server goes on
                 logger.exception("generation failed")
                 for request_id in self._rows:
