@@ -268,10 +268,10 @@ def test_concurrency_bench_batches_waves_and_flags_mismatches(questions_file, tm
     plain = methods[0]
 
     def broken_wave(prompts, params):
-        outputs, latencies = plain.wave(prompts, params)
+        outcome = plain.wave(prompts, params)
         if len(prompts) == 2:
-            outputs[1] = outputs[1][:-1] + [(outputs[1][-1] + 1) % 64]
-        return outputs, latencies
+            outcome.outputs[1] = outcome.outputs[1][:-1] + [(outcome.outputs[1][-1] + 1) % 64]
+        return outcome
 
     methods.append(Method("broken", "prompt-lookup", 3, plain.run, broken_wave))
     params = SamplingParams(max_new_tokens=10)
@@ -293,9 +293,14 @@ def test_concurrency_bench_batches_waves_and_flags_mismatches(questions_file, tm
     table = summary["table"]
     assert table["plain"][1]["vs_concurrency_1"] == 1.0 and table["broken"][2]["mismatches"] == 2
     assert table["hf-plain"][2]["mismatches"] is None  # a peer is not held to it
+    # decoding alone (prefill excluded): exactspec's methods time it, peers do not
+    for name in ("plain", "draft:same:k=2"):
+        assert table[name][4]["decode_tokens_per_second"] > table[name][4]["tokens_per_second"]
+    assert table["hf-plain"][4]["decode_tokens_per_second"] is None
     assert table["hf-plain"][4]["tokens_per_second"] > 0
     report = (tmp_path / "out" / "report.md").read_text()
     assert "| broken |" in report and "c=4 tokens/s" in report and "not checked |" in report
+    assert "prefill excluded" in report
     assert (tmp_path / "out" / "throughput.png").stat().st_size > 5000
     stored = json.loads((tmp_path / "out" / "results.json").read_text())
     assert len(stored["records"]) == len(results.records)

@@ -192,7 +192,10 @@ class BatchedGenerator:
             latency its client would see.
         Raises:
             ValueError: as :meth:`SpeculativeGenerator.generate`, for any prompt (before any
-                decoding), or when ``params`` is a list of another length.
+                decoding; none is left queued), when ``params`` is a list of another length,
+                or while requests submitted with :meth:`submit` are pending; or the first
+                error a request ended with.
+            TypeError: if ``prompts`` is one prompt (a text or token ids), not a list.
         """
         if isinstance(prompts, str) or (prompts and not isinstance(prompts[0], (str, Sequence))):
             raise TypeError("prompts must be a list of prompts (texts or token-id lists), "
@@ -206,7 +209,14 @@ class BatchedGenerator:
         elif len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one "
                              "for all or one per prompt")
-        ids = [self.submit(prompt, p, chat=chat) for prompt, p in zip(prompts, params)]
+        ids: list[int] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.submit(prompt, p, chat=chat))
+        except Exception:
+            for request_id in ids:  # all or nothing
+                self.cancel(request_id)
+            raise
         outputs: dict[int, RequestOutput] = {}
         while self._waiting or self._active:
             outputs.update(self.step())

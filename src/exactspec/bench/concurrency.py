@@ -45,6 +45,7 @@ class WaveRecord:
     num_tokens: int
     seconds: float
     latencies: list[float]  # per request: seconds from the wave's start to its last token
+    prefill_seconds: float | None = None  # the prompts' prefill (None: peers do not say)
     matches_alone: bool | None = None  # greedy, exactspec: every output as decoded alone
 
 
@@ -104,11 +105,11 @@ def run_concurrency_bench(target: Backend, questions: list[Question], methods: l
                 for method in methods:
                     progress.update(task, description=f"c={c} wave {start // c + 1} {method.name}")
                     begin = time.perf_counter()
-                    outputs, latencies = method.wave(prompts[wave], params)
+                    outputs, latencies, prefill = method.wave(prompts[wave], params)
                     record = WaveRecord(method.name, c, repetition,
                                         [q.question_id for q in questions[wave]],
                                         sum(len(o) for o in outputs),
-                                        time.perf_counter() - begin, latencies)
+                                        time.perf_counter() - begin, latencies, prefill)
                     if alone is not None and not method.is_peer:
                         record.matches_alone = outputs == alone[wave]
                     block.append(record)
@@ -132,8 +133,14 @@ def summarize_concurrency(results: ConcurrencyResults) -> dict:
         table[method] = {}
         for c, records in sorted(by_c.items()):
             rate = sum(r.num_tokens for r in records) / sum(r.seconds for r in records)
+            decoding = sum(r.seconds - r.prefill_seconds for r in records
+                           if r.prefill_seconds is not None)
             table[method][c] = {
                 "tokens_per_second": rate,
+                "decode_tokens_per_second": (
+                    sum(r.num_tokens for r in records) / decoding
+                    if all(r.prefill_seconds is not None for r in records) and decoding > 0
+                    else None),
                 "mean_latency_seconds": statistics.fmean(x for r in records for x in r.latencies),
                 "waves": len(records),
                 "mismatches": (None if all(r.matches_alone is None for r in records)
@@ -142,6 +149,10 @@ def summarize_concurrency(results: ConcurrencyResults) -> dict:
         for entry in table[method].values():
             entry["vs_concurrency_1"] = (entry["tokens_per_second"] / base["tokens_per_second"]
                                          if base else None)
+            entry["decode_vs_concurrency_1"] = (
+                entry["decode_tokens_per_second"] / base["decode_tokens_per_second"]
+                if base and entry["decode_tokens_per_second"] and base["decode_tokens_per_second"]
+                else None)
     return table
 
 
@@ -184,6 +195,18 @@ def concurrency_markdown(results: ConcurrencyResults, table: dict) -> str:
         counts = [e["mismatches"] for e in by_c.values() if e["mismatches"] is not None]
         mismatches = sum(counts) if counts else "not checked"
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {mismatches} |")
+    lines += ["", "Decoding alone (the prompts' prefill excluded; exactspec's methods, whose stats "
+              "time it): total tokens/s (× c = 1).", "",
+              "| method | " + " | ".join(f"c={c}" for c in concurrencies) + " |",
+              "|---" * (len(concurrencies) + 1) + "|"]
+    for method, by_c in table.items():
+        if not any(e["decode_tokens_per_second"] for e in by_c.values()):
+            continue
+        cells = [f"{by_c[c]['decode_tokens_per_second']:.1f} "
+                 f"({by_c[c]['decode_vs_concurrency_1'] or 0:.2f}×)"
+                 if c in by_c and by_c[c]["decode_tokens_per_second"] else "–"
+                 for c in concurrencies]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
     plain = table.get("plain")
     if plain:
         lines += ["", "Total tokens/s against exactspec's plain decoding at the same concurrency:",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from exactspec.backends.base import Backend
 from exactspec.batching import BatchedGenerator
@@ -46,9 +47,18 @@ class Outcome:
     stats: dict | None
 
 
-Wave = Callable[[list[list[int]], SamplingParams], tuple[list[list[int]], list[float]]]
-"""Decode several prompts submitted at once → (their outputs, each one's seconds from the
-start to its last token)."""
+class WaveOutcome(NamedTuple):
+    """Several requests submitted at once, decoded: their outputs, each one's seconds from
+    the start to its last token, and the seconds spent prefilling their prompts (None when
+    the engine does not say: peers)."""
+
+    outputs: list[list[int]]
+    latencies: list[float]
+    prefill_seconds: float | None = None
+
+
+Wave = Callable[[list[list[int]], SamplingParams], WaveOutcome]
+"""Decode several prompts submitted at once."""
 
 
 @dataclass
@@ -68,11 +78,12 @@ class Method:
     run_wave: Wave | None = None  # None: one ``run`` after another
     notes: str | None = None
 
-    def wave(self, prompts: list[list[int]], params: SamplingParams):
+    def wave(self, prompts: list[list[int]], params: SamplingParams) -> WaveOutcome:
         """:data:`Wave`: ``run_wave``, or each prompt's ``run`` one after another."""
         if self.run_wave is not None:
             return self.run_wave(prompts, params)
-        return one_after_another(lambda ids: self.run(list(ids), params).token_ids, prompts)
+        return WaveOutcome(*one_after_another(
+            lambda ids: self.run(list(ids), params).token_ids, prompts))
 
     @property
     def is_peer(self) -> bool:
@@ -120,7 +131,8 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
             token_ids = list(peer.sample(prompt_ids, params, 1)[0])
             return Outcome(token_ids, time.perf_counter() - start, None)
 
-        return Method(spec, kind, k, run_peer, peer.sample_wave)
+        return Method(spec, kind, k, run_peer,
+                      lambda prompts, params: WaveOutcome(*peer.sample_wave(prompts, params)))
     proposer = build_proposer(drafter, target, load_model)
     generator = SpeculativeGenerator(target, proposer, k, drafter.policy,
                                      allow_batch_variance=allow_batch_variance)
@@ -143,9 +155,15 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
 
     batched: dict[int, BatchedGenerator] = {}  # by wave size
 
-    def run_wave(prompts: list[list[int]], params: SamplingParams):
+    def run_wave(prompts: list[list[int]], params: SamplingParams) -> WaveOutcome:
         if proposer is not None and not proposer.batchable:  # one draft cache: one by one
-            return one_after_another(lambda ids: run(list(ids), params).token_ids, prompts)
+            prefill = []
+
+            def decode(ids):
+                outcome = run(list(ids), params)
+                prefill.append(outcome.stats["prefill_seconds"])
+                return outcome.token_ids
+            return WaveOutcome(*one_after_another(decode, prompts), sum(prefill))
         if len(prompts) not in batched:
             batched[len(prompts)] = BatchedGenerator(generator, len(prompts))
         if corpus is not None:  # only the wave's other questions, finished before
@@ -153,7 +171,9 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
         results = batched[len(prompts)].generate(prompts, params)
         if corpus is not None:
             corpus.clear()
-        return ([r.token_ids for r in results], [r.stats.total_seconds for r in results])
+        return WaveOutcome([r.token_ids for r in results],
+                           [r.stats.total_seconds for r in results],
+                           sum(r.stats.prefill_seconds for r in results))
     notes = None if corpus is None else (
         "suffix corpus: refilled before every run with the outputs of the questions run "
         "before this one (never its own; the warm-up's is dropped), and cleared after it; "
