@@ -410,3 +410,21 @@ def test_bench_concurrency_values_are_checked(capsys):
             main(["bench", "--concurrency", bad])
         assert exited.value.code == 2
         assert "integers ≥ 1" in capsys.readouterr().err
+
+
+def test_audit_of_batched_decoding(model_folder, tmp_path, capsys):
+    """--max-batch-size audits the serving path: the samples decoded 4 at a time, as
+    unseeded requests under auto; exact, with the batched broken control caught."""
+    out = tmp_path / "audit"
+    code = cli.main(["audit", "--model", str(model_folder), "--prompt", "abcdabcdab",
+                     "--samples", "300", "--tokens", "2", "--greedy-tokens", "8",
+                     "--proposer", "prompt-lookup:ngram=1-3", "--max-batch-size", "4",
+                     "--output", str(out)])
+    report = capsys.readouterr().out
+    assert "batched ×4" in report and "1 of 1 prompts token-for-token identical" in report
+    result = json.loads((out / "audit.json").read_text())
+    assert result["config"]["max_batch_size"] == 4
+    assert code == 0 and result["verdict"] == "exact"
+    with pytest.raises(SystemExit):
+        cli.main(["audit", "--engine", "transformers", "--max-batch-size", "2"])
+    assert "--max-batch-size audits exactspec's batched decoding" in capsys.readouterr().err

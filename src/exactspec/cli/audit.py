@@ -8,7 +8,7 @@ import time
 
 from exactspec.cli.common import (DEFAULT_K, add_model_options, add_policy_option,
                                   allows_batch_variance, check_drafter_before_loading,
-                                  load_from_args)
+                                  load_from_args, positive_int)
 from exactspec.proposers.spec import FORMS
 
 PEER = {"transformers": "hf", "llama_cpp": "llama"}
@@ -47,6 +47,12 @@ def add_parser(commands) -> None:
                       help=f"most tokens drafted per cycle (default {DEFAULT_K})")
     add_policy_option(what, "constant", ": every cycle drafts, so verification is exercised; "
                       "auto may find that drafting does not pay and test plain decoding")
+    what.add_argument("--max-batch-size", type=positive_int, default=None, metavar="B",
+                      help="exactspec only: decode the samples as concurrent requests, B at a "
+                           "time, with batched decoding as exactspec serve runs it (each an "
+                           "unseeded request, so under auto its k follows the batch, drawing "
+                           "from its own generator); the broken control is batched too "
+                           "(default: one sample after another)")
     what.add_argument("--broken", choices=["accept-all", "no-residual", "none"],
                       default="accept-all",
                       help="broken control for the power check: accept every draft (the "
@@ -96,9 +102,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from rich.progress import Progress
 
     from exactspec import SamplingParams, SpeculativeGenerator
-    from exactspec.audit import (AUDIT_PROMPTS, AuditResult, BrokenGenerator, ExactspecEngine,
-                                 PeerEngine, audit_distribution, check_greedy, verdict,
-                                 write_audit_report)
+    from exactspec.audit import (AUDIT_PROMPTS, AuditResult, BatchedEngine, BrokenGenerator,
+                                 ExactspecEngine, PeerEngine, audit_distribution, check_greedy,
+                                 verdict, write_audit_report)
+    from exactspec.batching import BatchedGenerator
     from exactspec.backends.base import UnsupportedModelError
     from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
     from exactspec.models import ModelNotFoundError
@@ -146,23 +153,31 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         tokenizer = target.tokenizer
         prompt_ids = [tokenizer.apply_chat_template(p) if args.chat else tokenizer.encode(p)
                       for p in prompts]
+        batch = args.max_batch_size
+        if batch and args.engine != "exactspec":
+            parser.error(f"--max-batch-size audits exactspec's batched decoding, not --engine "
+                         f"{args.engine}")
+        as_engine = (lambda generator, name: BatchedEngine(BatchedGenerator(generator, batch),
+                                                           f"{name}, batched ×{batch}")
+                     if batch else ExactspecEngine)
         if args.engine == "exactspec":
-            engine = ExactspecEngine(SpeculativeGenerator(
+            engine = as_engine(SpeculativeGenerator(
                 target, proposer, k, args.policy, allow_batch_variance=allows_batch_variance(args)),
-                                     f"exactspec {args.proposer} k={k} {args.policy}")
+                               f"exactspec {args.proposer} k={k} {args.policy}")
         else:
             peer = make_peer(dataclasses.replace(drafter, peer=PEER[args.engine]), target, load, k)
             engine = PeerEngine(peer, f"{peer.label} {args.proposer} k={k}")
         control = None
         if args.broken != "none" and proposer is not None:
-            control = ExactspecEngine(BrokenGenerator(
+            control = as_engine(BrokenGenerator(
                 target, proposer, k, "constant", broken=args.broken,
                 allow_batch_variance=allows_batch_variance(args)),
-                                      f"broken control: {args.broken}, {args.proposer} k={k}")
+                                f"broken control: {args.broken}, {args.proposer} k={k}")
         config = {"model": args.model, "backend": target.description, "engine": engine.name,
                   "proposer": args.proposer, "k": k, "policy": args.policy, "sampling": vars(params),
                   "samples_per_prompt": args.samples, "tokens_per_sample": args.tokens,
                   "alpha": args.alpha, "greedy_tokens": args.greedy_tokens, "chat": args.chat,
+                  "max_batch_size": batch,
                   "prompts": prompts}
         start = time.perf_counter()
         with Progress(console=console, transient=True) as progress:
