@@ -72,7 +72,7 @@ def test_greedy_rows_equal_decoding_them_alone(drafter, policy, make_backend):
     assert [r.token_ids for r in results] == expected
     assert [len(r.token_ids) for r in results] == [p.max_new_tokens for p in params]
     assert batched.num_active == batched.num_waiting == 0
-    if drafter != "none":
+    if drafter != "none" and policy == "constant":  # under auto, drafting follows timings
         assert sum(r.stats.accepted_tokens for r in results) > 0
     other = BatchedGenerator(generator, max_batch_size=2).generate(PROMPTS[::-1], params[::-1])
     assert [r.token_ids for r in other] == expected[::-1]

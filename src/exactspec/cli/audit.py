@@ -157,9 +157,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if batch and args.engine != "exactspec":
             parser.error(f"--max-batch-size audits exactspec's batched decoding, not --engine "
                          f"{args.engine}")
-        as_engine = (lambda generator, name: BatchedEngine(BatchedGenerator(generator, batch),
-                                                           f"{name}, batched ×{batch}")
-                     if batch else ExactspecEngine)
+        as_engine = ExactspecEngine if not batch else (
+            lambda generator, name: BatchedEngine(BatchedGenerator(generator, batch),
+                                                  f"{name}, batched ×{batch}"))
         if args.engine == "exactspec":
             engine = as_engine(SpeculativeGenerator(
                 target, proposer, k, args.policy, allow_batch_variance=allows_batch_variance(args)),
