@@ -19,6 +19,7 @@ gives what :meth:`SpeculativeGenerator.generate` gives for the same request.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import time
 from collections import deque
@@ -28,15 +29,13 @@ from dataclasses import dataclass, field
 import torch
 
 from exactspec.backends.base import BatchBackend, UnsupportedModelError
-from exactspec.engine import (PLAIN_STEP, FinishReason, GenerationResult, OnCommit,
-                              SpeculativeGenerator, TokenLogprob)
+from exactspec.engine import (PLAIN_STEP, GenerationResult, OnCommit, SampleDecoding,
+                              SpeculativeGenerator)
 from exactspec.logits_pipeline import LogitsPipeline
-from exactspec.metrics import GenerationStats
-from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
+from exactspec.proposers.base import Proposer
 from exactspec.sampling import SamplingParams, make_rng
-from exactspec.speculation_length import (AutoPolicy, Choice, ForwardCost,
-                                          SpeculationLengthPolicy, batch_speculation_lengths)
-from exactspec.stopping import StopChecker
+from exactspec.speculation_length import (Choice, ForwardCost, SpeculationLengthPolicy,
+                                          batch_speculation_lengths, survival)
 
 DEFAULT_MAX_BATCH_SIZE = 8
 """Rows decoded together when none is given."""
@@ -47,16 +46,15 @@ batches on one target never touch each other's sequences."""
 
 @dataclass
 class _Row:
-    """One request being decoded: its settings, record, processing, randomness and figures.
-    A request of ``n`` samples decodes them one after another in its row, on one ``rng``
-    (as :meth:`SpeculativeGenerator.generate_samples` does)."""
+    """One request being decoded: its settings, drafter, policy and randomness, and the
+    sample being decoded. A request of ``n`` samples decodes them one after another in its
+    row, on one ``rng`` (as :meth:`SpeculativeGenerator.generate_samples` does)."""
 
     request_id: int
     generator: SpeculativeGenerator  # the row's drafter, k_max and policy come from it
     prompt_token_ids: list[int]
     pipeline: LogitsPipeline
     rng: torch.Generator
-    stop_ids: set[int]
     proposer: Proposer | None
     policy: SpeculationLengthPolicy
     timed: bool  # greedy or unseeded: may depend on what ran before (SpeculationLengthPolicy.reset)
@@ -66,46 +64,17 @@ class _Row:
     start: float = 0.0
     prefill_seconds: float = 0.0
     results: list[GenerationResult] = field(default_factory=list)
-    # the sample being decoded
-    tokens: list[int] = field(default_factory=list)  # prompt + committed: the one record
-    stopper: StopChecker | None = None
-    stats: GenerationStats | None = None
-    logprobs: list[TokenLogprob] | None = None
-    proposal: Proposal = EMPTY_PROPOSAL
-    peek: Proposal = EMPTY_PROPOSAL
-    chosen_k: int = 0
-    draft_seconds: float = 0.0
-    finish_reason: FinishReason | None = None
+    sample: SampleDecoding | None = None
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    def start_sample(self, target: BatchBackend) -> None:
-        """Begin the next sample: the record is the prompt again, fresh figures."""
-        params = self.pipeline.params
-        self.tokens = list(self.prompt_token_ids)
-        self.stopper = StopChecker(target.tokenizer, self.stop_ids, params.stop,
-                                   params.min_new_tokens)
-        k_max = self.generator.num_speculative_tokens
-        self.stats = GenerationStats(num_speculative_tokens=k_max,
-                                     policy=self.policy.name if k_max else "none",
-                                     num_prompt_tokens=self.num_prompt_tokens,
-                                     prefill_seconds=self.prefill_seconds)
-        self.logprobs = [] if params.logprobs is not None else None
-        self.finish_reason = None
-        self.prefill_seconds = 0.0  # the first sample's stats include the prefill
-
-
-def _expected_committed(policy: SpeculationLengthPolicy, k: int) -> float:
-    """Tokens a row drafting ``k`` is expected to commit: 1 + Σ_{j≤k} Π_{i≤j} α_i with its
-    own acceptance estimates under ``auto``, α = 0.5 under the other policies."""
-    alphas = policy.acceptance() if isinstance(policy, AutoPolicy) else [0.5] * k
-    expected, survive = 1.0, 1.0
-    for alpha in alphas[:k]:
-        survive *= alpha
-        expected += survive
-    return expected
+    def start_sample(self) -> None:
+        """Begin the next sample (the first one's stats include the prefill)."""
+        emit = None if self.on_commit is None else functools.partial(self.on_commit,
+                                                                     len(self.results))
+        self.sample = SampleDecoding(self.generator, self.prompt_token_ids, self.pipeline,
+                                     self.rng, self.proposer, self.policy,
+                                     observe_seconds=False, start=self.start,
+                                     prefill_seconds=self.prefill_seconds, emit=emit)
+        self.prefill_seconds = 0.0
 
 
 RequestOutput = list[GenerationResult] | Exception
@@ -271,10 +240,8 @@ class BatchedGenerator:
         row = _Row(
             request_id=next(_request_ids), generator=generator, prompt_token_ids=prompt_token_ids,
             pipeline=pipeline, rng=make_rng(params.seed, target.device) if rng is None else rng,
-            stop_ids=set(params.stop_token_ids) | (set() if params.ignore_eos
-                                                   else set(target.eos_token_ids)),
             proposer=proposer, policy=policy,
-            timed=timed, batch_chosen=isinstance(policy, AutoPolicy) and timed, num_samples=n,
+            timed=timed, batch_chosen=policy.follows_batch and timed, num_samples=n,
             on_commit=on_commit, start=start)
         self._waiting.append(row)
         return row.request_id
@@ -321,26 +288,24 @@ class BatchedGenerator:
             if row.request_id in finished:
                 continue
             try:
-                room = self._room(row)
-                if room > 0:
+                room = row.sample.room()
+                if room:
                     live.append((row, room))
                 else:
-                    row.finish_reason = "length"
                     self._end_sample(row, finished)
             except Exception as error:
                 finished[row.request_id] = error
-        drafted = []
+        drafted, inputs = [], []  # rows that drafted, (sequence id, [last, drafts…]) each
         for (row, room), choice in zip(live, self._choose(live, finished)):
             if row.request_id in finished:
                 continue
             try:
-                self._draft(row, choice, room)
+                inputs.append((row.request_id, row.sample.draft(choice, room)))
                 drafted.append(row)
             except Exception as error:
                 finished[row.request_id] = error
         if not drafted:
             return finished
-        inputs = [(row.request_id, [row.tokens[-1], *row.proposal.token_ids]) for row in drafted]
         t0 = time.perf_counter()
         try:
             all_logits = self.target.forward_sequences(inputs)
@@ -353,7 +318,9 @@ class BatchedGenerator:
             if row.request_id in self._cancelled:
                 continue
             try:
-                if self._verify_and_commit(row, logits, forward_seconds):
+                self.target.rollback_sequence(
+                    row.request_id, row.sample.verify_and_commit(logits, forward_seconds))
+                if row.sample.finish_reason is not None:
                     self._end_sample(row, finished)
             except Exception as error:
                 finished[row.request_id] = error
@@ -393,17 +360,10 @@ class BatchedGenerator:
                 row.prefill_seconds = time.perf_counter() - t0
                 if row.proposer is not None:  # a shared one (batch size 1) is the row's now
                     row.proposer.reset(reproducible=not row.timed)
-                row.start_sample(self.target)
+                row.start_sample()
             except Exception as error:
                 failed[row.request_id] = error
         return failed
-
-    def _room(self, row: _Row) -> int:
-        """Tokens ``row`` may still generate (max_new_tokens, the context limit)."""
-        generated = len(row.tokens) - row.num_prompt_tokens
-        context_limit = self.target.max_context_length or float("inf")
-        return int(min(row.pipeline.params.max_new_tokens - generated,
-                       context_limit - len(row.tokens)))
 
     def _choose(self, live: list[tuple[_Row, int]],
                 finished: dict[int, RequestOutput]) -> list[Choice]:
@@ -427,7 +387,7 @@ class BatchedGenerator:
                     continue
             k = min(choices[i].k, room - 1)
             fixed_tokens += k + 1
-            fixed_expected += _expected_committed(row.policy, k)
+            fixed_expected += 1 + sum(survival(row.policy.acceptance()[:k]))
         if batch_chosen:
             ks = batch_speculation_lengths(
                 [live[i][0].policy.acceptance() for i in batch_chosen],
@@ -438,57 +398,13 @@ class BatchedGenerator:
                 choices[i] = live[i][0].policy.choice(k)
         return choices
 
-    def _draft(self, row: _Row, choice: Choice, room: int) -> None:
-        row.chosen_k = k = min(choice.k, room - 1)
-        t0 = time.perf_counter()
-        row.proposal = row.peek = EMPTY_PROPOSAL
-        if k:
-            row.proposal = row.proposer.propose(row.tokens, k, row.pipeline, row.rng,
-                                                row.policy.min_confidence)
-        elif choice.peek:
-            row.peek = row.proposer.propose(row.tokens, 1, row.pipeline, row.rng)  # never verified
-        row.draft_seconds = time.perf_counter() - t0
-
-    def _verify_and_commit(self, row: _Row, logits: torch.Tensor, forward_seconds: float) -> bool:
-        """Verify ``row``'s drafts against its ``[k+1, vocab]`` logits, commit, roll back and
-        observe; True when the sample finished (a stop)."""
-        generator, proposal = row.generator, row.proposal
-        t0 = time.perf_counter()
-        verified = generator._verify(row.tokens, proposal, logits, row.pipeline, row.rng)
-        verify_seconds = forward_seconds + time.perf_counter() - t0
-        num_emitted, row.finish_reason = generator._commit(
-            row.tokens, verified.committed, verified.logprobs, row.logprobs, row.stopper,
-            row.num_prompt_tokens)
-        self.target.rollback_sequence(row.request_id, len(proposal) - verified.num_accepted)
-        if generator.num_speculative_tokens:
-            row.proposer.observe(verified.num_accepted)
-            row.policy.observe(len(proposal), verified.num_accepted, None, None)
-            if row.peek.token_ids:
-                row.policy.observe_peek(verified.committed[0] == row.peek.token_ids[0])
-        row.stats.record_cycle(len(proposal), verified.num_accepted, num_emitted, row.chosen_k,
-                               draft_seconds=row.draft_seconds, verify_seconds=verify_seconds,
-                               target_forward_seconds=forward_seconds)
-        if row.stats.cycles == 1:
-            row.stats.ttft_seconds = time.perf_counter() - row.start
-        if row.on_commit is not None and num_emitted:
-            row.on_commit(len(row.results), row.tokens[len(row.tokens) - num_emitted:])
-        return row.finish_reason is not None
-
     def _end_sample(self, row: _Row, finished: dict[int, RequestOutput]) -> None:
         """Record ``row``'s finished sample; start its next one, or finish the request."""
-        row.stats.total_seconds = time.perf_counter() - row.start
-        if row.proposer is not None:
-            row.proposer.end_sequence(row.tokens, row.num_prompt_tokens)
-        output = row.tokens[row.num_prompt_tokens:]
-        row.results.append(GenerationResult(
-            text=self.target.tokenizer.decode(output), token_ids=output,
-            finish_reason=row.finish_reason, stop_reason=row.stopper.stop_reason,
-            prompt_token_ids=list(row.prompt_token_ids), stats=row.stats,
-            logprobs=row.logprobs))
+        row.results.append(row.sample.result())
         if len(row.results) == row.num_samples:
             finished[row.request_id] = row.results
             return
         self.target.rollback_sequence(row.request_id, self.target.cached_tokens(row.request_id)
-                                      - (row.num_prompt_tokens - 1))
+                                      - (len(row.prompt_token_ids) - 1))
         row.start = time.perf_counter()
-        row.start_sample(self.target)
+        row.start_sample()

@@ -7,8 +7,10 @@ one forward pass: row i of the logits is the target's distribution for position 
 and row k gives the bonus token. After verification the cache is cut back to the context
 minus its new last token. With k = 0 (or no proposer) the same loop is plain decoding.
 
-The engine is the one owner of the committed length: ``tokens`` (prompt + committed) is
-the only record of the sequence; proposers and backends follow it.
+The engine is the one owner of the committed length: ``SampleDecoding.tokens`` (prompt +
+committed) is the only record of a sequence; proposers and backends follow it.
+:class:`SampleDecoding` holds one sample's half of a cycle, so that decoding one sequence
+(here) and many in one packed forward (:mod:`exactspec.batching`) run the same steps.
 """
 
 from __future__ import annotations
@@ -123,6 +125,144 @@ class Verified(NamedTuple):
     processed: torch.Tensor
     target_probs: torch.Tensor | None
     uniforms: torch.Tensor | None
+
+
+class SampleDecoding:
+    """One sample being decoded, and the half of each cycle that belongs to one sequence.
+
+    A cycle is choose → draft → target forward → verify → commit → rollback → observe
+    (docs/design.md, "One direction of data flow"). This class does every step but the
+    target forward and the rollback of the target's cache, which belong to whoever drives
+    it: :class:`SpeculativeGenerator` for one sequence, one forward per cycle;
+    :class:`~exactspec.batching.BatchedGenerator` for many, one packed forward per cycle.
+    ``tokens`` (prompt + committed) is the one record of the sequence.
+
+    Args:
+        generator: the engine whose verifier (``_verify``) and k_max the sample uses.
+        prompt_token_ids: ``[prompt_len]`` the prompt as the model sees it.
+        pipeline: the sample's logits processing (its :class:`SamplingParams`).
+        rng: its random source.
+        proposer, policy: its drafter (None: plain decoding) and speculation-length policy.
+        observe_seconds: give the policy the cycle's seconds (a forward timed for this
+            sequence alone; False in a batch, where a forward's time is the batch's).
+        start: ``time.perf_counter()`` when the request started (TTFT, total seconds).
+        prefill_seconds: recorded in the stats (0 for a sample after the first).
+        emit: called with the tokens each cycle emitted (streaming), or None.
+        trace: a list to record every cycle in (:class:`CycleTrace`), or None.
+    """
+
+    def __init__(self, generator: SpeculativeGenerator, prompt_token_ids: list[int],
+                 pipeline: LogitsPipeline, rng: torch.Generator, proposer: Proposer | None,
+                 policy: SpeculationLengthPolicy, *, observe_seconds: bool, start: float,
+                 prefill_seconds: float = 0.0, emit: Callable[[list[int]], None] | None = None,
+                 trace: list[CycleTrace] | None = None) -> None:
+        params = pipeline.params
+        target = generator.target
+        self.generator, self.pipeline, self.rng = generator, pipeline, rng
+        self.proposer, self.policy, self.observe_seconds = proposer, policy, observe_seconds
+        self.start, self.emit, self.trace = start, emit, trace
+        self.tokens = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.tokens)
+        self.k_max = generator.num_speculative_tokens
+        self.stats = GenerationStats(num_speculative_tokens=self.k_max,
+                                     policy=policy.name if self.k_max else "none",
+                                     num_prompt_tokens=self.num_prompt_tokens,
+                                     prefill_seconds=prefill_seconds)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos
+                                                 else set(target.eos_token_ids))
+        self.stopper = StopChecker(target.tokenizer, stop_ids, params.stop, params.min_new_tokens)
+        self.context_limit = target.max_context_length or float("inf")
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.finish_reason: FinishReason | None = None
+        self.proposal = self.peek = EMPTY_PROPOSAL
+        self.chosen_k, self.draft_seconds = 0, 0.0
+
+    def room(self) -> int:
+        """Tokens the sample may still generate (max_new_tokens, the context limit); at 0
+        the sample has finished (``finish_reason`` ``"length"``)."""
+        generated = len(self.tokens) - self.num_prompt_tokens
+        room = int(min(self.pipeline.params.max_new_tokens - generated,
+                       self.context_limit - len(self.tokens)))
+        if room <= 0:
+            self.finish_reason = "length"
+        return max(room, 0)
+
+    def choose(self) -> Choice:
+        """The policy's choice for the next cycle (a plain step without a drafter)."""
+        return self.policy.choose() if self.k_max else PLAIN_STEP
+
+    def draft(self, choice: Choice, room: int) -> list[int]:
+        """Draft ``choice.k`` tokens (fewer near the end: ``room`` − 1 at most), or peek on a
+        plain step. Returns ``[k+1]`` the block the target scores: ``[last, d_1 .. d_k]``."""
+        self.chosen_k = k = min(choice.k, room - 1)
+        t0 = time.perf_counter()
+        self.proposal = self.peek = EMPTY_PROPOSAL
+        if k:
+            self.proposal = self.proposer.propose(self.tokens, k, self.pipeline, self.rng,
+                                                  self.policy.min_confidence)
+        elif choice.peek:
+            self.peek = self.proposer.propose(self.tokens, 1, self.pipeline, self.rng)  # never verified
+        self.draft_seconds = time.perf_counter() - t0
+        return [self.tokens[-1], *self.proposal.token_ids]
+
+    def verify_and_commit(self, logits: torch.Tensor, forward_seconds: float) -> int:
+        """Verify the drafts against ``logits`` (``[k+1, vocab]``, the target's scores of the
+        block :meth:`draft` returned), commit up to the first stop, record the cycle, and
+        let the drafter and the policy observe it; sets ``finish_reason`` on a stop.
+
+        Returns:
+            the tokens to roll back from the target's cache (the rejected drafts).
+        """
+        proposal, generated = self.proposal, len(self.tokens) - self.num_prompt_tokens
+        t0 = time.perf_counter()
+        verified = self.generator._verify(self.tokens, proposal, logits, self.pipeline, self.rng)
+        verify_seconds = forward_seconds + time.perf_counter() - t0
+        committed, num_accepted = verified.committed, verified.num_accepted
+        num_emitted = self._commit(committed, verified.logprobs)
+        if self.trace is not None:
+            self.trace.append(trace_cycle(
+                self.stats.cycles, generated, self.chosen_k, proposal.token_ids, proposal.probs,
+                verified.processed, verified.target_probs, verified.uniforms,
+                committed[:num_emitted], num_accepted))
+        if self.k_max:
+            self.proposer.observe(num_accepted)
+            self.policy.observe(len(proposal), num_accepted,
+                                self.draft_seconds if self.observe_seconds else None,
+                                verify_seconds if self.observe_seconds else None)
+            if self.peek.token_ids:
+                self.policy.observe_peek(committed[0] == self.peek.token_ids[0])
+        self.stats.record_cycle(len(proposal), num_accepted, num_emitted, self.chosen_k,
+                                draft_seconds=self.draft_seconds, verify_seconds=verify_seconds,
+                                target_forward_seconds=forward_seconds)
+        if self.stats.cycles == 1:
+            self.stats.ttft_seconds = time.perf_counter() - self.start
+        if self.emit is not None and num_emitted:
+            self.emit(self.tokens[len(self.tokens) - num_emitted:])
+        return len(proposal) - num_accepted
+
+    def _commit(self, committed: list[int], committed_logprobs: list[TokenLogprob] | None) -> int:
+        """Append ``committed`` to ``tokens`` (and their logprobs) up to the first stop;
+        returns the number emitted."""
+        for num_emitted, token in enumerate(committed, start=1):
+            self.tokens.append(token)
+            if self.logprobs is not None:
+                self.logprobs.append(committed_logprobs[num_emitted - 1])
+            if self.stopper.is_stop(self.tokens, self.num_prompt_tokens):
+                self.finish_reason = "stop"
+                return num_emitted
+        return len(committed)
+
+    def result(self) -> GenerationResult:
+        """The finished sample's :class:`GenerationResult` (tells the drafter it ended)."""
+        self.stats.total_seconds = time.perf_counter() - self.start
+        if self.proposer is not None:
+            self.proposer.end_sequence(self.tokens, self.num_prompt_tokens)
+        output = self.tokens[self.num_prompt_tokens:]
+        return GenerationResult(
+            text=self.generator.target.tokenizer.decode(output), token_ids=output,
+            finish_reason=self.finish_reason, stop_reason=self.stopper.stop_reason,
+            prompt_token_ids=self.tokens[:self.num_prompt_tokens], stats=self.stats,
+            logprobs=self.logprobs, trace=self.trace)
 
 
 class SpeculativeGenerator:
@@ -245,90 +385,17 @@ class SpeculativeGenerator:
                 emit: Callable[[list[int]], None] | None,
                 trace: list[CycleTrace] | None) -> GenerationResult:
         """The speculative loop for one sample; the target's cache holds the prompt but its
-        last token. Each cycle: choose → propose → forward → verify → commit → rollback →
-        observe (docs/design.md, "One direction of data flow")."""
-        params = pipeline.params
-        tokens = list(prompt_token_ids)  # prompt + committed tokens: the one record
-        num_prompt_tokens = len(tokens)
-        stats = GenerationStats(num_speculative_tokens=self.num_speculative_tokens,
-                                policy=self.policy.name if self.num_speculative_tokens else "none",
-                                num_prompt_tokens=num_prompt_tokens, prefill_seconds=prefill_seconds)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos
-                                                 else set(self.target.eos_token_ids))
-        stopper = StopChecker(self.target.tokenizer, stop_ids, params.stop, params.min_new_tokens)
-        context_limit = self.target.max_context_length or float("inf")
-        logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
-
-        finish_reason: FinishReason | None = None
-        while finish_reason is None:
-            generated = len(tokens) - num_prompt_tokens
-            room = int(min(params.max_new_tokens - generated, context_limit - len(tokens)))
-            if room <= 0:
-                finish_reason = "length"
-                break
-            choice = self.policy.choose() if self.num_speculative_tokens else PLAIN_STEP
-            k = min(choice.k, room - 1)
-
+        last token. Each cycle: choose → draft → forward → verify, commit, observe →
+        rollback (:class:`SampleDecoding` does all but the forward and the rollback)."""
+        sample = SampleDecoding(self, prompt_token_ids, pipeline, rng, self.proposer,
+                                self.policy, observe_seconds=timed, start=start,
+                                prefill_seconds=prefill_seconds, emit=emit, trace=trace)
+        while sample.finish_reason is None and (room := sample.room()):
+            block = sample.draft(sample.choose(), room)
             t0 = time.perf_counter()
-            proposal = peek = EMPTY_PROPOSAL
-            if k:
-                proposal = self.proposer.propose(tokens, k, pipeline, rng,
-                                                 self.policy.min_confidence)
-            elif choice.peek:
-                peek = self.proposer.propose(tokens, 1, pipeline, rng)  # never verified
-            t1 = time.perf_counter()
-            logits = self.target.forward([tokens[-1], *proposal.token_ids])  # [k+1, vocab]
-            t2 = time.perf_counter()
-            verified = self._verify(tokens, proposal, logits, pipeline, rng)
-            committed, num_accepted = verified.committed, verified.num_accepted
-            t3 = time.perf_counter()
-            num_emitted, finish_reason = self._commit(tokens, committed, verified.logprobs,
-                                                      logprobs, stopper, num_prompt_tokens)
-            if trace is not None:
-                trace.append(trace_cycle(
-                    stats.cycles, generated, k, proposal.token_ids, proposal.probs,
-                    verified.processed, verified.target_probs, verified.uniforms,
-                    committed[:num_emitted], num_accepted))
-            self.target.rollback(len(proposal) - num_accepted)
-            if self.num_speculative_tokens:
-                self.proposer.observe(num_accepted)
-                self.policy.observe(len(proposal), num_accepted, (t1 - t0) if timed else None,
-                                    (t3 - t1) if timed else None)
-                if peek.token_ids:
-                    self.policy.observe_peek(committed[0] == peek.token_ids[0])
-
-            stats.record_cycle(len(proposal), num_accepted, num_emitted, k,
-                               draft_seconds=t1 - t0, verify_seconds=t3 - t1,
-                               target_forward_seconds=t2 - t1)
-            if stats.cycles == 1:
-                stats.ttft_seconds = time.perf_counter() - start
-            if emit is not None and num_emitted:
-                emit(tokens[len(tokens) - num_emitted:])
-        stats.total_seconds = time.perf_counter() - start
-        if self.proposer is not None:
-            self.proposer.end_sequence(tokens, num_prompt_tokens)
-
-        output = tokens[num_prompt_tokens:]
-        return GenerationResult(
-            text=self.target.tokenizer.decode(output), token_ids=output,
-            finish_reason=finish_reason, stop_reason=stopper.stop_reason,
-            prompt_token_ids=tokens[:num_prompt_tokens], stats=stats, logprobs=logprobs,
-            trace=trace)
-
-    @staticmethod
-    def _commit(tokens: list[int], committed: list[int],
-                committed_logprobs: list[TokenLogprob] | None,
-                logprobs: list[TokenLogprob] | None, stopper: StopChecker,
-                num_prompt_tokens: int) -> tuple[int, FinishReason | None]:
-        """Append ``committed`` to ``tokens`` (and their logprobs to ``logprobs``) up to the
-        first stop. Returns the number emitted and ``"stop"`` if a stop ended generation."""
-        for num_emitted, token in enumerate(committed, start=1):
-            tokens.append(token)
-            if logprobs is not None:
-                logprobs.append(committed_logprobs[num_emitted - 1])
-            if stopper.is_stop(tokens, num_prompt_tokens):
-                return num_emitted, "stop"
-        return len(committed), None
+            logits = self.target.forward(block)  # [k+1, vocab]
+            self.target.rollback(sample.verify_and_commit(logits, time.perf_counter() - t0))
+        return sample.result()
 
     def _verify(self, tokens: list[int], proposal: Proposal, logits: torch.Tensor,
                 pipeline: LogitsPipeline, rng: torch.Generator) -> Verified:

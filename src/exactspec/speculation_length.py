@@ -38,6 +38,8 @@ verification rule is untouched, so every policy keeps the target's distribution 
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
@@ -50,6 +52,17 @@ PEEK_INTERVAL = 8
 PRIOR_COST_PER_TOKEN = 0.1
 """Before any timing is measured, auto assumes a forward over n tokens costs
 1 + 0.1 (n − 1) single-token forwards (so drafting pays when α > 0.1)."""
+PRIOR_ACCEPTANCE = 0.5
+"""α_i assumed where nothing is measured (auto's prior; every position under the other
+policies)."""
+
+
+def survival(acceptance: Sequence[float]) -> list[float]:
+    """``[len(acceptance)]`` Π_{i≤j} α_i for each position j: the probability that draft
+    j + 1 is accepted (every draft before it was). Draft j + 1 adds this to the tokens a
+    cycle commits in expectation, so a cycle drafting k commits
+    E(k) = 1 + Σ_{j<k} survival[j] (Leviathan et al. 2022, §3.1, per position)."""
+    return list(itertools.accumulate(acceptance, operator.mul))
 
 
 class Choice(NamedTuple):
@@ -72,6 +85,11 @@ class SpeculationLengthPolicy(Protocol):
     to inherit the defaults."""
 
     name: str
+    k_max: int
+    follows_batch: bool = False
+    """Under batched decoding, greedy and unseeded rows let the batch choose their k
+    (:func:`batch_speculation_lengths` over every row's :meth:`acceptance`) and record it
+    with :meth:`choice`; a policy without this chooses alone in a batch too."""
     min_confidence: float = 0.0
     """A drafter with probabilities of its own stops drafting once its probability for the
     token it would draft falls below this (0 = never; see
@@ -99,6 +117,16 @@ class SpeculationLengthPolicy(Protocol):
     def observe_peek(self, committed_the_draft: bool) -> None:
         """After a plain step that peeked: whether it committed the peeked token (default:
         ignored)."""
+
+    def acceptance(self) -> list[float]:
+        """``[k_max]`` estimated α_i per 0-based position i (default: the prior,
+        :data:`PRIOR_ACCEPTANCE`, everywhere)."""
+        return [PRIOR_ACCEPTANCE] * self.k_max
+
+    def choice(self, k: int) -> Choice:
+        """The :class:`Choice` for ``k`` chosen by the batch (only for a policy that
+        :attr:`follows_batch`)."""
+        raise NotImplementedError(f"the {self.name} policy chooses k on its own")
 
 
 class ConstantPolicy(SpeculationLengthPolicy):
@@ -173,8 +201,10 @@ class AutoPolicy(SpeculationLengthPolicy):
     """
 
     name = "auto"
+    follows_batch = True
 
-    def __init__(self, k_max: int, decay: float = 0.97, prior_acceptance: float = 0.5,
+    def __init__(self, k_max: int, decay: float = 0.97,
+                 prior_acceptance: float = PRIOR_ACCEPTANCE,
                  prior_weight: float = 1.0, cost_smoothing: float = 0.2, *,
                  peek: bool = False) -> None:
         self.k_max, self.peek = k_max, peek
@@ -206,11 +236,9 @@ class AutoPolicy(SpeculationLengthPolicy):
     def expected_rates(self) -> list[float]:
         """``[k_max + 1]`` expected committed tokens per second for k = 0..k_max drafts (per
         unit of the prior cost model while nothing is measured)."""
-        rates, expected, survive = [], 1.0, 1.0
-        for k, alpha in enumerate([1.0, *self.acceptance()]):
-            if k:
-                survive *= alpha
-                expected += survive
+        rates, expected = [], 1.0
+        for k, survive in enumerate([0.0, *survival(self.acceptance())]):
+            expected += survive
             draft_cost = (self.draft_seconds_per_token or 0.0) if self.timed else 0.0
             cost = self.forward_cost(k + 1) + k * draft_cost
             rates.append(expected / cost)
@@ -327,7 +355,7 @@ def batch_speculation_lengths(acceptances: Sequence[Sequence[float]], caps: Sequ
     committed tokens per second when one forward scores every row.
 
     Row r drafting k_r tokens commits E_r(k_r) = 1 + Σ_{j≤k_r} Π_{i≤j} α_{r,i} tokens in
-    expectation (Leviathan et al. 2022, §3.1, per position), and the forward scores
+    expectation (:func:`survival`), and the forward scores
     N = Σ_r (k_r + 1) + ``fixed_tokens`` tokens, so the batch's rate is
     (Σ_r E_r(k_r) + ``fixed_expected``) / cost(N). Each extra draft of row r adds the
     survival probability of its next position, which falls along the row (α ≤ 1), so the
@@ -346,10 +374,7 @@ def batch_speculation_lengths(acceptances: Sequence[Sequence[float]], caps: Sequ
     """
     gains = []  # (gain, row) for every possible extra draft, each row's in falling order
     for row, (alphas, cap) in enumerate(zip(acceptances, caps)):
-        survive = 1.0
-        for alpha in alphas[:cap]:
-            survive *= alpha
-            gains.append((survive, row))
+        gains += [(survive, row) for survive in survival(alphas[:cap])]
     gains.sort(key=lambda item: -item[0])  # stable: a row's gains stay in order
     base_tokens = len(caps) + fixed_tokens
     expected = len(caps) + fixed_expected
