@@ -110,6 +110,24 @@ def test_backend_options_that_do_not_fit_are_clear_errors(model_folder, capsys):
     assert code == 1 and "dtype 'float16' applies to the transformers backend only" in err
 
 
+def test_max_model_len_ends_generation_at_the_limit_and_is_checked(model_folder, capsys):
+    prompt = "abc abc abd abc"
+    code, out, err = run(capsys, prompt, "--model", model_folder, "--max-model-len", 40,
+                         "--max-new-tokens", 50, "--ignore-eos", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["finish_reason"] == "length"
+    assert len(result["prompt_token_ids"]) + len(result["token_ids"]) == 40
+    code, out, err = run(capsys, prompt, "--model", model_folder, "--max-new-tokens", 50,
+                         "--ignore-eos", "--json")
+    assert json.loads(out)["token_ids"][:len(result["token_ids"])] == result["token_ids"]
+    code, _, err = run(capsys, "hi", "--model", model_folder, "--max-model-len", 513)
+    assert code == 1 and "max_model_len = 513 is invalid: the model's context holds 512" in err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "hi", "--max-model-len", "0"])
+    assert exit_info.value.code == 2 and "'0' is invalid" in capsys.readouterr().err
+
+
 def test_fast_kernels_speculate_with_a_note_and_are_refused_where_not_chosen(model_folder,
                                                                             capsys):
     code, out, err = run(capsys, "abc abc abd abc", "--model", model_folder, "--kernels", "fast",

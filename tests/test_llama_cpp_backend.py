@@ -109,6 +109,32 @@ def test_gguf_tokenizer_and_eos_from_the_file(tmp_path):
 
 
 @needs_llama_cpp
+def test_context_length_bounds_each_sequence_and_its_kv_cache(tmp_path):
+    from tiny_gguf import write_tiny_gguf
+
+    from exactspec import BatchedGenerator
+
+    path = write_tiny_gguf(tiny_model(0), tmp_path / "tiny.gguf")
+    with pytest.raises(ValueError, match="context_length = 1024 is invalid: tiny.gguf's "
+                                         "context holds 512 tokens"):
+        LlamaCppBackend.load(path, threads=1, context_length=1024)
+    backend = LlamaCppBackend.load(path, threads=1, context_length=24)
+    assert backend.max_context_length == 24
+    backend.reserve_sequences(2)
+    llama_cpp = import_llama_cpp()
+    assert llama_cpp.llama_n_ctx_seq(backend._sequence_context) == 256  # 24, padded by llama.cpp
+    with pytest.raises(ValueError, match="exceed the llama.cpp context of 24"):
+        backend.prefill_sequence(0, [1] * 25)
+    generator = SpeculativeGenerator(backend, PromptLookupProposer(), 4)
+    params = SamplingParams(max_new_tokens=100, ignore_eos=True)
+    alone = generator.generate("abc abc abd abc", params)
+    assert alone.finish_reason == "length"
+    assert len(alone.prompt_token_ids) + len(alone.token_ids) == 24
+    batched = BatchedGenerator(generator, 2).generate(["abc abc abd abc"] * 2, params)
+    assert [r.token_ids for r in batched] == [alone.token_ids] * 2
+
+
+@needs_llama_cpp
 @pytest.mark.real_model
 def test_embedded_model_chat_template_and_eos_match_transformers():
     from exactspec.backends.transformers_backend import TransformersBackend

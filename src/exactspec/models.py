@@ -227,7 +227,8 @@ def choose_backend(path: Path, backend: str = "auto", *, device: str = "auto",
 
 def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
                device: str = "auto", dtype: str | None = None,
-               threads: int | None = None, kernels: str | None = None) -> Backend:
+               threads: int | None = None, kernels: str | None = None,
+               max_model_len: int | None = None) -> Backend:
     """Load a model on the transformers or the llama.cpp backend.
 
     Args:
@@ -244,13 +245,18 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
         threads: llama.cpp only: CPU threads (default: half the cores this process may use;
             all of them are faster on an idle machine but collapse when another process
             takes a core, see README).
+        max_model_len: most tokens (prompt + generated) a sequence may hold (default: the
+            model's context; llama.cpp at most its ``DEFAULT_CONTEXT_LENGTH``). On llama.cpp
+            it is also the KV cache allocated per sequence, so batched decoding's memory
+            grows with ``max_model_len`` × its batch size.
     Returns:
         a :class:`~exactspec.backends.base.Backend`.
     Raises:
         ModelNotFoundError: if the model cannot be found (the message says how to get it),
             or a folder lacks a config, weights or a tokenizer (see :func:`check_model_path`).
-        ValueError: for a file that is not GGUF, a bad backend, device or dtype, or options
-            the backend cannot use.
+        ValueError: for a file that is not GGUF, a bad backend, device or dtype, a
+            ``max_model_len`` < 1 or above the model's context, or options the backend
+            cannot use.
         LlamaCppNotInstalledError: for ``llama_cpp`` without llama-cpp-python (the message
             gives the install command).
         UnsupportedModelError: if the model's KV cache cannot be rolled back.
@@ -259,7 +265,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
     if choose_backend(path, backend, device=device, dtype=dtype, kernels=kernels) == "llama_cpp":
         from exactspec.backends.llama_cpp_backend import LlamaCppBackend
 
-        return LlamaCppBackend.load(path, threads=threads)
+        return LlamaCppBackend.load(path, threads=threads, context_length=max_model_len)
     if threads is not None:
         raise ValueError("threads (--threads) applies to the llama_cpp backend only, and this "
                          "model runs on transformers (it uses torch's threads: set "
@@ -267,4 +273,5 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
     from exactspec.backends.transformers_backend import TransformersBackend
 
     return TransformersBackend.load(path, device=device, dtype=dtype or "float32",
-                                    kernels=kernels or "batch-invariant")
+                                    kernels=kernels or "batch-invariant",
+                                    max_model_len=max_model_len)

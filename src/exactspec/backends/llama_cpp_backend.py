@@ -192,7 +192,9 @@ class LlamaCppBackend:
         self.llama = llama
         self.tokenizer = tokenizer if tokenizer is not None else LlamaCppTokenizer(llama)
         self.vocab_size = int(llama.n_vocab())
-        self.max_context_length = int(min(llama.n_ctx(), llama._model.n_ctx_train()))
+        # the context asked for (llama.cpp pads its cache to a multiple of 256 cells)
+        asked = llama.context_params.n_ctx or llama.n_ctx()
+        self.max_context_length = int(min(asked, llama.n_ctx(), llama._model.n_ctx_train()))
         if eos_token_ids is None:
             vocab = llama_cpp.llama_model_get_vocab(llama.model)
             eos_token_ids = [i for i in range(self.vocab_size)
@@ -220,12 +222,13 @@ class LlamaCppBackend:
             path: the GGUF file.
             threads: CPU threads for llama.cpp (default: :func:`default_threads`, half the
                 cores this process may use).
-            context_length: KV cache size in tokens (default: the model's own context,
-                at most :data:`DEFAULT_CONTEXT_LENGTH`).
+            context_length: KV cache size in tokens, per sequence (default: the model's own
+                context, at most :data:`DEFAULT_CONTEXT_LENGTH`).
         Raises:
             LlamaCppNotInstalledError: if llama-cpp-python is not installed.
             FileNotFoundError: if ``path`` does not exist.
-            ValueError: if ``path`` is not a GGUF file, or threads/context_length < 1.
+            ValueError: if ``path`` is not a GGUF file, threads/context_length < 1, or
+                context_length above the model's own context.
             UnsupportedModelError: see the class.
         """
         import_llama_cpp()  # fail first, with the install command
@@ -239,9 +242,12 @@ class LlamaCppBackend:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ValueError(f"{name} = {value!r} is invalid: it must be an integer ≥ 1")
+        trained = gguf_architecture_value(path, "context_length")
         if context_length is None:
-            context_length = min(gguf_architecture_value(path, "context_length") or DEFAULT_CONTEXT_LENGTH,
-                                 DEFAULT_CONTEXT_LENGTH)
+            context_length = min(trained or DEFAULT_CONTEXT_LENGTH, DEFAULT_CONTEXT_LENGTH)
+        elif trained and context_length > trained:
+            raise ValueError(f"context_length = {context_length} is invalid: {path.name}'s "
+                             f"context holds {trained} tokens")
         return cls(new_llama(path, threads=threads or default_threads(),
                              context_length=context_length))
 
@@ -300,11 +306,12 @@ class LlamaCppBackend:
         params = type(self.llama.context_params).from_buffer_copy(self.llama.context_params)
         params.n_seq_max = num_sequences
         params.kv_unified = False
-        params.n_ctx = self.llama.n_ctx() * num_sequences
+        params.n_ctx = self.max_context_length * num_sequences
         context = llama_cpp.llama_init_from_model(self.llama.model, params)
         if not context:
             raise RuntimeError(f"llama.cpp could not make a context for {num_sequences} "
-                               f"sequences of {self.llama.n_ctx()} tokens (memory?)")
+                               f"sequences of {self.max_context_length} tokens (memory? a "
+                               "smaller max_model_len needs less)")
         self._sequence_context = context
         self._sequence_memory = llama_cpp.llama_get_memory(context)
         self._slot_lengths = [0] * num_sequences
@@ -374,9 +381,9 @@ class LlamaCppBackend:
         most ``n_batch`` tokens; every token's logits in row order (``[total, vocab]``) when
         ``logits``, else an empty tensor."""
         items = [(slot, token) for slot, token_ids in rows for token in token_ids]
-        if any(self._slot_lengths[slot] + len(ids) > self.llama.n_ctx() for slot, ids in rows):
+        if any(self._slot_lengths[slot] + len(ids) > self.max_context_length for slot, ids in rows):
             raise ValueError(f"a sequence would exceed the llama.cpp context of "
-                             f"{self.llama.n_ctx()} tokens")
+                             f"{self.max_context_length} tokens")
         out = []
         for start in range(0, len(items), self._batch_capacity):
             chunk = items[start:start + self._batch_capacity]
@@ -402,9 +409,9 @@ class LlamaCppBackend:
     def _decode(self, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:
         """Append ``token_ids`` in batches of at most ``n_batch``; logits of the last
         ``num_logits`` positions, ``[num_logits, vocab_size]`` (empty when 0)."""
-        if self._num_cached + len(token_ids) > self.llama.n_ctx():
+        if self._num_cached + len(token_ids) > self.max_context_length:
             raise ValueError(f"{self._num_cached + len(token_ids)} tokens exceed the llama.cpp "
-                             f"context of {self.llama.n_ctx()} tokens")
+                             f"context of {self.max_context_length} tokens")
         first_logit = len(token_ids) - num_logits
         rows = []
         for start in range(0, len(token_ids), self._batch_capacity):

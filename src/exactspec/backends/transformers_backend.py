@@ -136,8 +136,8 @@ class TransformersBackend:
 
     @classmethod
     def load(cls, path: str | Path, *, device: str = "auto", dtype: str = "float32",
-             gguf_file: str | None = None,
-             kernels: str = "batch-invariant") -> TransformersBackend:
+             gguf_file: str | None = None, kernels: str = "batch-invariant",
+             max_model_len: int | None = None) -> TransformersBackend:
         """Load a local model folder, or a GGUF file (``path`` ending in .gguf).
 
         Args:
@@ -150,10 +150,13 @@ class TransformersBackend:
                 A GGUF file is dequantised to float32 once and kept as a model folder in
                 the cache (see :func:`converted_gguf_folder`).
             kernels: ``batch-invariant`` (the default) or ``fast``, see the class.
+            max_model_len: most tokens (prompt + generated) a sequence may hold (default and
+                most: the model's ``max_position_embeddings``).
         Raises:
             FileNotFoundError: if ``path`` does not exist, or a folder lacks a config,
                 weights or a tokenizer (``ModelNotFoundError``, naming what is missing).
-            ValueError: for an unknown dtype or device, or a ``.gguf`` file that is not GGUF.
+            ValueError: for an unknown dtype or device, a ``.gguf`` file that is not GGUF, or
+                a ``max_model_len`` < 1 or above the model's context.
             UnsupportedModelError: if the cache cannot be rolled back.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -161,6 +164,10 @@ class TransformersBackend:
 
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is invalid: choose one of {', '.join(DTYPES)}")
+        if max_model_len is not None and (isinstance(max_model_len, bool)
+                                          or not isinstance(max_model_len, int) or max_model_len < 1):
+            raise ValueError(f"max_model_len = {max_model_len!r} is invalid: it must be an "
+                             "integer ≥ 1")
         resolved_device = resolve_device(device)
         path = Path(path).expanduser()
         if not path.exists():
@@ -179,7 +186,14 @@ class TransformersBackend:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
         finally:
             hf_logging.enable_progress_bar()
-        return cls(model.to(resolved_device), HFTokenizer(tokenizer), kernels=kernels)
+        backend = cls(model.to(resolved_device), HFTokenizer(tokenizer), kernels=kernels)
+        if max_model_len is not None:
+            limit = backend.max_context_length
+            if limit is not None and max_model_len > limit:
+                raise ValueError(f"max_model_len = {max_model_len} is invalid: the model's "
+                                 f"context holds {limit} tokens")
+            backend.max_context_length = max_model_len
+        return backend
 
     supports_batches = True
     max_sequences = 256

@@ -84,6 +84,12 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                             f"here {_default_threads()}). All cores are faster on an idle "
                             "machine, but collapse (e.g. 100× slower) while another process "
                             "uses the CPU: then use fewer than the free cores")
+    model.add_argument("--max-model-len", type=positive_int, default=None, metavar="TOKENS",
+                       help="most tokens (prompt + generated) per request (default: the "
+                            "model's context; on llama_cpp at most 8192). On llama_cpp this is "
+                            "the KV cache allocated per sequence, so serve's memory grows with "
+                            "it times --max-batch-size: lower it to serve more requests at once "
+                            "in less memory")
 
 
 def _default_threads() -> int:
@@ -167,7 +173,8 @@ def load_from_args(args: argparse.Namespace, name_or_path: str | None = None):
     from exactspec.models import load_model
 
     return load_model(name_or_path or args.model, backend=args.backend, device=args.device,
-                      dtype=args.dtype, threads=args.threads, kernels=args.kernels)
+                      dtype=args.dtype, threads=args.threads, kernels=args.kernels,
+                      max_model_len=args.max_model_len)
 
 
 def allows_batch_variance(args: argparse.Namespace) -> bool:
