@@ -374,25 +374,21 @@ class BatchedGenerator:
         choices: list[Choice] = [PLAIN_STEP] * len(live)
         batch_chosen, fixed_tokens, fixed_expected = [], 0, 0.0
         for i, (row, room) in enumerate(live):
-            if not row.generator.num_speculative_tokens:
-                pass
-            elif row.batch_chosen:
+            if row.batch_chosen and row.sample.k_max:
                 batch_chosen.append(i)
                 continue
-            else:
-                try:
-                    choices[i] = row.policy.choose()
-                except Exception as error:
-                    finished[row.request_id] = error
-                    continue
+            try:
+                choices[i] = row.sample.choose()
+            except Exception as error:
+                finished[row.request_id] = error
+                continue
             k = min(choices[i].k, room - 1)
             fixed_tokens += k + 1
             fixed_expected += 1 + sum(survival(row.policy.acceptance()[:k]))
         if batch_chosen:
             ks = batch_speculation_lengths(
                 [live[i][0].policy.acceptance() for i in batch_chosen],
-                [min(live[i][0].generator.num_speculative_tokens, live[i][1] - 1)
-                 for i in batch_chosen],
+                [min(live[i][0].sample.k_max, live[i][1] - 1) for i in batch_chosen],
                 self.costs, fixed_tokens, fixed_expected)
             for i, k in zip(batch_chosen, ks):
                 choices[i] = live[i][0].policy.choice(k)
