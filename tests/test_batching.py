@@ -57,6 +57,53 @@ def test_the_packed_forward_scores_each_sequence_as_alone(make_backend):
         target.cached_tokens(1)
 
 
+def test_a_prefill_continued_in_chunks_is_bit_identical_to_one_call(make_backend):
+    target = make_backend(0, max_context=2048)
+    chunk = target.prefill_chunk_size
+    prompt = [(7 * i + 3) % 64 for i in range(2 * chunk + 40)]
+    target.prefill_sequence(0, prompt[:chunk])
+    target.extend_sequence(0, prompt[chunk:2 * chunk])
+    target.extend_sequence(0, prompt[2 * chunk:])
+    assert target.cached_tokens(0) == len(prompt)
+    chunked = target.forward_sequences([(0, [5, 9, 1])])[0]
+    target.prefill(prompt)
+    assert torch.equal(chunked, target.forward([5, 9, 1]))
+    with pytest.raises(ValueError, match="not held"):
+        target.extend_sequence(1, [1])
+    with pytest.raises(ValueError, match="exceed"):
+        target.extend_sequence(0, [1] * 2048)
+
+
+def test_a_long_prompt_joins_in_chunks_while_the_others_decode(make_backend):
+    """A prompt of three prefill chunks joins a batch that is decoding: the other row
+    commits tokens in the cycles between (one chunk per cycle), and both outputs equal
+    decoding alone."""
+    target = make_backend(0, max_context=2048)
+    chunk = target.prefill_chunk_size
+    long_prompt = [(5 * i + 1) % 64 for i in range(2 * chunk + 30)]
+    generator = SpeculativeGenerator(target, PromptLookupProposer(1, 3), 4, "constant")
+    batched = BatchedGenerator(generator, max_batch_size=2)
+    events = []
+    params = SamplingParams(max_new_tokens=40)
+    short = batched.submit(PROMPTS[0], params,
+                           on_commit=lambda sample, tokens: events.append(("short", len(tokens))))
+    batched.step()
+    long = batched.submit(long_prompt, SamplingParams(max_new_tokens=5),
+                          on_commit=lambda sample, tokens: events.append(("long", len(tokens))))
+    outputs = {}
+    cycles = 0
+    while batched.num_active or batched.num_waiting:
+        outputs.update(batched.step())
+        cycles += 1
+    first_long = [name for name, _ in events].index("long")
+    assert [name for name, _ in events[1:first_long]] == ["short"] * 3  # one per chunk
+    plain = SpeculativeGenerator(make_backend(0, max_context=2048), None)
+    assert outputs[short][0].token_ids == plain.generate(PROMPTS[0], params).token_ids
+    assert (outputs[long][0].token_ids
+            == plain.generate(long_prompt, SamplingParams(max_new_tokens=5)).token_ids)
+    assert outputs[long][0].stats.prefill_seconds > 0
+
+
 @pytest.mark.parametrize("policy", ["constant", "auto"])
 @pytest.mark.parametrize("drafter", ["none", "prompt-lookup", "suffix"])
 def test_greedy_rows_equal_decoding_them_alone(drafter, policy, make_backend):
@@ -173,14 +220,14 @@ def test_a_failing_request_ends_alone_and_cancel_drops_one(make_backend):
     banned = SamplingParams(max_new_tokens=6, banned_token_ids=tuple(range(target.vocab_size)))
     bad = batched.submit(PROMPTS[1], banned)
     holder["dropped"] = batched.submit(PROMPTS[2], params)
-    prefill = target.prefill_sequence
+    extend = target.extend_sequence
 
     def failing_prefill(sequence_id, token_ids):  # e.g. out of memory on a long prompt
         if len(token_ids) == 29:
             raise RuntimeError("out of memory")
-        prefill(sequence_id, token_ids)
+        extend(sequence_id, token_ids)
 
-    target.prefill_sequence = failing_prefill
+    target.extend_sequence = failing_prefill
     too_long = batched.submit(list(range(1, 31)), params)
     other = batched.submit(PROMPTS[1], params)
     outputs = batched.step()

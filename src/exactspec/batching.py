@@ -4,8 +4,10 @@ Each cycle every active row drafts on its own (its own drafter state, policy, k,
 none), one packed forward of the target scores every row's ``[last, d_1 .. d_k]``
 (:meth:`~exactspec.backends.base.BatchBackend.forward_sequences`), and each row is verified,
 committed and rolled back on its own, exactly as :class:`~exactspec.engine.SpeculativeGenerator`
-does for one sequence (the same ``_verify`` and ``_commit``). Rows join between cycles as
-others finish (continuous batching, Yu et al. 2022, "Orca", iteration-level scheduling).
+does for one sequence (the same :class:`~exactspec.engine.SampleDecoding`). Rows join
+between cycles as others finish (continuous batching, Yu et al. 2022, "Orca",
+iteration-level scheduling); a joining prompt is prefilled a chunk per cycle while the
+others decode (chunked prefill, Agrawal et al. 2023, "Sarathi").
 
 Exactness: a row's logits in the packed forward are bit-identical to scoring it alone (the
 backend's kernels work row by row, attention per sequence over its own cache: see
@@ -64,7 +66,8 @@ class _Row:
     start: float = 0.0
     prefill_seconds: float = 0.0
     results: list[GenerationResult] = field(default_factory=list)
-    sample: SampleDecoding | None = None
+    num_prefilled: int = 0  # prompt tokens in the row's cache so far (chunked prefill)
+    sample: SampleDecoding | None = None  # None while the prompt is being prefilled
 
     def start_sample(self) -> None:
         """Begin the next sample (the first one's stats include the prefill)."""
@@ -283,9 +286,10 @@ class BatchedGenerator:
     def _cycle(self) -> dict[int, RequestOutput]:
         """:meth:`step` but the clean-up; every error is one request's output."""
         finished: dict[int, RequestOutput] = self._admit()
+        self._prefill(finished)
         live = []  # (row, room): rows with room for at least one more token
         for row in self._active:
-            if row.request_id in finished:
+            if row.request_id in finished or row.sample is None:
                 continue
             try:
                 room = row.sample.room()
@@ -336,8 +340,9 @@ class BatchedGenerator:
                              "it (drafters for several rows: prompt-lookup, suffix)")
 
     def admit(self) -> dict[int, RequestOutput]:
-        """Start waiting requests while there is room (prefill their sequences); :meth:`step`
-        does it first anyway, this lets a caller see which are active before the cycle.
+        """Start waiting requests while there is room (their prompts are prefilled in the
+        next steps, see :meth:`_prefill`); :meth:`step` does it first anyway, this lets a
+        caller see which are active before the cycle.
 
         Returns:
             the errors of those whose prefill failed, by request id (they are dropped).
@@ -355,15 +360,40 @@ class BatchedGenerator:
             row = self._waiting.popleft()
             self._active.append(row)
             try:
-                t0 = time.perf_counter()
-                self.target.prefill_sequence(row.request_id, row.prompt_token_ids[:-1])
-                row.prefill_seconds = time.perf_counter() - t0
+                self.target.prefill_sequence(row.request_id, [])
+            except Exception as error:
+                failed[row.request_id] = error
+        return failed
+
+    def _prefill(self, finished: dict[int, RequestOutput]) -> None:
+        """Prefill the prompts of rows that joined, ``prefill_chunk_size`` tokens per cycle
+        while other rows decode (chunked prefill: Agrawal et al. 2023, "Sarathi"), so that a
+        long prompt does not stall them, or all at once when none decode. The chunks start
+        at multiples of the chunk size, so the cache is bit for bit the one-call prefill's
+        (:meth:`~exactspec.backends.base.BatchBackend.extend_sequence`). A row whose prompt
+        is in starts its first sample."""
+        chunk = self.target.prefill_chunk_size
+        budget = chunk if any(row.sample is not None for row in self._active) else float("inf")
+        for row in self._active:
+            if row.sample is not None or row.request_id in finished:
+                continue
+            prompt = row.prompt_token_ids[:-1]
+            try:
+                while row.num_prefilled < len(prompt):
+                    size = min(chunk, len(prompt) - row.num_prefilled)
+                    if size > budget:
+                        return
+                    t0 = time.perf_counter()
+                    self.target.extend_sequence(
+                        row.request_id, prompt[row.num_prefilled:row.num_prefilled + size])
+                    row.prefill_seconds += time.perf_counter() - t0
+                    row.num_prefilled += size
+                    budget -= size
                 if row.proposer is not None:  # a shared one (batch size 1) is the row's now
                     row.proposer.reset(reproducible=not row.timed)
                 row.start_sample()
             except Exception as error:
-                failed[row.request_id] = error
-        return failed
+                finished[row.request_id] = error
 
     def _choose(self, live: list[tuple[_Row, int]],
                 finished: dict[int, RequestOutput]) -> list[Choice]:

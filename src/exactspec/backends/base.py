@@ -20,6 +20,10 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import torch
 
 
+PREFILL_CHUNK_SIZE = 512
+"""Tokens a backend's prefill scores per forward pass (llama.cpp: its ``n_batch``), and so
+the chunk batched decoding prefills a joining prompt in between decoding cycles."""
+
 def chat_messages(prompt: str | Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
     """:meth:`Tokenizer.apply_chat_template`'s argument as a list of messages."""
     return ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
@@ -128,11 +132,15 @@ class BatchBackend(Backend, Protocol):
     Attributes:
         max_sequences: most sequences that can be held now, besides the main one
             (:meth:`reserve_sequences` may raise it).
+        prefill_chunk_size: tokens a prefill scores per forward pass, in :meth:`prefill`
+            and :meth:`prefill_sequence` alike; :meth:`extend_sequence` continues a prefill
+            from a multiple of it with the very cache entries one call would have made.
         sequences_invariant: whether it does, as measured on the loaded model by
             :func:`check_sequence_invariance` the first time it is read.
     """
 
     max_sequences: int
+    prefill_chunk_size: int
 
     @property
     def sequences_invariant(self) -> bool: ...
@@ -149,6 +157,17 @@ class BatchBackend(Backend, Protocol):
     def prefill_sequence(self, sequence_id: int, token_ids: Sequence[int]) -> None:
         """Hold a new sequence ``sequence_id`` (replacing one of that id) with ``token_ids``
         in its cache (may be empty); no logits."""
+        ...
+
+    def extend_sequence(self, sequence_id: int, token_ids: Sequence[int]) -> None:
+        """Append ``token_ids`` to a sequence's cache as a prefill does (no logits), for
+        chunked prefill: from a cache holding a multiple of ``prefill_chunk_size`` tokens,
+        ``prefill_sequence(id, a)`` then ``extend_sequence(id, b)`` leaves bit for bit the
+        cache ``prefill_sequence(id, a + b)`` leaves.
+
+        Raises:
+            ValueError: if the sequence is not held or would exceed the context.
+        """
         ...
 
     def forward_sequences(self, rows: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:

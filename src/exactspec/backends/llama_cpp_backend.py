@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from exactspec.backends.base import (UnsupportedModelError, chat_messages, check_batch_invariance,
-                                     check_sequence_invariance)
+from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, chat_messages,
+                                     check_batch_invariance, check_sequence_invariance)
 from exactspec.models import gguf_architecture_value
 
 INSTALL_HINT = ("CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --no-cache-dir "
@@ -206,6 +206,7 @@ class LlamaCppBackend:
         self._ctx = llama.ctx
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch_capacity = int(llama.n_batch)
+        self.prefill_chunk_size = self._batch_capacity  # llama_decode takes n_batch at a time
         self._batch = llama_cpp.llama_batch_init(self._batch_capacity, 0, 1)
         self._num_cached = 0
         self._sequences: dict[int, int] = {}  # sequence id → its slot (llama.cpp seq_id)
@@ -328,12 +329,16 @@ class LlamaCppBackend:
         slot = self._sequences[sequence_id]
         self._llama_cpp.llama_memory_seq_rm(self._sequence_memory, slot, -1, -1)
         self._slot_lengths[slot] = 0
+        try:
+            self.extend_sequence(sequence_id, token_ids)
+        except Exception:
+            self.release_sequence(sequence_id)
+            raise
+
+    def extend_sequence(self, sequence_id: int, token_ids: Sequence[int]) -> None:
+        slot = self._slot(sequence_id)
         if len(token_ids) > 0:
-            try:
-                self._decode_rows(self._sequence_context, [(slot, token_ids)], logits=False)
-            except Exception:
-                self.release_sequence(sequence_id)
-                raise
+            self._decode_rows(self._sequence_context, [(slot, token_ids)], logits=False)
 
     def forward_sequences(self, rows: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
         if not rows or any(len(token_ids) == 0 for _, token_ids in rows):
@@ -447,6 +452,7 @@ def new_llama(path: str | Path, *, threads: int, context_length: int, **override
     """A ``llama_cpp.Llama`` on the CPU as exactspec runs it: ``threads`` for decoding and
     prompt processing, batches of 512, sliding-window caches kept in full."""
     llama_cpp = import_llama_cpp()
-    return llama_cpp.Llama(str(path), n_ctx=context_length, n_batch=512, n_ubatch=512,
+    return llama_cpp.Llama(str(path), n_ctx=context_length, n_batch=PREFILL_CHUNK_SIZE,
+                           n_ubatch=PREFILL_CHUNK_SIZE,
                            n_threads=threads, n_threads_batch=threads, swa_full=True,
                            verbose=False, **overrides)

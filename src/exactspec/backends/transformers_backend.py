@@ -23,8 +23,8 @@ import tempfile
 
 import torch
 
-from exactspec.backends.base import (UnsupportedModelError, chat_messages, check_batch_invariance,
-                                     check_sequence_invariance)
+from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, chat_messages,
+                                     check_batch_invariance, check_sequence_invariance)
 from exactspec.backends.batch_invariant import (KERNELS, PackedSequences, kernel_mode,
                                                  packed_sequences, use_exactspec_kernels)
 
@@ -196,6 +196,7 @@ class TransformersBackend:
         return backend
 
     supports_batches = True
+    prefill_chunk_size = PREFILL_CHUNK_SIZE
     max_sequences = 256
     """A bound on sequences held at once (each one's cache grows as it is used)."""
 
@@ -220,6 +221,9 @@ class TransformersBackend:
 
     def prefill_sequence(self, sequence_id: int, token_ids: Sequence[int]) -> None:
         self._sequences[sequence_id] = self._filled_cache(token_ids)
+
+    def extend_sequence(self, sequence_id: int, token_ids: Sequence[int]) -> None:
+        self._extend(self._sequence(sequence_id), token_ids)
 
     def forward_sequences(self, rows: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
         if not rows or any(len(token_ids) == 0 for _, token_ids in rows):
@@ -261,13 +265,23 @@ class TransformersBackend:
             raise ValueError(f"sequence {sequence_id!r} is not held (prefill_sequence first)") from None
 
     def _filled_cache(self, token_ids: Sequence[int]):
-        """A new cache holding ``token_ids``: the prompt is scored with the fast kernels (its
-        cache entries are shared by plain and speculative decoding alike)."""
+        """A new cache holding ``token_ids`` (see :meth:`_extend`)."""
         cache = self._new_cache()
-        if len(token_ids) > 0:
-            with kernel_mode("fast"):
-                self._run(token_ids, num_logits=1, cache=cache)
+        self._extend(cache, token_ids)
         return cache
+
+    def _extend(self, cache, token_ids: Sequence[int]) -> None:
+        """Append ``token_ids`` to ``cache``, ``prefill_chunk_size`` tokens per forward, with
+        the fast kernels: a prompt's cache entries are shared by plain and speculative
+        decoding alike, so they need not match one-token scoring."""
+        limit = self.max_context_length
+        if limit is not None and cache.get_seq_length() + len(token_ids) > limit:
+            raise ValueError(f"{cache.get_seq_length() + len(token_ids)} tokens exceed the "
+                             f"model's context of {limit} tokens")
+        with kernel_mode("fast"):
+            for start in range(0, len(token_ids), self.prefill_chunk_size):
+                self._run(token_ids[start:start + self.prefill_chunk_size], num_logits=1,
+                          cache=cache)
 
     def forward(self, token_ids: Sequence[int], num_logits: int | None = None) -> torch.Tensor:
         if len(token_ids) == 0:
