@@ -92,6 +92,7 @@ def test_stop_string_via_cli(model_folder, capsys):
     (["--trace", "out.txt"], "--trace out.txt is invalid: give a file name ending in .html"),
     (["--trace", "/no-such-folder/x.html"], "the folder '/no-such-folder' does not exist"),
     (["--show", "--json"], "--show and --json print the output two ways: choose one"),
+    (["--seed", "-1"], "argument --seed: '-1' is invalid: give an integer in [0, 2**63)"),
 ])
 def test_bad_arguments_exit_2_naming_the_value(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -121,8 +122,12 @@ def test_max_model_len_ends_generation_at_the_limit_and_is_checked(model_folder,
     code, out, err = run(capsys, prompt, "--model", model_folder, "--max-new-tokens", 50,
                          "--ignore-eos", "--json")
     assert json.loads(out)["token_ids"][:len(result["token_ids"])] == result["token_ids"]
+    code, out, err = run(capsys, prompt, "--model", model_folder, "--max-model-len", 40,
+                         "--max-new-tokens", 50, "--ignore-eos", "--no-speculation")
+    assert "finish: length (the context's 40 tokens are full)" in err
+    assert err.count("plain decoding") == 1  # the summary says it once
     code, _, err = run(capsys, "hi", "--model", model_folder, "--max-model-len", 513)
-    assert code == 1 and "max_model_len = 513 is invalid: the model's context holds 512" in err
+    assert code == 1 and "--max-model-len 513 is invalid: the model's context holds 512" in err
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["generate", "hi", "--max-model-len", "0"])
     assert exit_info.value.code == 2 and "'0' is invalid" in capsys.readouterr().err

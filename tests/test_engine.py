@@ -130,10 +130,13 @@ def test_context_limit_clamps_k_and_ends_with_length(make_backend):
     for proposer in (PromptLookupProposer(), DraftModelProposer(make_backend(same_as=target), target)):
         result = SpeculativeGenerator(target, proposer, 8).generate(prompt, params)
         assert result.token_ids == expected.token_ids and result.finish_reason == "length"
-    full = SpeculativeGenerator(target, PromptLookupProposer(), 8).generate(REPEATED[:32], params)
-    assert full.token_ids == [] and full.finish_reason == "length"
-    with pytest.raises(ValueError, match="33 tokens; the model's context holds 32"):
-        SpeculativeGenerator(target, PromptLookupProposer(), 8).generate(REPEATED[:33], params)
+    last = SpeculativeGenerator(target, PromptLookupProposer(), 8).generate(REPEATED[:31], params)
+    assert len(last.token_ids) == 1 and last.finish_reason == "length"
+    for length in (32, 33):  # no room left for a generated token
+        with pytest.raises(ValueError, match=f"{length} tokens; the context holds 32 .* at "
+                                             "most 31 to leave room"):
+            SpeculativeGenerator(target, PromptLookupProposer(), 8).generate(REPEATED[:length],
+                                                                             params)
 
 
 def test_no_eos_configured_runs_to_length(make_backend):

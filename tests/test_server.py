@@ -18,7 +18,7 @@ import uvicorn
 
 from conftest import tiny_backend
 from exactspec.cli import main
-from exactspec import PromptLookupProposer, SamplingParams, SpeculativeGenerator
+from exactspec import GenerationResult, PromptLookupProposer, SamplingParams, SpeculativeGenerator
 from exactspec.proposers.base import Proposer
 from exactspec.server import SpeculationSettings, create_app
 from exactspec.server.app import KEEPALIVE_SECONDS
@@ -368,6 +368,33 @@ def test_prompt_longer_than_the_context_is_400(client):
     with pytest.raises(openai.BadRequestError, match="context holds 256"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user",
                                                                "content": "ab" * 200}])
+
+
+def test_max_tokens_beyond_the_context_is_400_naming_what_fits(client):
+    prompt_tokens = len(PROMPT)  # one token per character
+    with pytest.raises(openai.BadRequestError, match=f"max_tokens = 300 is too large: the "
+                       f"context holds 256 tokens .* at most {256 - prompt_tokens}") as raised:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=300)
+    assert raised.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError, match="max_completion_tokens = 300 is too large"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "ab"}],
+                                       max_completion_tokens=300)
+    fits = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0,
+                                     max_tokens=256 - prompt_tokens)
+    assert fits.usage.total_tokens == 256 and fits.choices[0].finish_reason == "length"
+
+
+def test_stop_reason_is_vllms_the_stop_string_or_stop_token_id_never_eos():
+    from exactspec.metrics import GenerationStats
+    from exactspec.server.app import stop_reason
+
+    def result(reason):
+        return GenerationResult("", [1, 2], "stop", reason, [0], GenerationStats())
+
+    assert stop_reason(result(2), SamplingParams()) is None  # EOS
+    assert stop_reason(result(2), SamplingParams(stop_token_ids=(2,))) == 2
+    assert stop_reason(result("bc"), SamplingParams(stop=("bc",))) == "bc"
+    assert stop_reason(result(None), SamplingParams()) is None
 
 
 def test_api_key_is_required(server):

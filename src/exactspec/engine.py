@@ -335,7 +335,7 @@ class SpeculativeGenerator:
             :class:`GenerationResult`.
         Raises:
             ValueError: for an empty prompt, token ids outside the vocabulary, a prompt
-                longer than the model's context, ``chat`` with token ids, or sampling
+                that fills the context (no room for a token), ``chat`` with token ids, or sampling
                 parameters naming token ids outside the vocabulary.
         """
         return self.generate_samples(prompt, params, n=1, chat=chat, trace=trace)[0]
@@ -460,7 +460,8 @@ class SpeculativeGenerator:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         limit = self.target.max_context_length
-        if limit is not None and len(token_ids) > limit:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens; the model's context "
-                             f"holds {limit}")
+        if limit is not None and len(token_ids) >= limit:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; the context holds {limit} "
+                             "(the model's, or max_model_len where set), so a prompt may have "
+                             f"at most {limit - 1} to leave room for a generated token")
         return token_ids

@@ -152,7 +152,8 @@ class GenerationStats:
 
     def summary(self) -> str:
         """One line for people: tokens, tokens/s, acceptance rate, mean acceptance length."""
-        parts = [f"{self.num_generated_tokens} tokens in {self.total_seconds:.2f} s",
+        tokens = self.num_generated_tokens
+        parts = [f"{tokens} token{'' if tokens == 1 else 's'} in {self.total_seconds:.2f} s",
                  f"{self.tokens_per_second or 0:.1f} tokens/s"]
         if self.num_speculative_tokens == 0:
             parts.append("plain decoding")
@@ -161,5 +162,5 @@ class GenerationStats:
             parts.append("acceptance rate " + ("n/a" if rate is None else f"{rate:.1%}"))
             parts.append(f"mean acceptance length {self.mean_acceptance_length or 0:.2f}"
                          f" (k≤{self.num_speculative_tokens}, {self.policy})")
-        parts.append(f"TTFT {self.ttft_seconds * 1000:.0f} ms")
+        parts.append(f"TTFT {self.ttft_seconds * 1000:.0f} ms" if tokens else "TTFT n/a")
         return " · ".join(parts)

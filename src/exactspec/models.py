@@ -154,6 +154,18 @@ def layer_count(path: Path) -> int | None:
     its ``config.json`` or GGUF metadata, without loading weights; None if not stated.
     A GGUF file's header is read in full (it holds the vocabulary, so this takes a moment).
     """
+    return _config_value(path, ("num_hidden_layers", "n_layer", "num_layers"), "block_count")
+
+
+def context_length(path: Path) -> int | None:
+    """Positions the model at ``path`` supports (tokens), read as :func:`layer_count`
+    reads the layers; None if not stated."""
+    return _config_value(path, ("max_position_embeddings", "n_positions"), "context_length")
+
+
+def _config_value(path: Path, config_keys: tuple[str, ...], gguf_key: str) -> int | None:
+    """The first of ``config_keys`` in a folder's ``config.json`` (or its text config), or
+    a GGUF file's ``<architecture>.<gguf_key>``."""
     if path.is_dir():
         import json
 
@@ -162,11 +174,11 @@ def layer_count(path: Path) -> int | None:
         except (OSError, ValueError):
             return None
         for section in (config, config.get("text_config") or {}):
-            for key in ("num_hidden_layers", "n_layer", "num_layers"):
+            for key in config_keys:
                 if isinstance(section.get(key), int):
                     return section[key]
         return None
-    return gguf_architecture_value(path, "block_count")
+    return gguf_architecture_value(path, gguf_key)
 
 
 def gguf_architecture_value(path: Path, key: str) -> int | None:

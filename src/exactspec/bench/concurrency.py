@@ -177,8 +177,9 @@ def concurrency_markdown(results: ConcurrencyResults, table: dict) -> str:
         lines += [f"**Incomplete: {results.incomplete}.**", ""]
     lines += ["## Configuration", ""]
     lines += [f"- {key}: {value}" for key, value in config.items()]
-    lines += [f"- machine: {results.machine['cpu']}, {results.machine['cpu_count']} threads, "
-              f"torch {results.machine['torch']}", "",
+    machine = results.machine
+    lines += [f"- machine: {machine['cpu']}, {machine['cpu_count']} cores, "
+              f"{machine['torch_threads']} torch threads, torch {machine['torch']}", "",
               "Each wave submits c questions at once; total tokens/s = the wave's tokens / its "
               "wall time. Latency: seconds from the wave's start to a request's last token.", ""]
     concurrencies = sorted({c for by_c in table.values() for c in by_c})

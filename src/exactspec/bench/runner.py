@@ -9,6 +9,7 @@ Ctrl-C keeps what was measured: every method's runs on the questions finished so
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -66,7 +67,8 @@ def machine_info() -> dict:
     except (OSError, StopIteration):
         pass
     return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
-            "cpu_count": torch.get_num_threads(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "transformers": transformers.__version__, "exactspec": __version__,
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,

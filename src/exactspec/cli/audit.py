@@ -8,7 +8,7 @@ import time
 
 from exactspec.cli.common import (DEFAULT_K, add_model_options, add_policy_option,
                                   allows_batch_variance, check_drafter_before_loading,
-                                  load_from_args, positive_int)
+                                  load_from_args, positive_int, seed)
 from exactspec.proposers.spec import FORMS
 
 PEER = {"transformers": "hf", "llama_cpp": "llama"}
@@ -63,7 +63,7 @@ def add_parser(commands) -> None:
     sampling.add_argument("--top-k", type=int, default=0, help="default 0 (off)")
     sampling.add_argument("--top-p", type=float, default=0.9, help="default 0.9")
     sampling.add_argument("--min-p", type=float, default=0.0, help="default 0 (off)")
-    sampling.add_argument("--seed", type=int, default=0, help="default 0")
+    sampling.add_argument("--seed", type=seed, default=0, help="default 0")
     test = audit.add_argument_group("test size")
     test.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                       help="a prompt to test (repeatable); default: 5 built-in prompts on which "

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from exactspec.cli.common import (EXIT_STATUSES, EXIT_UNSTABLE, add_model_options,
                                   allows_batch_variance, check_models_before_loading,
-                                  load_from_args)
+                                  load_from_args, seed)
 
 DEFAULT_BENCH_METHODS = {
     "transformers": ("plain", "prompt-lookup:k=4", "prompt-lookup:k=6:policy=auto", "hf-plain",
@@ -67,7 +67,7 @@ def add_parser(commands) -> None:
                        help="0 = greedy (the default; identity with plain decoding is checked)")
     bench.add_argument("--repetitions", type=int, default=None,
                        help=f"default {FULL['repetitions']} ({QUICK['repetitions']} with --quick)")
-    bench.add_argument("--seed", type=int, default=0, help="default 0")
+    bench.add_argument("--seed", type=seed, default=0, help="default 0")
     bench.add_argument("--output", default="bench-results", metavar="DIR",
                        help="where results.json, report.md and the plots go (default bench-results)")
     bench.add_argument("--no-chat", action="store_true", help="do not apply the chat template")

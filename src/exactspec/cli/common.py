@@ -87,15 +87,25 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max-model-len", type=positive_int, default=None, metavar="TOKENS",
                        help="most tokens (prompt + generated) per request (default: the "
                             "model's context; on llama_cpp at most 8192). On llama_cpp this is "
-                            "the KV cache allocated per sequence, so serve's memory grows with "
-                            "it times --max-batch-size: lower it to serve more requests at once "
-                            "in less memory")
+                            "also the KV cache allocated per sequence (with batched decoding, "
+                            "per batch row): a lower one takes less memory")
 
 
 def _default_threads() -> int:
     from exactspec.backends.llama_cpp_backend import default_threads
 
     return default_threads()
+
+
+def seed(text: str) -> int:
+    """A random seed: an integer in [0, 2**63)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: give an integer in [0, 2**63)")
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -119,7 +129,7 @@ def check_models_before_loading(args: argparse.Namespace, drafts: dict[str, str]
     Raises:
         ModelNotFoundError, ValueError: naming the flag and the bad value.
     """
-    from exactspec.models import check_model_path, choose_backend
+    from exactspec.models import check_model_path, choose_backend, context_length
 
     for flag, name in {"--model": args.model, **drafts}.items():
         try:
@@ -129,6 +139,10 @@ def check_models_before_loading(args: argparse.Namespace, drafts: dict[str, str]
         if flag == "--model":
             backend = choose_backend(path, args.backend, device=args.device, dtype=args.dtype,
                                      kernels=args.kernels)
+            limit = context_length(path) if args.max_model_len else None
+            if limit is not None and args.max_model_len > limit:
+                raise ValueError(f"--max-model-len {args.max_model_len} is invalid: the model's "
+                                 f"context holds {limit} tokens")
     return backend
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_model_options,
                                   add_policy_option, allows_batch_variance,
                                   check_drafter_before_loading, drafter_spec, has_chat_template,
-                                  load_from_args, logit_bias, ngram_range, positive_int)
+                                  load_from_args, logit_bias, ngram_range, positive_int, seed)
 from exactspec.proposers.spec import DEFAULT_NGRAM, FORMS, DrafterSpec, parse_drafter
 
 CHECKED_AFTER_LOAD = "an id outside the model's vocabulary is reported once the model has loaded"
@@ -61,7 +61,7 @@ def add_parser(commands) -> None:
     sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off, the default)")
     sampling.add_argument("--min-p", type=float, default=0.0,
                           help="drop tokens below MIN_P × the top probability (0 = off, the default)")
-    sampling.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh random one)")
+    sampling.add_argument("--seed", type=seed, default=None, help="random seed (default: a fresh random one)")
     sampling.add_argument("--max-new-tokens", type=int, default=128,
                           help="most tokens to generate (default 128)")
     sampling.add_argument("--min-new-tokens", type=int, default=0,
@@ -203,8 +203,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 show(stdout, result.trace, target.tokenizer.decode)
             else:
                 print(result.text, flush=True)
-        console.print(f"{result.stats.summary()} · finish: {result.finish_reason} · {method} · {target.description}",
-                      highlight=False, soft_wrap=True)
+        finish = result.finish_reason
+        if finish == "length" and (len(result.prompt_token_ids) + len(result.token_ids)
+                                   == target.max_context_length):
+            finish += f" (the context's {target.max_context_length} tokens are full)"
+        parts = [result.stats.summary(), f"finish: {finish}",
+                 *([method] if result.stats.num_speculative_tokens else []), target.description]
+        console.print(" · ".join(parts), highlight=False, soft_wrap=True)
     if args.trace is not None:
         from exactspec.trace.page import write_trace
 

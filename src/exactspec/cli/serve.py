@@ -22,7 +22,9 @@ def add_parser(commands) -> None:
         description="Load the model once and serve it over OpenAI's API with exact speculative "
                     "decoding: POST /v1/completions, POST /v1/chat/completions (streaming with "
                     "\"stream\": true), GET /v1/models, GET /health, GET /metrics (Prometheus). "
-                    "Requests run one at a time, first come first served; a request may set "
+                    "Requests are batched: up to --max-batch-size of them decode together "
+                    "(continuous batching: a request joins between any two cycles, first come "
+                    "first served), each exactly what it would be alone; a request may set "
                     "\"speculation\": {\"enabled\", \"num_speculative_tokens\", \"policy\"} and "
                     "every response carries its speculative figures under \"speculation\".",
         epilog=EXIT_STATUSES)
@@ -95,8 +97,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     speculation = (f"drafter {drafter.description}, k ≤ {args.num_speculative_tokens}, "
                    f"{args.policy} policy" if proposer is not None and args.num_speculative_tokens
                    else "plain decoding")
+    batch = 1 if proposer is not None and not proposer.batchable else args.max_batch_size
     console.print(f"starting {args.served_model_name or args.model} ({target.description}; "
-                  f"{speculation}) on http://{args.host}:{args.port}/v1", highlight=False)
+                  f"{speculation}; up to {batch} request{'s' if batch > 1 else ''} at once, "
+                  f"{target.max_context_length} tokens each) on "
+                  f"http://{args.host}:{args.port}/v1", highlight=False)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     except SystemExit as exit_:  # uvicorn exits this way when it cannot bind

@@ -31,6 +31,7 @@ from exactspec.engine import GenerationResult
 from exactspec.logits_pipeline import outside_vocabulary
 from exactspec.proposers.base import Proposer
 from exactspec.proposers.suffix import SuffixProposer
+from exactspec.sampling import SamplingParams
 from exactspec.server.metrics import ServerMetrics
 from exactspec.server.protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest,
                                        CompletionRequest,
@@ -144,12 +145,13 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
         if body.stream and body.logprobs is not None:
             raise ServerError(400, "logprobs with stream is not supported yet: ask for them "
                                    "without streaming", "logprobs")
+        check_room(prompts, body.max_tokens, "max_tokens")
         params = body.sampling_params(body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
                                       body.logprobs)
 
         def choice(index: int, result: GenerationResult, text: str) -> dict:
             return {"index": index, "text": text, "finish_reason": result.finish_reason,
-                    "stop_reason": result.stop_reason,
+                    "stop_reason": stop_reason(result, params),
                     "logprobs": None if result.logprobs is None else completion_logprobs(
                         result.logprobs, target.tokenizer.decode)}
 
@@ -170,6 +172,8 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
                                    "without streaming", "logprobs")
         if body.top_logprobs is not None and not body.logprobs:
             raise ServerError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        check_room([prompt], body.max_completion_tokens or body.max_tokens,
+                   "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
         room = (target.max_context_length - len(prompt) if target.max_context_length
                 else None)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(room or 2048, 1)
@@ -178,7 +182,8 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
 
         def choice(index: int, result: GenerationResult, text: str) -> dict:
             return {"index": index, "message": {"role": "assistant", "content": text},
-                    "finish_reason": result.finish_reason, "stop_reason": result.stop_reason,
+                    "finish_reason": result.finish_reason,
+                    "stop_reason": stop_reason(result, params),
                     "logprobs": None if result.logprobs is None else chat_logprobs(
                         result.logprobs, target.tokenizer.decode)}
 
@@ -194,9 +199,19 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
         limit = target.max_context_length
         if not prompt:
             raise ServerError(400, f"{field} is empty: give at least one token", field)
-        if limit is not None and len(prompt) > limit:
-            raise ServerError(400, f"{field} has {len(prompt)} tokens; the model's context "
-                                   f"holds {limit}", field)
+        if limit is not None and len(prompt) >= limit:
+            raise ServerError(400, f"{field} has {len(prompt)} tokens; the context holds "
+                                   f"{limit} (max_model_len), so at most {limit - 1} leave "
+                                   "room for a generated token", field)
+
+    def check_room(prompts: list[list[int]], max_tokens: int | None, field: str) -> None:
+        """As vLLM: prompt + the asked ``max_tokens`` must fit the context."""
+        limit = target.max_context_length
+        longest = max(len(prompt) for prompt in prompts)
+        if limit is not None and max_tokens is not None and longest + max_tokens > limit:
+            raise ServerError(400, f"{field} = {max_tokens} is too large: the context holds "
+                                   f"{limit} tokens (max_model_len) and the prompt has {longest}, "
+                                   f"so at most {limit - longest} can be generated", field)
 
     def tokenise(prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -304,6 +319,14 @@ async def events(job: Job, request: Request | None = None,
         job.cancelled.set()  # a no-op once the job ended
 
 
+def stop_reason(result: GenerationResult, params: SamplingParams) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop string or the ``stop_token_ids`` entry that ended the
+    choice, None otherwise (EOS, length)."""
+    if isinstance(result.stop_reason, int) and result.stop_reason not in params.stop_token_ids:
+        return None
+    return result.stop_reason
+
+
 def final_text(result: GenerationResult, decode: Callable[[list[int]], str]) -> str:
     """The choice's text as OpenAI returns it: without the stop string that ended it (and
     anything its last token spelled after it)."""
@@ -367,7 +390,7 @@ async def stream(job: Job, header: dict, body: SamplingRequest, prompts: list[li
         else:
             data = {"index": index, "text": text, "logprobs": None}
         data |= {"finish_reason": finish and finish.finish_reason,
-                 "stop_reason": finish and finish.stop_reason}
+                 "stop_reason": finish and stop_reason(finish, job.params)}
         last = finish is not None and len(results) == len(choices) and not body.include_usage
         return sse(header | {"choices": [data]} | ({"speculation": figures()} if last else {}))
 
