@@ -262,7 +262,8 @@ class BatchedGenerator:
 
     def step(self) -> dict[int, RequestOutput]:
         """One cycle for every active row (after admitting waiting requests while there is
-        room): choose k, draft, one packed target forward, verify, commit, roll back.
+        room, and prefilling a chunk of joining prompts, see :meth:`_prefill`): choose k,
+        draft, one packed target forward, verify, commit, roll back.
 
         Returns:
             the outputs of the requests that finished in this cycle, by request id: their
