@@ -19,10 +19,10 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-
 PREFILL_CHUNK_SIZE = 512
 """Tokens a backend's prefill scores per forward pass (llama.cpp: its ``n_batch``), and so
 the chunk batched decoding prefills a joining prompt in between decoding cycles."""
+
 
 def chat_messages(prompt: str | Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
     """:meth:`Tokenizer.apply_chat_template`'s argument as a list of messages."""
