@@ -378,15 +378,16 @@ class BatchedGenerator:
         for row in self._active:
             if row.sample is not None or row.request_id in finished:
                 continue
-            prompt = row.prompt_token_ids[:-1]
+            end = len(row.prompt_token_ids) - 1  # the cache holds all but the last token
             try:
-                while row.num_prefilled < len(prompt):
-                    size = min(chunk, len(prompt) - row.num_prefilled)
+                while row.num_prefilled < end:
+                    size = min(chunk, end - row.num_prefilled)
                     if size > budget:
                         return
                     t0 = time.perf_counter()
                     self.target.extend_sequence(
-                        row.request_id, prompt[row.num_prefilled:row.num_prefilled + size])
+                        row.request_id,
+                        row.prompt_token_ids[row.num_prefilled:row.num_prefilled + size])
                     row.prefill_seconds += time.perf_counter() - t0
                     row.num_prefilled += size
                     budget -= size

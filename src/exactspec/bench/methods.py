@@ -82,12 +82,26 @@ class Method:
         """:data:`Wave`: ``run_wave``, or each prompt's ``run`` one after another."""
         if self.run_wave is not None:
             return self.run_wave(prompts, params)
-        return WaveOutcome(*one_after_another(
-            lambda ids: self.run(list(ids), params).token_ids, prompts))
+        return one_run_after_another(self.run, prompts, params)
 
     @property
     def is_peer(self) -> bool:
         return is_peer(self.name)
+
+
+def one_run_after_another(run: Callable[..., Outcome], prompts: list[list[int]],
+                          params: SamplingParams) -> WaveOutcome:
+    """A wave served by ``run`` one request at a time; the prefill seconds are the runs'
+    own when every run reports them (exactspec's stats), else None."""
+    outcomes: list[Outcome] = []
+
+    def decode(ids):
+        outcomes.append(run(list(ids), params))
+        return outcomes[-1].token_ids
+    outputs, latencies = one_after_another(decode, prompts)
+    reported = all(o.stats is not None for o in outcomes)
+    return WaveOutcome(outputs, latencies, sum(o.stats["prefill_seconds"] for o in outcomes)
+                       if reported else None)
 
 
 def parse_method_spec(spec: str) -> DrafterSpec:
@@ -157,13 +171,7 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
 
     def run_wave(prompts: list[list[int]], params: SamplingParams) -> WaveOutcome:
         if proposer is not None and not proposer.batchable:  # one draft cache: one by one
-            prefill = []
-
-            def decode(ids):
-                outcome = run(list(ids), params)
-                prefill.append(outcome.stats["prefill_seconds"])
-                return outcome.token_ids
-            return WaveOutcome(*one_after_another(decode, prompts), sum(prefill))
+            return one_run_after_another(run, prompts, params)
         if len(prompts) not in batched:
             batched[len(prompts)] = BatchedGenerator(generator, len(prompts))
         if corpus is not None:  # only the wave's other questions, finished before
