@@ -19,7 +19,7 @@ import torch
 from conftest import perturbed_backend, tiny_backend
 from exactspec import DraftModelProposer, PromptLookupProposer, SamplingParams, SpeculativeGenerator
 from exactspec.logits_pipeline import LogitsPipeline
-from exactspec.sampling import make_rng, sample_from_probs
+from exactspec.sampling import make_rng
 from exactspec.trace.page import write_trace
 from exactspec.trace.record import CycleTrace, DraftVerdict, token_kinds
 from exactspec.trace.terminal import marked_text

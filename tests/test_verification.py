@@ -47,7 +47,7 @@ def reference_rejection_sample(draft_ids, draft_probs, target_probs, rng,
         num_accepted = len(out)
         if final is None:
             final = target_probs[b, k].double().tolist()
-        total, target, cumulative = sum(final), u_final[b] * sum(final), 0.0
+        target, cumulative = u_final[b] * sum(final), 0.0
         token = max(j for j in range(vocab) if final[j] > 0)
         for j, w in enumerate(final):
             cumulative += w
