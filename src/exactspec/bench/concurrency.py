@@ -22,15 +22,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import Progress
-
 from exactspec.backends.base import Backend
 from exactspec.bench.methods import Method
 from exactspec.bench.questions import Question
 from exactspec.bench.runner import machine_info
 from exactspec.engine import SpeculativeGenerator
 from exactspec.files import readable_json, replaced_atomically, write_text_atomically
+from exactspec.progress import LoggedProgress
 from exactspec.sampling import SamplingParams
 
 
@@ -96,7 +94,7 @@ def run_concurrency_bench(target: Backend, questions: list[Question], methods: l
                                  machine_info())
     plan = [(r, c, start) for r in range(repetitions) for c in concurrencies
             for start in range(0, usable, c)]
-    with Progress(console=Console(stderr=True), disable=not show_progress) as progress:
+    with LoggedProgress(disable=not show_progress) as progress:
         task = progress.add_task("benchmark", total=len(plan) * len(methods))
         try:
             for repetition, c, start in plan:

@@ -16,12 +16,11 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from rich.console import Console
-from rich.progress import Progress
 
 from exactspec.backends.base import Backend
 from exactspec.bench.methods import Method
 from exactspec.bench.questions import Question
+from exactspec.progress import LoggedProgress
 from exactspec.sampling import SamplingParams
 
 
@@ -132,8 +131,7 @@ def run_bench(target: Backend, questions: list[Question], methods: list[Method],
 
     total = len(questions) * repetitions * len(methods)
     blocks = 0
-    with Progress(console=Console(stderr=True), disable=not show_progress,
-                  transient=False) as progress:  # stdout is for the report
+    with LoggedProgress(disable=not show_progress, transient=False) as progress:
         task = progress.add_task("benchmark", total=total)
         try:
             for question in questions:

@@ -99,7 +99,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pathlib import Path
 
     from rich.console import Console
-    from rich.progress import Progress
 
     from exactspec import SamplingParams, SpeculativeGenerator
     from exactspec.audit import (AUDIT_PROMPTS, AuditResult, BatchedEngine, BrokenGenerator,
@@ -110,6 +109,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
     from exactspec.models import ModelNotFoundError
     from exactspec.peers import check_peer_runs, make_peer
+    from exactspec.progress import LoggedProgress
     from exactspec.proposers.spec import build_proposer, parse_drafter
 
     for name in FULL:  # explicit flags win over --quick's sizes
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                   "max_batch_size": batch,
                   "prompts": prompts}
         start = time.perf_counter()
-        with Progress(console=console, transient=True) as progress:
+        with LoggedProgress(console=console, transient=True) as progress:
             greedy = []
             if args.greedy_tokens:
                 task = progress.add_task("greedy identity", total=None)
