@@ -15,7 +15,8 @@ from rich.progress import Progress, TaskID
 class LoggedProgress(Progress):
     """:class:`rich.progress.Progress` on stderr (stdout is for reports). Off a terminal, each
     tenth of a task prints e.g. ``exactspec prompt-lookup k=4 constant: 30% (3000 of 10000),
-    12 min elapsed, about 28 min left`` (at the mean rate so far). ``disable=True`` prints nothing at all.
+    12 min elapsed, about 28 min left`` (at the mean rate so far). ``disable=True`` prints
+    nothing at all.
     """
 
     def __init__(self, *columns, console: Console | None = None, steps: int = 10,
