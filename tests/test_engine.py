@@ -197,8 +197,8 @@ class LyingProposer(Proposer):
         return Proposal(proposal.token_ids, torch.full_like(proposal.probs,
                                                             1 / proposal.probs.shape[-1]))
 
-    def reset(self, reproducible=False):
-        self.inner.reset(reproducible)
+    def reset(self, reproducible=False, scope=None):
+        self.inner.reset(reproducible, scope)
 
 
 SAMPLES = 2000

@@ -134,8 +134,8 @@ def test_corpus_is_bounded_evicts_the_oldest_and_clears():
     corpus.add([7, 8, 9, 10, 11])  # 11 tokens > 10: the first output goes
     assert corpus.num_tokens == 5 and corpus.num_outputs == 1
     assert corpus.best([2, 3]) is None and corpus.best([8, 9])[0] == 10
-    assert all(count > 0 for followers in corpus._index.next.values()
-               for count, _ in followers.values())
+    assert all(count > 0 for index in corpus._indexes.values()
+               for followers in index.next.values() for count, _ in followers.values())
     corpus.add(list(range(100, 130)))  # longer than the bound: its last 10 tokens are kept
     assert corpus.num_tokens == 10 and corpus.best([125])[0] == 126 and corpus.best([105]) is None
     corpus.clear()
@@ -156,3 +156,18 @@ def test_corpus_drafts_earlier_outputs_except_in_reproducible_runs():
     proposer.reset(reproducible=True)
     assert suffix([7, 7, 2, 3], 3, proposer=proposer) == []
     assert suffix([7, 7, 2, 3], 3, proposer=SuffixProposer(1, 8, 0.0)) == []
+
+
+def test_corpus_scopes_draft_only_their_own_outputs_and_share_one_bound():
+    corpus = SuffixCorpus(max_tokens=10, min_match=1, max_match=3)
+    proposer = SuffixProposer(1, 8, 0.0, corpus=corpus)
+    proposer.reset(scope="alice")
+    proposer.end_sequence([9, 1, 2, 3, 4], num_prompt_tokens=1)  # alice's output: 1 2 3 4
+    for scope, drafted in (("alice", [3, 4]), ("bob", []), (None, [])):
+        proposer.reset(scope=scope)
+        assert suffix([7, 1, 2], 2, proposer=proposer) == drafted
+    assert corpus.best([1, 2], "alice")[0] == 3 and corpus.best([1, 2]) is None
+    assert corpus.num_scopes == 1
+    corpus.add([5, 6, 7, 8, 9, 10, 11], scope="bob")  # 11 tokens > 10: alice's go, oldest
+    assert corpus.num_scopes == 1 and corpus.num_tokens == 7
+    assert corpus.best([1, 2], "alice") is None and corpus.best([6, 7], "bob")[0] == 8

@@ -558,6 +558,12 @@ def test_disconnected_client_cancels_its_generation(gated):
         assert time.monotonic() < deadline, "the generation was not cancelled"
         time.sleep(0.05)
     assert metric(url, "exactspec:generation_tokens_total") == 0  # it never finished
+    # the server is idle again: the gauges say so before any other request comes
+    deadline = time.monotonic() + 5
+    while metric(url, "exactspec:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "num_requests_running stayed above 0"
+        time.sleep(0.05)
+    assert metric(url, "exactspec:num_requests_waiting") == 0
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3,
                                      temperature=0).usage.completion_tokens == 3
@@ -596,6 +602,103 @@ def test_suffix_corpus_learns_across_requests_and_is_reported():
         assert metric(url, "exactspec:suffix_corpus_tokens") == corpus.num_tokens == 80
         assert metric(url, "exactspec:suffix_corpus_max_tokens") == 1000
         assert metric(url, "exactspec:suffix_corpus_ngrams") == corpus.num_ngrams > 0
+
+
+SECRET_AT = range(12, 16)
+"""Where the victim's output holds its "PIN": four tokens the attacker does not know, after
+twelve it does (the text before a PIN is often predictable)."""
+
+
+def corpus_attack(url: str, victim: list[int], headers: dict, salt: str | None) -> list[int]:
+    """The attack of issue 28: for each secret position, each guess g forced with logit_bias
+    and one token drafted from the context the attacker knows (the victim's output up to
+    that position); ``speculation.accepted_tokens`` then says whether the drafter proposed
+    g, i.e. whether a corpus in the attacker's scope continues that context with g.
+    Returns the observation: accepted tokens per (position, guess)."""
+    observed = []
+    for position in SECRET_AT:
+        truth = victim[position]
+        for guess in sorted({truth, *range(10)}):  # ten "digits", the true one among them
+            body = {"model": MODEL, "prompt": victim[:position], "max_tokens": 2,
+                    "temperature": 0, "logit_bias": {str(guess): 100},
+                    "speculation": {"num_speculative_tokens": 1, "policy": "constant"}}
+            if salt is not None:
+                body["cache_salt"] = salt
+            response = httpx.post(url + "/v1/completions", json=body, headers=headers,
+                                  timeout=30)
+            assert response.status_code == 200, response.text
+            observed.append(response.json()["speculation"]["accepted_tokens"])
+    return observed
+
+
+def recovered(observed: list[int], victim: list[int]) -> list[int | None]:
+    """The guesses ``corpus_attack`` found drafted, per secret position (None: no guess
+    accepted, or several)."""
+    out, i = [], 0
+    for position in SECRET_AT:
+        guesses = sorted({victim[position], *range(10)})
+        hits = [g for g, accepted in zip(guesses, observed[i:i + len(guesses)]) if accepted]
+        out.append(hits[0] if len(hits) == 1 else None)
+        i += len(guesses)
+    return out
+
+
+@pytest.mark.parametrize("separated_by", ["cache_salt", "api_key"])
+def test_suffix_corpus_does_not_leak_one_scope_to_another(separated_by):
+    """Issue 28's PIN attack. The victim's sampled output enters the corpus. An attacker
+    observes the same before the victim's request as after it, from another scope (another
+    cache_salt, or another of several API keys): the corpus told it nothing. The same
+    attack in the victim's own scope recovers every secret token: the corpus does draft
+    within a scope (and the attack is a real one)."""
+    from exactspec import SuffixCorpus, SuffixProposer
+
+    params = SamplingParams(temperature=1, seed=3, max_new_tokens=24, ignore_eos=True)
+    expected = SpeculativeGenerator(make_target(), SuffixProposer(), 4, "constant").generate(
+        "pin", params).token_ids  # a seeded request drafts from its own text only
+    scopes = ["victim", "before", "after"]
+    by_salt = separated_by == "cache_salt"
+    app = create_app(make_target(), SuffixProposer(corpus=SuffixCorpus(10_000)),
+                     model_name=MODEL, speculation=SpeculationSettings(4, "constant"),
+                     api_key=None if by_salt else [f"key-{scope}" for scope in scopes])
+
+    def attack(url: str, scope: str) -> list[int]:
+        if by_salt:
+            return corpus_attack(url, expected, {}, scope)
+        return corpus_attack(url, expected, {"Authorization": f"Bearer key-{scope}"}, None)
+
+    with serving(app) as url:
+        before = attack(url, "before")
+        body = {"model": MODEL, "prompt": "pin", "max_tokens": 24, "temperature": 1,
+                "seed": 3, "ignore_eos": True}
+        headers = {}
+        if by_salt:
+            body["cache_salt"] = "victim"
+        else:
+            headers["Authorization"] = "Bearer key-victim"
+        response = httpx.post(url + "/v1/completions", json=body, headers=headers)
+        assert response.status_code == 200, response.text
+        assert make_target().tokenizer.encode(
+            response.json()["choices"][0]["text"]) == expected
+        after = attack(url, "after")
+        own_scope = attack(url, "victim")
+    secret = [expected[p] for p in SECRET_AT]
+    assert after == before
+    assert recovered(before, expected) != secret
+    assert recovered(own_scope, expected) == secret  # the corpus drafts within a scope
+
+
+def test_metrics_count_requests_not_choices(server, client):
+    """One request of n = 2 choices: one success, one TTFT, one latency, one time per
+    output token; the token counters add both choices."""
+    names = ["exactspec:time_to_first_token_seconds_count",
+             "exactspec:e2e_request_latency_seconds_count",
+             "exactspec:time_per_output_token_seconds_count",
+             "exactspec:generation_tokens_total"]
+    success = ("exactspec:request_success_total", '{finished_reason="length"}')
+    before = [metric(server, name) for name in names] + [metric(server, *success)]
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=7, n=2, temperature=0)
+    after = [metric(server, name) for name in names] + [metric(server, *success)]
+    assert [b - a for a, b in zip(before, after)] == [1, 1, 1, 14, 1]
 
 
 # --- the command ------------------------------------------------------------------------

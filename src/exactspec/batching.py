@@ -25,7 +25,7 @@ import functools
 import itertools
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +64,7 @@ class _Row:
     num_samples: int
     on_commit: OnCommit | None = field(default=None, repr=False)
     start: float = 0.0
+    scope: Hashable = None  # whose earlier outputs a learning drafter may use (Proposer.reset)
     prefill_seconds: float = 0.0
     results: list[GenerationResult] = field(default_factory=list)
     num_prefilled: int = 0  # prompt tokens in the row's cache so far (chunked prefill)
@@ -200,7 +201,7 @@ class BatchedGenerator:
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                n: int = 1, chat: bool = False, on_commit: OnCommit | None = None,
                rng: torch.Generator | None = None,
-               generator: SpeculativeGenerator | None = None) -> int:
+               generator: SpeculativeGenerator | None = None, scope: Hashable = None) -> int:
         """Queue one request; it joins the batch at the next :meth:`step` with room.
 
         Args:
@@ -215,6 +216,8 @@ class BatchedGenerator:
                 audit samples the serving path this way.
             generator: the drafter, k and policy of this request (default: the batch's);
                 its target must be the batch's.
+            scope: as :meth:`SpeculativeGenerator.generate_samples` (whose earlier outputs
+                a learning drafter may use and feed).
         Returns:
             the request's id, the key of its output in what :meth:`step` returns.
         Raises:
@@ -245,7 +248,7 @@ class BatchedGenerator:
             pipeline=pipeline, rng=make_rng(params.seed, target.device) if rng is None else rng,
             proposer=proposer, policy=policy,
             timed=timed, batch_chosen=policy.follows_batch and timed, num_samples=n,
-            on_commit=on_commit, start=start)
+            on_commit=on_commit, start=start, scope=scope)
         self._waiting.append(row)
         return row.request_id
 
@@ -392,7 +395,7 @@ class BatchedGenerator:
                     row.num_prefilled += size
                     budget -= size
                 if row.proposer is not None:  # a shared one (batch size 1) is the row's now
-                    row.proposer.reset(reproducible=not row.timed)
+                    row.proposer.reset(reproducible=not row.timed, scope=row.scope)
                 row.start_sample()
             except Exception as error:
                 finished[row.request_id] = error

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal, NamedTuple
 
@@ -342,7 +342,8 @@ class SpeculativeGenerator:
 
     def generate_samples(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                          *, n: int = 1, chat: bool = False, trace: bool = False,
-                         on_commit: OnCommit | None = None) -> list[GenerationResult]:
+                         on_commit: OnCommit | None = None,
+                         scope: Hashable = None) -> list[GenerationResult]:
         """``n`` independent continuations of one prompt, each exact, sharing the prompt's
         prefill (the KV cache is rolled back to the prompt between samples). With a seed,
         the list is reproducible; greedy samples are all equal.
@@ -350,7 +351,10 @@ class SpeculativeGenerator:
         Args and errors as :meth:`generate`; ``n`` must be an integer ≥ 1. ``on_commit``
         (for streaming) is called after every cycle that emitted tokens with the sample's
         index (0-based) and those tokens, in order; an exception it raises (e.g. to cancel)
-        ends generation and propagates, and the generator stays usable.
+        ends generation and propagates, and the generator stays usable. ``scope``: whose
+        earlier generations a drafter that learns across requests may draft from and add
+        this one's output to (:meth:`Proposer.reset <exactspec.proposers.base.Proposer.reset>`;
+        None: the default scope).
         Returns:
             ``[n]`` :class:`GenerationResult`; the first one's stats include the prefill.
         """
@@ -369,7 +373,7 @@ class SpeculativeGenerator:
         timed = params.greedy or params.seed is None  # see SpeculationLengthPolicy.reset
         self.policy.reset(timed)
         if self.proposer is not None:
-            self.proposer.reset(reproducible=not timed)
+            self.proposer.reset(reproducible=not timed, scope=scope)
         prefill_seconds = time.perf_counter() - start
         results = []
         for index in range(n):

@@ -26,7 +26,13 @@ def add_parser(commands) -> None:
                     "(continuous batching: a request joins between any two cycles, first come "
                     "first served), each exactly what it would be alone; a request may set "
                     "\"speculation\": {\"enabled\", \"num_speculative_tokens\", \"policy\"} and "
-                    "every response carries its speculative figures under \"speculation\".",
+                    "every response carries its speculative figures under \"speculation\". "
+                    "With --proposer suffix:corpus=N a request also drafts from earlier "
+                    "requests' outputs, but only from those of its own scope: the same "
+                    "\"cache_salt\" (vLLM's request field) and, where several --api-key are "
+                    "given, the same key. Requests without a salt share one scope, and an "
+                    "accepted draft can tell a client what another one's output held: give "
+                    "each client its own secret salt (or key) when outputs must stay private.",
         epilog=EXIT_STATUSES)
     add_model_options(serve)
     spec = serve.add_argument_group("speculation (each request may override)")
@@ -52,9 +58,11 @@ def add_parser(commands) -> None:
     http.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     http.add_argument("--served-model-name", metavar="NAME", default=None,
                       help="the model's name in the API (default: --model as given)")
-    http.add_argument("--api-key", default=os.environ.get(API_KEY_VARIABLE),
-                      help="require 'Authorization: Bearer KEY' on /v1/* (default: "
-                           f"${API_KEY_VARIABLE} if set, else no key)")
+    http.add_argument("--api-key", action="append", metavar="KEY",
+                      help="require 'Authorization: Bearer KEY' on /v1/*; repeat it to accept "
+                           "several keys, one per client: a suffix corpus is then shared only "
+                           f"among requests with the same key (default: ${API_KEY_VARIABLE} "
+                           "if set, else no key)")
     http.add_argument("--max-queue", type=positive_int, default=64, metavar="N",
                       help="most requests waiting for the engine; more get 503 (default 64)")
     http.add_argument("--max-request-bytes", type=positive_int, default=1 << 20, metavar="B",
@@ -117,7 +125,8 @@ def _app(args: argparse.Namespace, target, proposer):
 
     k = args.num_speculative_tokens if proposer is not None else 0
     return create_app(target, proposer, model_name=args.served_model_name or args.model,
-                      speculation=SpeculationSettings(k, args.policy), api_key=args.api_key,
+                      speculation=SpeculationSettings(k, args.policy),
+                      api_key=args.api_key or os.environ.get(API_KEY_VARIABLE),
                       max_queue=args.max_queue, max_request_bytes=args.max_request_bytes,
                       max_batch_size=args.max_batch_size,
                       allow_batch_variance=allows_batch_variance(args))

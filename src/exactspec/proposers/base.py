@@ -18,7 +18,7 @@ Contract for ``propose(token_ids, k, pipeline, rng, min_confidence)``:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -72,15 +72,19 @@ class Proposer(Protocol):
         """Feedback after verification: how many of the last proposal were accepted
         (default: ignored)."""
 
-    def reset(self, reproducible: bool = False) -> None:
+    def reset(self, reproducible: bool = False, scope: Hashable = None) -> None:
         """A new generation starts: drop any state of the previous sequence (a draft
         model's KV cache). With ``reproducible`` (a seeded sampling run) the generation
         must draft the same whatever ran before, so nothing learnt from earlier
-        generations may be used (default: nothing to drop)."""
+        generations may be used. ``scope`` says whose generations this one may learn from
+        and teach: a drafter that learns across requests uses and feeds only what
+        generations of the same scope wrote (the server's scope: API key and
+        ``cache_salt``; None: the default scope). Default: nothing to drop."""
 
     def end_sequence(self, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         """A sample is complete: ``token_ids`` = prompt + output, the prompt being the first
-        ``num_prompt_tokens`` (for drafters that learn across requests; default: ignored)."""
+        ``num_prompt_tokens`` (for drafters that learn across requests, in the scope given
+        to :meth:`reset`; default: ignored)."""
 
 
 def check_ngram_sizes(low: int, high: int, names: tuple[str, str]) -> None:

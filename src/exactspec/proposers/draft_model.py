@@ -17,7 +17,7 @@ depend on what the cache held before.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -88,7 +88,7 @@ class DraftModelProposer(Proposer):
             pending = [token]
         return Proposal(drafted, torch.stack(probs) if probs else None)
 
-    def reset(self, reproducible: bool = False) -> None:
+    def reset(self, reproducible: bool = False, scope: Hashable = None) -> None:
         self.draft.prefill([])
         self._cached = []
 

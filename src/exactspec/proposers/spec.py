@@ -10,7 +10,8 @@ A spec is ``[PEER-]KIND[:ARG][:key=value...]``::
                                  the most frequent continuation of the longest earlier
                                  match, drafted while likely (default ngram=1-8); corpus=N
                                  also drafts from earlier outputs of this process, up to N
-                                 tokens of them (default: off)
+                                 tokens of them, of the same scope only (the server's: API
+                                 key and cache_salt; default: off)
     early-exit:L                 the target's first L ≥ 1 layers (self-draft; transformers)
     draft:MODEL                  a smaller model on the same tokenizer (embedded name, model
                                  folder or .gguf); ``assistant:MODEL`` is the same

@@ -14,10 +14,12 @@ current sequence only and is emptied by :meth:`SuffixProposer.reset`.
 
 Optionally a :class:`SuffixCorpus` adds what earlier generations wrote (SuffixDecoding's
 global tree): their outputs, indexed the same way, bounded in tokens (the oldest outputs
-are evicted first), shared by every proposer that holds it, clearable. For each drafted
-token the request's own index and the corpus each propose a continuation and the higher
-score wins. A seeded sampling run (``reset(reproducible=True)``) drafts from its own text
-only, so that it samples the same whatever ran before.
+are evicted first), shared by every proposer that holds it, clearable, and kept apart by
+scope: a generation drafts only from outputs of its own scope (``reset(scope=...)``), so
+requests of different scopes cannot read each other's output through the drafts. For each
+drafted token the request's own index and the corpus each propose a continuation and the
+higher score wins. A seeded sampling run (``reset(reproducible=True)``) drafts from its own
+text only, so that it samples the same whatever ran before.
 
 The drafted tokens are a deterministic function of the context, so q is a point mass
 (``Proposal.probs`` is None) and verification stays exact at any temperature. The score of
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -100,10 +102,17 @@ DEFAULT_CORPUS_TOKENS = 100_000
 
 class SuffixCorpus:
     """Earlier generations' outputs, indexed for :class:`SuffixProposer` (SuffixDecoding's
-    global suffix tree, as n-gram continuation counts). Thread-safe.
+    global suffix tree, as n-gram continuation counts), kept apart by *scope*. Thread-safe.
+
+    A generation drafts only from the outputs of its own scope and adds its output to that
+    scope alone, so that one client cannot learn another's output through what is drafted
+    (an accepted draft, a response's acceptance counts or its timing would tell). A scope is
+    any hashable value; None is the default scope. The server's scope of a request is its API
+    key and its ``cache_salt`` (vLLM's request field for cache isolation).
 
     Args:
-        max_tokens: most output tokens kept; adding more evicts the oldest outputs first.
+        max_tokens: most output tokens kept, all scopes together; adding more evicts the
+            oldest outputs first, whatever their scope.
         min_match, max_match: n-gram sizes indexed (as the proposer's).
     Raises:
         ValueError: naming the bad value.
@@ -115,39 +124,46 @@ class SuffixCorpus:
             raise ValueError(f"max_tokens = {max_tokens!r} is invalid: it must be an integer ≥ 1")
         check_ngram_sizes(min_match, max_match, ("min_match", "max_match"))
         self.max_tokens = max_tokens
-        self._index = _SuffixIndex(min_match, max_match)
-        self._outputs: deque[list[int]] = deque()
+        self.min_match, self.max_match = min_match, max_match
+        self._indexes: dict[Hashable, _SuffixIndex] = {}  # scope → its outputs' index
+        self._outputs: deque[tuple[Hashable, list[int]]] = deque()  # oldest first
         self._lock = threading.Lock()
         self._stamp = 0
         self.num_tokens = 0
 
-    def add(self, token_ids: Sequence[int]) -> None:
-        """Index one output (its last ``max_tokens`` tokens), evicting the oldest outputs
-        until at most ``max_tokens`` are kept."""
+    def add(self, token_ids: Sequence[int], scope: Hashable = None) -> None:
+        """Index one output (its last ``max_tokens`` tokens) in ``scope``, evicting the
+        oldest outputs until at most ``max_tokens`` are kept."""
         tokens = [int(t) for t in token_ids][-self.max_tokens:]
         if len(tokens) < 2:
             return
         with self._lock:
-            self._index.count(tokens, 1, self._stamp)
+            index = self._indexes.get(scope)
+            if index is None:
+                index = self._indexes[scope] = _SuffixIndex(self.min_match, self.max_match)
+            index.count(tokens, 1, self._stamp)
             self._stamp += len(tokens)
-            self._outputs.append(tokens)
+            self._outputs.append((scope, tokens))
             self.num_tokens += len(tokens)
             while self.num_tokens > self.max_tokens:
-                oldest = self._outputs.popleft()
-                self._index.uncount(oldest)
+                oldest_scope, oldest = self._outputs.popleft()
+                self._indexes[oldest_scope].uncount(oldest)
+                if not self._indexes[oldest_scope].next:
+                    del self._indexes[oldest_scope]
                 self.num_tokens -= len(oldest)
 
     def clear(self) -> None:
-        """Forget every output."""
+        """Forget every output of every scope."""
         with self._lock:
-            self._index.next.clear()
+            self._indexes.clear()
             self._outputs.clear()
             self.num_tokens = 0
 
-    def best(self, tail: Sequence[int]) -> tuple[int, float] | None:
-        """As :meth:`_SuffixIndex.best`, over the kept outputs."""
+    def best(self, tail: Sequence[int], scope: Hashable = None) -> tuple[int, float] | None:
+        """As :meth:`_SuffixIndex.best`, over the outputs kept in ``scope``."""
         with self._lock:
-            return self._index.best(tail)
+            index = self._indexes.get(scope)
+            return None if index is None else index.best(tail)
 
     @property
     def num_outputs(self) -> int:
@@ -155,9 +171,16 @@ class SuffixCorpus:
         return len(self._outputs)
 
     @property
+    def num_scopes(self) -> int:
+        """Scopes holding at least one output."""
+        return len(self._indexes)
+
+    @property
     def num_ngrams(self) -> int:
-        """Distinct n-grams indexed (the index's size: each holds a small dict)."""
-        return len(self._index.next)
+        """Distinct n-grams indexed, summed over scopes (the index's size: each holds a
+        small dict)."""
+        with self._lock:
+            return sum(len(index.next) for index in self._indexes.values())
 
 
 class SuffixProposer(Proposer):
@@ -171,7 +194,8 @@ class SuffixProposer(Proposer):
             product of the scores below this, in [0, 1) (0: draft k tokens while matches
             last). The ``confidence`` policy's ``min_confidence`` raises it.
         corpus: earlier outputs to draft from as well (None: the request's own text only);
-            every finished sample's output is added to it.
+            every finished sample's output is added to it, in the generation's scope
+            (:meth:`reset`), and only that scope's outputs are drafted from.
     Raises:
         ValueError: naming the bad value.
     """
@@ -192,14 +216,15 @@ class SuffixProposer(Proposer):
         self.corpus = corpus
         self.reset()
 
-    def reset(self, reproducible: bool = False) -> None:
+    def reset(self, reproducible: bool = False, scope: Hashable = None) -> None:
         self._tokens: list[int] = []  # the tokens indexed so far
         self._index = _SuffixIndex(self.min_match, self.max_match)
         self._use_corpus = self.corpus is not None and not reproducible
+        self._scope = scope
 
     def end_sequence(self, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         if self.corpus is not None:
-            self.corpus.add(token_ids[num_prompt_tokens:])
+            self.corpus.add(token_ids[num_prompt_tokens:], self._scope)
 
     def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
                 rng: torch.Generator, min_confidence: float = 0.0) -> Proposal:
@@ -225,7 +250,7 @@ class SuffixProposer(Proposer):
         own = self._index.best(tail)
         if not self._use_corpus:
             return own
-        shared = self.corpus.best(tail)
+        shared = self.corpus.best(tail, self._scope)
         return shared if own is None or (shared is not None and shared[1] > own[1]) else own
 
     def _update(self, token_ids: Sequence[int]) -> None:

@@ -49,7 +49,7 @@ that went away)."""
 
 
 def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
-               speculation: SpeculationSettings, api_key: str | None = None,
+               speculation: SpeculationSettings, api_key: str | Sequence[str] | None = None,
                max_queue: int = 64, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
                allow_batch_variance: bool = False) -> FastAPI:
@@ -57,7 +57,11 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
 
     Args:
         speculation: the default k_max and policy (a request's ``speculation`` overrides).
-        api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>`` (else 401).
+        api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <key>`` with this key or
+            one of these keys (else 401). A request's *scope* is its key and its
+            ``cache_salt``: only requests of one scope share what a drafter learns across
+            requests (the suffix corpus), so clients cannot read each other's output
+            through the drafts.
         max_queue: most requests waiting for the engine (beyond it: 503).
         max_request_bytes: largest request body (beyond it: 413).
         max_batch_size: most prompts decoded together, in one target forward per cycle
@@ -65,6 +69,9 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
     Raises:
         ValueError: if the default policy cannot run with ``proposer``.
     """
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if any(not key for key in api_keys):
+        raise ValueError("an API key is empty: give a non-empty string")
     metrics = ServerMetrics(model_name)
     if isinstance(proposer, SuffixProposer) and proposer.corpus is not None:
         metrics.watch_corpus(proposer.corpus)
@@ -77,7 +84,7 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
         yield
         await asyncio.to_thread(worker.close)
 
-    docs = api_key is None  # the interactive docs stay off behind a key
+    docs = not api_keys  # the interactive docs stay off behind a key
     app = FastAPI(title="exactspec", summary="Exact speculative decoding, OpenAI-compatible",
                   lifespan=lifespan, docs_url="/docs" if docs else None,
                   redoc_url=None, openapi_url="/openapi.json" if docs else None)
@@ -85,12 +92,18 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     bearer = HTTPBearer(auto_error=False)
 
-    async def authorised(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)):
-        if api_key is not None and (credentials is None or not secrets.compare_digest(
-                credentials.credentials.encode(), api_key.encode())):
+    async def authorised(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
+                         ) -> int | None:
+        """The index of the request's API key among the server's (None: no key needed)."""
+        if not api_keys:
+            return None
+        given = b"" if credentials is None else credentials.credentials.encode()
+        matches = [secrets.compare_digest(given, key.encode()) for key in api_keys]  # each
+        if credentials is None or not any(matches):
             raise ServerError(401, "a valid API key is required: send the header "
                                    "'Authorization: Bearer <key>'",
                               headers={"WWW-Authenticate": "Bearer"})
+        return matches.index(True)
 
     @app.exception_handler(ServerError)
     async def server_error(request: Request, error: ServerError) -> JSONResponse:
@@ -138,8 +151,9 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
         check_model(name)
         return model_card()
 
-    @app.post("/v1/completions", dependencies=[Depends(authorised)])
-    async def completions(body: CompletionRequest, request: Request):
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request,
+                          key: int | None = Depends(authorised)):
         check_model(body.model)
         prompts = [tokenise(prompt) for prompt in body.prompts()]
         if body.stream and body.logprobs is not None:
@@ -155,10 +169,12 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
                     "logprobs": None if result.logprobs is None else completion_logprobs(
                         result.logprobs, target.tokenizer.decode)}
 
-        return await respond(request, body, prompts, params, "text_completion", "cmpl", choice)
+        return await respond(request, body, key, prompts, params, "text_completion", "cmpl",
+                             choice)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorised)])
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request,
+                               key: int | None = Depends(authorised)):
         check_model(body.model)
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
                     for m in body.messages]
@@ -187,8 +203,8 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
                     "logprobs": None if result.logprobs is None else chat_logprobs(
                         result.logprobs, target.tokenizer.decode)}
 
-        return await respond(request, body, [prompt], params, "chat.completion", "chatcmpl",
-                             choice)
+        return await respond(request, body, key, [prompt], params, "chat.completion",
+                             "chatcmpl", choice)
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -225,6 +241,13 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
         check_length(ids, "prompt")
         return ids
 
+    def scope(key: int | None, salt: str | None) -> tuple[int | None, str | None] | None:
+        """Whose earlier outputs a request may draft from: its key where several are
+        configured, and its ``cache_salt``; None (the library's default scope) for
+        neither."""
+        key = key if len(api_keys) > 1 else None
+        return None if key is None and salt is None else (key, salt)
+
     def settings(request: Speculation | None) -> SpeculationSettings:
         request = request or Speculation()
         default = worker.default_speculation
@@ -251,12 +274,12 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
             raise ServerError(400, f"{field}: token ids {bad[:5]} are outside the "
                                    f"vocabulary [0, {target.vocab_size})", field)
 
-    async def respond(request: Request, body: SamplingRequest, prompts: list[list[int]],
-                      params, kind: str, prefix: str,
+    async def respond(request: Request, body: SamplingRequest, key: int | None,
+                      prompts: list[list[int]], params, kind: str, prefix: str,
                       choice: Callable[[int, GenerationResult, str], dict]):
         check_token_ids(params)
         job = Job(prompts, params, body.n, settings(body.speculation),
-                  asyncio.get_running_loop())
+                  asyncio.get_running_loop(), scope=scope(key, body.cache_salt))
         try:
             worker.submit(job)
         except QueueFullError as error:

@@ -5,6 +5,7 @@ exactspec's :class:`~exactspec.sampling.SamplingParams` and
 Field names and meanings follow the OpenAI API reference (``/v1/completions``,
 ``/v1/chat/completions``) and vLLM's extra sampling parameters (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``bad_words``).
+vLLM's ``cache_salt`` scopes what a request may draft from earlier requests' outputs.
 exactspec adds ``banned_token_ids`` and ``speculation`` (per-request speculation settings)
 to requests and ``speculation`` (the request's figures) to responses.
 """
@@ -105,6 +106,9 @@ class SamplingRequest(BaseModel):
     # exactspec's
     banned_token_ids: list[int] | None = None
     speculation: Speculation | None = None
+    # vLLM's cache isolation: only requests with the same salt (and API key) share what the
+    # suffix drafter's corpus learnt from earlier outputs
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The request as :class:`SamplingParams` (temperature defaults to 1 as in OpenAI's

@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,10 +62,12 @@ class Job:
     n: int
     speculation: SpeculationSettings
     loop: asyncio.AbstractEventLoop
+    scope: Hashable = None  # whose earlier outputs it may draft from (Proposer.reset)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     first_token: float | None = None  # when its first token was emitted (perf_counter)
+    results: list[GenerationResult] = field(default_factory=list)  # its finished choices
 
     def put(self, kind: str, choice: int | None, value: Any) -> None:
         """Hand an event to the request's handler (thread-safe)."""
@@ -163,11 +165,11 @@ class EngineWorker:
                     closing = True
                 else:
                     self._start(job)
-            self._update_gauges()
             for request_id, (job, _) in list(self._rows.items()):
                 if job.cancelled.is_set():
                     self.batched.cancel(request_id)
                     self._end_row(request_id, Cancelled())
+            self._update_gauges()  # before blocking on the next job, too
             if not self._rows:
                 continue
             try:
@@ -202,7 +204,8 @@ class EngineWorker:
 
             try:
                 request_id = self.batched.submit(prompt, job.params, n=job.n,
-                                                 on_commit=on_commit, generator=generator)
+                                                 on_commit=on_commit, generator=generator,
+                                                 scope=job.scope)
             except Exception as error:
                 self._fail(job, error)
                 return
@@ -220,13 +223,13 @@ class EngineWorker:
             return
         for index, result in enumerate(output):
             job.put("result", p * job.n + index, result)
-            self.metrics.record(result, len(job.prompts[p]) if index == 0 else 0)
+        job.results += output
         self._outstanding[id(job)] -= 1
         if not self._outstanding[id(job)]:
             del self._outstanding[id(job)]
             now = time.perf_counter()
-            self.metrics.ttft.observe((job.first_token or now) - job.arrival)
-            self.metrics.e2e.observe(now - job.arrival)
+            self.metrics.record(job.results, sum(map(len, job.prompts)),
+                                (job.first_token or now) - job.arrival, now - job.arrival)
             job.put("end", None, None)
 
     def _fail(self, job: Job, error: Exception) -> None:
