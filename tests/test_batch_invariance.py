@@ -41,30 +41,106 @@ def first_row_logits(target, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_the_load_check_tells_the_kernels_apart(seed):
     invariant, fast = backend("batch-invariant", seed), backend("fast", seed)
     assert invariant.batch_invariant and check_batch_invariance(invariant, 17).invariant
+    assert invariant.sequences_invariant
     assert not fast.batch_invariant
     assert fast.description.endswith("fast kernels")
-    wide = backend("batch-invariant-4", seed)
-    assert wide.batch_invariant and wide.sequences_invariant
-    assert wide.description.endswith("4-row kernels")
 
 
-def test_the_4_row_kernels_decode_as_the_2_row_ones_up_to_rounding_and_exactly_as_themselves():
-    """Blocks of 4 rows round differently from blocks of 2 (another kernel), so the two
-    choices are each exact against themselves: greedy speculative and batched output equal
-    plain decoding on the same kernels."""
+def native_paths() -> list:
+    """Every instruction-set path of the native kernels this machine runs (none where they
+    cannot be built: the fallback's own tests still run)."""
+    from exactspec.backends import native
+
+    kernels = native.load()
+    if kernels is None:
+        return []
+    return native.ISAS[:native.ISAS.index(kernels.best_isa) + 1]
+
+
+@pytest.fixture(params=native_paths() or [pytest.param(None, marks=pytest.mark.skip(
+    reason="the native kernels could not be built here (no C compiler?)"))])
+def native_path(request):
+    """Runs the test on each native path the machine has, then restores the best one."""
+    from exactspec.backends import native
+
+    kernels = native.load()
+    kernels.isa = request.param
+    yield request.param
+    kernels.isa = kernels.best_isa
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_products_are_bit_identical_for_1_to_16_rows(native_path, threads):
+    """Each output row is the same bits whatever the rows beside it, how many there are,
+    and how many threads split the columns; shapes of the embedded model's layers, column
+    and input counts that leave tails on every path, and a row stride."""
+    from exactspec.backends import native
+
+    kernels = native.load()
+    generator = torch.Generator().manual_seed(0)
+    for out_features, in_features in [(192, 576), (1536, 576), (576, 1536), (101, 37)]:
+        weight = torch.randn(out_features, in_features, generator=generator)
+        x = torch.randn(16, in_features + 3, generator=generator)[:, :in_features]  # strided
+        alone = [kernels.linear(x[i:i + 1], weight, threads=1) for i in range(16)]
+        assert torch.allclose(torch.cat(alone), x @ weight.T, atol=1e-3)
+        for rows in range(1, 17):
+            others = torch.randn(rows, in_features, generator=generator)
+            others[-1] = x[rows - 1]  # one known row among random ones
+            block = kernels.linear(x[:rows], weight, threads=threads)
+            assert torch.equal(block, torch.cat(alone[:rows])), (native_path, rows)
+            assert torch.equal(kernels.linear(others, weight, threads=threads)[-1],
+                               alone[rows - 1][0])
+
+
+def test_native_paths_avx2_and_portable_give_the_same_bits():
+    """Both sum 8 lanes the same way with fused multiply-adds (the AVX-512 path sums 16)."""
+    from exactspec.backends import native
+
+    paths = native_paths()
+    if "avx2" not in paths:
+        pytest.skip("this CPU has no AVX2 + FMA")
+    kernels = native.load()
+    generator = torch.Generator().manual_seed(1)
+    weight, x = torch.randn(200, 300, generator=generator), torch.randn(5, 300, generator=generator)
+    outputs = []
+    for isa in ("avx2", "portable"):
+        kernels.isa = isa
+        outputs.append(kernels.linear(x, weight))
+    kernels.isa = kernels.best_isa
+    assert torch.equal(*outputs)
+
+
+def test_native_kernels_decode_a_model_exactly_on_every_path(native_path):
+    """Greedy speculative and batched output equal plain decoding on the same path, and the
+    load-time check passes on it."""
     from exactspec import BatchedGenerator, PromptLookupProposer
 
-    wide = backend("batch-invariant-4")
+    target = backend("batch-invariant")
+    assert target.batch_invariant and check_batch_invariance(target, 17).invariant
     prompts = [[1, 2, 3, 1, 2, 3, 1], [4, 5, 4, 5], [7] * 6, [9, 3, 9, 3, 9]]
     params = SamplingParams(max_new_tokens=20)
-    plain = [SpeculativeGenerator(wide, None).generate(p, params).token_ids for p in prompts]
-    generator = SpeculativeGenerator(wide, PromptLookupProposer(1, 3), 5, "constant")
+    plain = [SpeculativeGenerator(target, None).generate(p, params).token_ids for p in prompts]
+    generator = SpeculativeGenerator(target, PromptLookupProposer(1, 3), 5, "constant")
     assert [generator.generate(p, params).token_ids for p in prompts] == plain
     assert [r.token_ids for r in BatchedGenerator(generator, 4).generate(prompts, params)] == plain
-    single, block = first_row_logits(wide, 6)
+    single, block = first_row_logits(target, 15)
     assert torch.equal(single, block)
-    narrow_single, _ = first_row_logits(backend("batch-invariant"), 6)
-    assert torch.allclose(single, narrow_single, atol=1e-4)
+
+
+def test_without_native_kernels_the_2_row_fallback_is_batch_invariant(monkeypatch):
+    """Where the kernels cannot be built, PyTorch's products on fixed 2-row blocks keep
+    the backend exact (and it says so)."""
+    from exactspec.backends import batch_invariant
+
+    monkeypatch.setattr(batch_invariant, "native_kernels_apply", lambda weight: False)
+    from exactspec.backends import transformers_backend
+
+    monkeypatch.setattr(transformers_backend, "native_kernels_apply", lambda weight: False)
+    target = backend("batch-invariant")
+    assert target.description.endswith("PyTorch 2-row kernels")
+    assert target.batch_invariant and check_batch_invariance(target, 17).invariant
+    single, block = first_row_logits(target, 6)
+    assert torch.equal(single, block)
 
 
 @pytest.mark.parametrize("k", [1, 4, 7, 8, 12])
@@ -117,5 +193,5 @@ def test_a_backend_that_is_not_batch_invariant_is_refused_unless_allowed():
     SpeculativeGenerator(target, None)  # plain decoding needs no invariance
     SpeculativeGenerator(target, FixedDrafter(), 4, allow_batch_variance=True)
     with pytest.raises(ValueError, match="kernels 'quick' is invalid: choose one of "
-                                         "batch-invariant, batch-invariant-4, fast"):
+                                         "batch-invariant, fast"):
         TransformersBackend(tiny_model(0), CharTokenizer(), kernels="quick")

@@ -13,10 +13,13 @@ Lab: batch-invariant matmul, attention and norms), every decode-phase forward he
 kernels whose reduction order cannot depend on the number of tokens (design notes:
 this docstring; measurements: ``results/kernels-2026-11-30``):
 
-- **Linear layers**: the product is computed on blocks of exactly :data:`FIXED_ROWS` rows
-  (the last block zero-padded), as ``W @ block.T``. Every call then has the same shape, so
-  the kernel, its blocking and its thread split are the same, and row i's result depends on
-  row i alone.
+- **Linear layers**: :mod:`exactspec.backends.native`'s compiled kernel reads the weights
+  once for all rows and reduces every output element in one fixed order, whatever the
+  number of rows, the other rows or the thread split (so scoring n tokens costs little more
+  than one while the weights' memory traffic dominates). Where it cannot run (no C
+  compiler, a GPU, another dtype) the product is computed by PyTorch on blocks of exactly
+  :data:`FALLBACK_ROWS` rows (the last block zero-padded), as ``W @ block.T``: every call
+  has the same shape, so the kernel, its blocking and its thread split are the same.
 - **Attention**: each query row is computed as a one-query problem over exactly the keys it
   may see (``[Hkv, g, d] @ [Hkv, d, L_i]``, softmax, ``@ V[:L_i]``), the same shapes a
   one-token forward at that position uses.
@@ -46,18 +49,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNELS = ("batch-invariant", "batch-invariant-4", "fast")
-"""Kernel choices of the transformers backend (``batch-invariant`` is the default;
-``batch-invariant-4`` the same on blocks of 4 rows, see :data:`FIXED_ROWS`)."""
-FIXED_ROWS = 2
-"""Rows of every decode-phase matrix product with the ``batch-invariant`` kernels. A plain
-step (padded to this many rows) then costs what the fast kernels' plain step costs, and a
-forward over n tokens (a verification, or a batch of sequences) costs ceil(n / FIXED_ROWS)
-products; wider blocks make many-token forwards cheaper and plain steps dearer (measured
-trade-off: results/kernels-2026-11-30, results/batch-2026-12-01). ``batch-invariant-4``
-uses :data:`WIDE_ROWS` for serving many requests at once."""
-WIDE_ROWS = 4
-"""Rows of every decode-phase matrix product with the ``batch-invariant-4`` kernels."""
+from exactspec.backends import native
+
+KERNELS = ("batch-invariant", "fast")
+"""Kernel choices of the transformers backend (``batch-invariant`` is the default)."""
+FALLBACK_ROWS = 2
+"""Rows of every decode-phase matrix product where the native kernels cannot run (no C
+compiler, a GPU, another dtype): each call then has this shape, zero-padded, so a forward
+over n tokens costs ceil(n / FALLBACK_ROWS) products (results/kernels-2026-11-30)."""
 SKINNY_MAX_ROWS = 16
 """The fast kernels compute products over at most this many rows as ``(W @ x.T).T``."""
 ATTENTION = "exactspec"
@@ -86,10 +85,8 @@ class BatchInvariantLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         flat = x.reshape(rows, x.shape[-1])
-        mode = _kernels.get()
-        if mode != "fast":
-            out = _fixed_rows_product(self.weight, flat,
-                                      WIDE_ROWS if mode == "batch-invariant-4" else FIXED_ROWS)
+        if _kernels.get() != "fast":
+            out = invariant_product(self.weight, flat)
         elif rows <= SKINNY_MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32:
             doubled = torch.cat((flat, flat)) if rows == 1 else flat
             out = (self.weight @ doubled.t()).t()[:rows].contiguous()
@@ -98,6 +95,25 @@ class BatchInvariantLinear(nn.Linear):
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def native_kernels_apply(weight: torch.Tensor) -> bool:
+    """Whether the native kernels compute products with ``weight`` (float32 on the CPU,
+    contiguous, and the kernels built: :func:`exactspec.backends.native.load`)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and weight.is_contiguous() and native.load() is not None)
+
+
+def invariant_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` (``x`` ``[rows, in]``) with a reduction order per output element that
+    depends on nothing but the weight's shape: the native kernels (one read of the weights
+    for all rows), else PyTorch's on blocks of :data:`FALLBACK_ROWS`. Returns a contiguous
+    ``[rows, out]``."""
+    if native_kernels_apply(weight):
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return native.load().linear(x, weight)
+    return _fixed_rows_product(weight, x, FALLBACK_ROWS)
 
 
 def _fixed_rows_product(weight: torch.Tensor, x: torch.Tensor, width: int) -> torch.Tensor:

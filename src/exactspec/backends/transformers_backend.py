@@ -25,8 +25,10 @@ import torch
 
 from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, chat_messages,
                                      check_batch_invariance, check_sequence_invariance)
+from exactspec.backends import native
 from exactspec.backends.batch_invariant import (KERNELS, PackedSequences, kernel_mode,
-                                                 packed_sequences, use_exactspec_kernels)
+                                                 native_kernels_apply, packed_sequences,
+                                                 use_exactspec_kernels)
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +85,9 @@ class TransformersBackend:
         tokenizer: a :class:`~exactspec.backends.base.Tokenizer`.
         eos_token_ids: ids that end generation; by default the model's generation config's.
         kernels: ``batch-invariant`` (the default: a token's logits are bit-identical
-            whether scored alone or in a block), ``batch-invariant-4`` (the same on blocks
-            of 4 rows: plain steps dearer, forwards over many tokens, as batches of many
-            requests, cheaper) or ``fast`` (PyTorch's own kernels, faster on a CPU, equal
-            only up to rounding); see :mod:`~exactspec.backends.batch_invariant`.
+            whether scored alone or in a block; exactspec's native kernels where they
+            build, see ``description``) or ``fast`` (PyTorch's own kernels, equal only up
+            to rounding); see :mod:`~exactspec.backends.batch_invariant`.
     Attributes:
         batch_invariant: the result of the bit-identity check run at construction.
         supports_batches: True: besides its one sequence (``prefill``/``forward``/``rollback``)
@@ -120,9 +121,10 @@ class TransformersBackend:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.device = next(model.parameters()).device
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        self.description = (f"transformers {dtype} {self.device.type}"
-                            + {"fast": ", fast kernels",
-                               "batch-invariant-4": ", 4-row kernels"}.get(kernels, ""))
+        self.description = f"transformers {dtype} {self.device.type}, " + (
+            "fast kernels" if kernels == "fast" else
+            f"native {native.load().isa} kernels" if native_kernels_apply(
+                model.get_output_embeddings().weight) else "PyTorch 2-row kernels")
         self._new_cache = lambda: DynamicCache(config=model.config)
         _check_rollback(model, self._new_cache())
         self._cache = self._new_cache()

@@ -70,9 +70,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                        help="transformers backend only: batch-invariant (the default: a token "
                             "scored in a verification block gets plain decoding's logits bit for "
                             "bit, so greedy output is identical and sampling uses exactly the "
-                            "same probabilities), batch-invariant-4 (the same on blocks of 4 "
-                            "rows: one request at a time about 20%% slower, 8 batched requests "
-                            "about 25%% faster; for serve under load) or fast (PyTorch's own "
+                            "same probabilities; exactspec's compiled kernels, which read the "
+                            "weights once for all tokens, else PyTorch's on fixed 2-row "
+                            "blocks) or fast (PyTorch's own "
                             "kernels, faster on a CPU; identical only up to rounding, so "
                             "near-tied tokens can flip; implies --allow-batch-variance)")
     model.add_argument("--allow-batch-variance", action="store_true",

@@ -1,20 +1,23 @@
 /* exactspec's batch-invariant decode kernels (see exactspec/backends/native/__init__.py and
  * docs/design.md, "Batch-invariant kernels that read the weights once").
  *
- * es_linear: y[r, j] = sum_k x[r, k] * wt[k, j] for a weight stored transposed, wt [K, N]
- * (row k holds input feature k of every output column, contiguous over the columns).
+ * es_linear: y[r, j] = sum_k x[r, k] * w[j, k], the weight as nn.Linear stores it, w [N, K].
  *
- * The invariant: every output element is computed by the same arithmetic, whatever the
- * number of rows, the other rows, the thread split or the instruction set:
+ * The invariant: on one instruction-set path, every output element is computed by the same
+ * arithmetic whatever the number of rows, the other rows or the thread split. With L lanes
+ * (8 for AVX2, 16 for AVX-512; the portable path emulates 8):
  *
- *     acc = 0.0f;  for k = 0 .. K-1:  acc = fma(x[r, k], wt[k, j], acc)
+ *     lane[l] = 0;  for each block b of L inputs, in order:  lane[l] = fma(x[r, bL+l], w[j, bL+l], lane[l])
+ *     y[r, j] = a fixed pairwise sum of the L lanes (halves added, then quarters, ...)
+ *     then the K % L last inputs, in order: y = fma(x[r, k], w[j, k], y)
  *
- * one fused multiply-add per k, in order of k (an FMA rounds once, so a vector lane, a
- * scalar fmaf and an AVX-512 lane give the same bits). Vector code vectorises over output
- * columns j, never over k, so no horizontal sum exists whose order could change. Tiling
- * (rows x columns held in registers, so that each weight vector loaded serves several rows)
- * only chooses which elements are computed together, never how one is computed. Threads
- * split the output columns only.
+ * Tiling (R rows x C output columns in registers, so that each weight vector loaded from
+ * L1 serves R rows, and a tile of C weight rows serves every row of x while it is in L1)
+ * only chooses which elements are computed together, never how one is computed; a smaller
+ * tile at the edges runs the same per-element arithmetic. Threads split output columns.
+ * The AVX2 path and the portable path give the same bits (both 8 lanes, fused
+ * multiply-adds rounded once); AVX-512 (16 lanes) sums in another order and differs from
+ * them in the last bits, so one process uses one path throughout.
  */
 #include <math.h>
 #include <stdint.h>
@@ -23,135 +26,127 @@
 
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
 
-/* ---- portable: fmaf, one element at a time (used for column tails on every path) ---- */
+typedef void (*tile_fn)(const float *x, int64_t ldx, int64_t K, const float *w,
+                        float *y, int64_t ldy);
 
-static void cols_scalar(const float *x, int64_t ldx, int64_t rows, int64_t K,
-                        const float *wt, int64_t N, float *y, int64_t ldy,
-                        int64_t j0, int64_t j1) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = j0; j < j1; j++) {
-            float acc = 0.0f;
-            for (int64_t k = 0; k < K; k++) acc = fmaf(x[r * ldx + k], wt[k * N + j], acc);
-            y[r * ldy + j] = acc;
-        }
+/* ---- portable: 8 emulated lanes, fmaf; the same bits as the AVX2 path ---- */
+
+static float dot_portable(const float *x, const float *w, int64_t K) {
+    float lane[8] = {0};
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8)
+        for (int l = 0; l < 8; l++) lane[l] = fmaf(x[k + l], w[k + l], lane[l]);
+    for (int l = 0; l < 4; l++) lane[l] += lane[l + 4];
+    for (int l = 0; l < 2; l++) lane[l] += lane[l + 2];
+    float acc = lane[0] + lane[1];
+    for (; k < K; k++) acc = fmaf(x[k], w[k], acc);
+    return acc;
 }
 
-/* ---- AVX2 + FMA: 8 columns a vector; tiles of R rows x C vectors ---- */
+static void rows_portable(const float *x, int64_t ldx, int64_t rows, int64_t K,
+                          const float *w, int64_t ldw, float *y, int64_t ldy,
+                          int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; j++)
+        for (int64_t r = 0; r < rows; r++)
+            y[r * ldy + j] = dot_portable(x + r * ldx, w + j * ldw, K);
+}
+
+/* ---- AVX2 + FMA: 8 lanes ---- */
+
+__attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* l, l+4 */
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));                                       /* l, l+2 */
+    q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));                                   /* 0 + 1 */
+    return _mm_cvtss_f32(q);
+}
 
 #define AVX2_TILE(R, C)                                                                   \
-    __attribute__((target("avx2,fma"))) static void avx2_tile_##R##x##C(                 \
-        const float *x, int64_t ldx, int64_t K, const float *wt, int64_t N, float *y,     \
-        int64_t ldy, int64_t j) {                                                         \
+    __attribute__((target("avx2,fma"))) static void avx2_##R##x##C(                      \
+        const float *x, int64_t ldx, int64_t K, const float *w, float *y, int64_t ldy) {   \
         __m256 acc[R][C];                                                                 \
         for (int r = 0; r < R; r++)                                                       \
             for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();                  \
-        for (int64_t k = 0; k < K; k++) {                                                 \
-            __m256 w[C];                                                                  \
-            for (int c = 0; c < C; c++) w[c] = _mm256_loadu_ps(wt + k * N + j + 8 * c);   \
+        int64_t k = 0;                                                                    \
+        for (; k + 8 <= K; k += 8) {                                                      \
+            __m256 wv[C];                                                                 \
+            for (int c = 0; c < C; c++) {                                               \
+                wv[c] = _mm256_loadu_ps(w + c * K + k);                                  \
+                _mm_prefetch((const char *)(w + (C + c) * K + k), _MM_HINT_T0); /* next tile */ \
+            }                                                                             \
             for (int r = 0; r < R; r++) {                                                 \
-                __m256 xr = _mm256_broadcast_ss(x + r * ldx + k);                         \
-                for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xr, w[c], acc[r][c]); \
+                __m256 xv = _mm256_loadu_ps(x + r * ldx + k);                             \
+                for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]); \
             }                                                                             \
         }                                                                                 \
         for (int r = 0; r < R; r++)                                                       \
-            for (int c = 0; c < C; c++) _mm256_storeu_ps(y + r * ldy + j + 8 * c, acc[r][c]); \
+            for (int c = 0; c < C; c++) {                                                 \
+                float s = hsum8(acc[r][c]);                                               \
+                for (int64_t t = k; t < K; t++) s = fmaf(x[r * ldx + t], w[c * K + t], s); \
+                y[r * ldy + c] = s;                                                       \
+            }                                                                             \
     }
 
-AVX2_TILE(4, 3)
-AVX2_TILE(3, 3)
-AVX2_TILE(2, 3)
-AVX2_TILE(1, 3)
-AVX2_TILE(4, 1)
-AVX2_TILE(3, 1)
-AVX2_TILE(2, 1)
-AVX2_TILE(1, 1)
+AVX2_TILE(1, 4) AVX2_TILE(2, 4) AVX2_TILE(3, 4) AVX2_TILE(4, 4)
+AVX2_TILE(1, 1) AVX2_TILE(2, 1) AVX2_TILE(3, 1) AVX2_TILE(4, 1)
 
-typedef void (*tile_fn)(const float *, int64_t, int64_t, const float *, int64_t, float *,
-                        int64_t, int64_t);
+static const tile_fn avx2_wide[5] = {0, avx2_1x4, avx2_2x4, avx2_3x4, avx2_4x4};
+static const tile_fn avx2_narrow[5] = {0, avx2_1x1, avx2_2x1, avx2_3x1, avx2_4x1};
 
-__attribute__((target("avx2,fma"))) static void cols_avx2(
-    const float *x, int64_t ldx, int64_t rows, int64_t K, const float *wt, int64_t N,
-    float *y, int64_t ldy, int64_t j0, int64_t j1) {
-    static const tile_fn wide[5] = {0, avx2_tile_1x3, avx2_tile_2x3, avx2_tile_3x3,
-                                    avx2_tile_4x3};
-    static const tile_fn narrow[5] = {0, avx2_tile_1x1, avx2_tile_2x1, avx2_tile_3x1,
-                                      avx2_tile_4x1};
-    int64_t j = j0;
-    for (; j + 24 <= j1; j += 24)
-        for (int64_t r = 0; r < rows; r += 4) {
-            int n = (int)MIN(4, rows - r);
-            wide[n](x + r * ldx, ldx, K, wt, N, y + r * ldy, ldy, j);
-        }
-    for (; j + 8 <= j1; j += 8)
-        for (int64_t r = 0; r < rows; r += 4) {
-            int n = (int)MIN(4, rows - r);
-            narrow[n](x + r * ldx, ldx, K, wt, N, y + r * ldy, ldy, j);
-        }
-    cols_scalar(x, ldx, rows, K, wt, N, y, ldy, j, j1);
+/* ---- AVX-512F: 16 lanes ---- */
+
+__attribute__((target("avx512f"))) static inline float hsum16(__m512 v) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
+    return _mm_cvtss_f32(q);
 }
 
-/* ---- AVX-512F: 16 columns a vector; tiles of R rows x C vectors ---- */
-
 #define AVX512_TILE(R, C)                                                                 \
-    __attribute__((target("avx512f"))) static void avx512_tile_##R##x##C(                \
-        const float *x, int64_t ldx, int64_t K, const float *wt, int64_t N, float *y,     \
-        int64_t ldy, int64_t j) {                                                         \
+    __attribute__((target("avx512f"))) static void avx512_##R##x##C(                     \
+        const float *x, int64_t ldx, int64_t K, const float *w, float *y, int64_t ldy) {   \
         __m512 acc[R][C];                                                                 \
         for (int r = 0; r < R; r++)                                                       \
             for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();                  \
-        for (int64_t k = 0; k < K; k++) {                                                 \
-            __m512 w[C];                                                                  \
-            for (int c = 0; c < C; c++) w[c] = _mm512_loadu_ps(wt + k * N + j + 16 * c);  \
+        int64_t k = 0;                                                                    \
+        for (; k + 16 <= K; k += 16) {                                                    \
+            __m512 wv[C];                                                                 \
+            for (int c = 0; c < C; c++) {                                               \
+                wv[c] = _mm512_loadu_ps(w + c * K + k);                                  \
+                _mm_prefetch((const char *)(w + (C + c) * K + k), _MM_HINT_T0); /* next tile */ \
+            }                                                                             \
             for (int r = 0; r < R; r++) {                                                 \
-                __m512 xr = _mm512_set1_ps(x[r * ldx + k]);                               \
-                for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xr, w[c], acc[r][c]); \
+                __m512 xv = _mm512_loadu_ps(x + r * ldx + k);                             \
+                for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]); \
             }                                                                             \
         }                                                                                 \
         for (int r = 0; r < R; r++)                                                       \
-            for (int c = 0; c < C; c++) _mm512_storeu_ps(y + r * ldy + j + 16 * c, acc[r][c]); \
+            for (int c = 0; c < C; c++) {                                                 \
+                float s = hsum16(acc[r][c]);                                              \
+                for (int64_t t = k; t < K; t++) s = fmaf(x[r * ldx + t], w[c * K + t], s); \
+                y[r * ldy + c] = s;                                                       \
+            }                                                                             \
     }
 
-AVX512_TILE(6, 3)
-AVX512_TILE(5, 3)
-AVX512_TILE(4, 3)
-AVX512_TILE(3, 3)
-AVX512_TILE(2, 3)
-AVX512_TILE(1, 3)
-AVX512_TILE(6, 1)
-AVX512_TILE(5, 1)
-AVX512_TILE(4, 1)
-AVX512_TILE(3, 1)
-AVX512_TILE(2, 1)
-AVX512_TILE(1, 1)
+AVX512_TILE(1, 6) AVX512_TILE(2, 6) AVX512_TILE(3, 6) AVX512_TILE(4, 6)
+AVX512_TILE(1, 1) AVX512_TILE(2, 1) AVX512_TILE(3, 1) AVX512_TILE(4, 1)
 
-__attribute__((target("avx512f"))) static void cols_avx512(
-    const float *x, int64_t ldx, int64_t rows, int64_t K, const float *wt, int64_t N,
-    float *y, int64_t ldy, int64_t j0, int64_t j1) {
-    static const tile_fn wide[7] = {0, avx512_tile_1x3, avx512_tile_2x3, avx512_tile_3x3,
-                                    avx512_tile_4x3, avx512_tile_5x3, avx512_tile_6x3};
-    static const tile_fn narrow[7] = {0, avx512_tile_1x1, avx512_tile_2x1, avx512_tile_3x1,
-                                      avx512_tile_4x1, avx512_tile_5x1, avx512_tile_6x1};
+static const tile_fn avx512_wide[5] = {0, avx512_1x6, avx512_2x6, avx512_3x6, avx512_4x6};
+static const tile_fn avx512_narrow[5] = {0, avx512_1x1, avx512_2x1, avx512_3x1, avx512_4x1};
+
+/* Columns j0..j1 of every row: tiles of C columns (then single columns), each tile over
+ * every row in blocks of up to 4 while its weight rows stay in L1. */
+static void rows_tiled(const tile_fn *wide, const tile_fn *narrow, int C,
+                       const float *x, int64_t ldx, int64_t rows, int64_t K, const float *w,
+                       float *y, int64_t ldy, int64_t j0, int64_t j1) {
     int64_t j = j0;
-    for (; j + 48 <= j1; j += 48)
-        for (int64_t r = 0; r < rows; r += 6) {
-            int n = (int)MIN(6, rows - r);
-            wide[n](x + r * ldx, ldx, K, wt, N, y + r * ldy, ldy, j);
-        }
-    for (; j + 16 <= j1; j += 16)
-        for (int64_t r = 0; r < rows; r += 6) {
-            int n = (int)MIN(6, rows - r);
-            narrow[n](x + r * ldx, ldx, K, wt, N, y + r * ldy, ldy, j);
-        }
-    cols_scalar(x, ldx, rows, K, wt, N, y, ldy, j, j1);
-}
-
-/* ---- dispatch ---- */
-
-typedef void (*cols_fn)(const float *, int64_t, int64_t, int64_t, const float *, int64_t,
-                        float *, int64_t, int64_t, int64_t);
-
-static cols_fn pick(int isa) {
-    return isa == 2 ? cols_avx512 : isa == 1 ? cols_avx2 : cols_scalar;
+    for (; j + C <= j1; j += C)
+        for (int64_t r = 0; r < rows; r += 4)
+            wide[MIN(4, rows - r)](x + r * ldx, ldx, K, w + j * K, y + r * ldy + j, ldy);
+    for (; j < j1; j++)
+        for (int64_t r = 0; r < rows; r += 4)
+            narrow[MIN(4, rows - r)](x + r * ldx, ldx, K, w + j * K, y + r * ldy + j, ldy);
 }
 
 /* The best instruction set this CPU runs: 2 AVX-512F, 1 AVX2 + FMA, 0 portable. */
@@ -162,24 +157,32 @@ int es_best_isa(void) {
     return 0;
 }
 
-/* y [rows, N] (row stride ldy) = x [rows, K] (row stride ldx) @ wt [K, N], on `threads`
- * threads that split the columns in blocks of 48 (a multiple of every path's vector
- * width), with instruction set `isa` (as es_best_isa; a lower one may be forced). */
-void es_linear(const float *x, int64_t ldx, int64_t rows, int64_t K, const float *wt,
+static void columns(int isa, const float *x, int64_t ldx, int64_t rows, int64_t K,
+                    const float *w, float *y, int64_t ldy, int64_t j0, int64_t j1) {
+    if (isa == 2)
+        rows_tiled(avx512_wide, avx512_narrow, 6, x, ldx, rows, K, w, y, ldy, j0, j1);
+    else if (isa == 1)
+        rows_tiled(avx2_wide, avx2_narrow, 4, x, ldx, rows, K, w, y, ldy, j0, j1);
+    else
+        rows_portable(x, ldx, rows, K, w, K, y, ldy, j0, j1);
+}
+
+/* y [rows, N] (row stride ldy) = x [rows, K] (row stride ldx) @ w [N, K]^T (w contiguous),
+ * on `threads` threads that split the output columns in blocks of 48, with instruction set
+ * `isa` (as es_best_isa returns; a lower one may be forced). */
+void es_linear(const float *x, int64_t ldx, int64_t rows, int64_t K, const float *w,
                int64_t N, float *y, int64_t ldy, int threads, int isa) {
-    cols_fn cols = pick(isa);
     int64_t blocks = (N + 47) / 48;
     if (threads < 1) threads = 1;
     if (threads > blocks) threads = (int)blocks;
     if (threads == 1) {
-        cols(x, ldx, rows, K, wt, N, y, ldy, 0, N);
+        columns(isa, x, ldx, rows, K, w, y, ldy, 0, N);
         return;
     }
 #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();
-        int64_t b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
-        int64_t j0 = b0 * 48, j1 = MIN(b1 * 48, N);
-        if (j0 < j1) cols(x, ldx, rows, K, wt, N, y, ldy, j0, j1);
+        int64_t j0 = blocks * t / n * 48, j1 = MIN(blocks * (t + 1) / n * 48, N);
+        if (j0 < j1) columns(isa, x, ldx, rows, K, w, y, ldy, j0, j1);
     }
 }

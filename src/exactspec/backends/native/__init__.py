@@ -1,0 +1,156 @@
+"""exactspec's compiled batch-invariant decode kernels, built on first use.
+
+``decode_kernels.c`` (beside this file) holds a matrix product that reads the weights once
+for all rows and reduces every output element in one fixed order, whatever the number of
+rows, the other rows or the thread split (its header gives the order); this module compiles
+it once per source version with the machine's C compiler into exactspec's cache
+(``$EXACTSPEC_CACHE_DIR/kernels``, about a second), loads it with ctypes and picks the
+instruction set at run time: AVX-512F, AVX2 + FMA, or portable C (``fmaf``; the same bits
+as AVX2). Each path is batch-invariant on its own; one process uses one path.
+
+Why compiled on first use rather than at ``pip install``: the project installs as pure
+Python (``pip install -e .``, no build step to fail on a machine without a compiler), the
+source is one C file with no Python or PyTorch headers (compiles in about a second, where a
+``torch.utils.cpp_extension`` build takes a minute), and a machine without a compiler loses
+only speed: :func:`load` returns None and the backend keeps PyTorch's kernels, saying so
+once (docs/design.md, "Batch-invariant kernels that read the weights once").
+
+Threads: OpenMP, linked against the ``libgomp`` PyTorch already loaded (one runtime, one
+pool of threads), as many as ``torch.get_num_threads()``; they split output columns only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_kernels.c")
+ISAS = ("portable", "avx2", "avx512")
+"""The instruction-set paths, by the number ``es_best_isa`` returns."""
+
+COMPILE_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off")
+"""-O3 unrolls the tiles' loops over rows and columns, so that the accumulators live in
+registers (at -O2 a 16-row product ran 3x slower); the source's intrinsics fix every
+rounding, and ``-ffp-contract=off`` keeps the compiler from fusing anything else."""
+_lock = threading.Lock()
+_loaded: NativeKernels | None | bool = False  # False: not tried yet
+
+
+class NativeKernels:
+    """The loaded library.
+
+    Attributes:
+        isa: the path in use, one of :data:`ISAS` (the best this CPU runs; tests force
+            the others).
+        path: the shared library's file.
+    """
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self._lib, self.path = library, path
+        library.es_best_isa.restype = ctypes.c_int
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        library.es_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ctypes.c_int,
+                                      ctypes.c_int]
+        library.es_linear.restype = None
+        self.best_isa = ISAS[library.es_best_isa()]
+        self.isa = self.best_isa
+        self._linear = library.es_linear
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+               threads: int | None = None) -> torch.Tensor:
+        """``x @ weight.T``, every output element reduced over k in one fixed order (see
+        the C source) whatever the rows and threads.
+
+        Args:
+            x: ``[rows, K]`` float32 on the CPU, rows contiguous (row stride free).
+            weight: ``[N, K]`` float32, contiguous (as ``nn.Linear`` stores it).
+            out: ``[rows, N]`` float32 to write into (rows contiguous), or None.
+            threads: OpenMP threads (default ``torch.get_num_threads()``).
+        Returns:
+            ``[rows, N]`` float32.
+        Raises:
+            ValueError: for other dtypes, devices, shapes or layouts.
+        """
+        rows, k = x.shape
+        if weight.shape[1] != k or not weight.is_contiguous() or x.stride(1) != 1:
+            raise ValueError(f"shapes {tuple(x.shape)} @ {tuple(weight.shape)}.T or layouts "
+                             "do not fit: x [rows, K] with contiguous rows, weight [N, K] "
+                             "contiguous")
+        if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.is_cuda:
+            raise ValueError("the native kernels take float32 tensors on the CPU")
+        n = weight.shape[0]
+        if out is None:
+            out = torch.empty(rows, n, dtype=torch.float32)
+        self._linear(x.data_ptr(), x.stride(0), rows, k, weight.data_ptr(), n,
+                     out.data_ptr(), out.stride(0),
+                     torch.get_num_threads() if threads is None else threads,
+                     ISAS.index(self.isa))
+        return out
+
+
+def load() -> NativeKernels | None:
+    """The compiled kernels (compiled now if this source version never was), or None where
+    they cannot be built or loaded (no C compiler, ``EXACTSPEC_NATIVE_KERNELS=0``); the
+    reason is logged once as a warning."""
+    global _loaded
+    with _lock:
+        if _loaded is False:
+            _loaded = _build_and_load()
+        return _loaded
+
+
+def _build_and_load() -> NativeKernels | None:
+    if os.environ.get("EXACTSPEC_NATIVE_KERNELS", "1") == "0":
+        logger.warning("native kernels off (EXACTSPEC_NATIVE_KERNELS=0): PyTorch's "
+                       "batch-invariant kernels are used")
+        return None
+    try:
+        path = _compile()
+        return NativeKernels(ctypes.CDLL(str(path)), path)
+    except (OSError, subprocess.CalledProcessError, RuntimeError) as error:
+        logger.warning("exactspec's native kernels could not be built or loaded (%s); "
+                       "PyTorch's batch-invariant kernels are used instead (slower for "
+                       "several tokens)", str(error).strip().splitlines()[-1][:300])
+        return None
+
+
+def _compile() -> Path:
+    """The shared library for this source, compiled into the cache if absent."""
+    from exactspec.backends.transformers_backend import cache_root
+
+    source = SOURCE.read_bytes()
+    gomp = _torch_libgomp()
+    # link against PyTorch's own OpenMP runtime where it ships one, so both share a pool
+    omp = [str(gomp), f"-Wl,-rpath,{gomp.parent}"] if gomp else []
+    flags = [*COMPILE_FLAGS, *omp, "-lm"]
+    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"decode_kernels-{digest}.so"
+    if target.exists():
+        return target
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (cc, gcc, or $CC)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run([compiler, "-o", str(built), str(SOURCE), *flags],
+                       check=True, capture_output=True, text=True)
+        os.replace(built, target)  # atomic: another process may be compiling too
+    return target
+
+
+def _torch_libgomp() -> Path | None:
+    """PyTorch's bundled ``libgomp.so.1``, if its build ships one."""
+    found = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
+    return found if found.exists() else None
