@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -157,16 +158,22 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     batch, heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
     scaling = head_dim ** -0.5 if scaling is None else scaling
-    grouped = query.reshape(batch, kv_heads, heads // kv_heads, q_len, head_dim)
     packed = _packed.get()
-    if packed is None:
-        rows = _causal_rows(grouped, key, value, 0, q_len, scaling)
-    else:  # one packed forward of several sequences, each attending to its own cache only
-        rows, offset = [], 0
-        for layers, length in zip(packed.caches, packed.lengths):
-            layer = layers.layers[module.layer_idx]
-            rows += _causal_rows(grouped, layer.keys, layer.values, offset, length, scaling)
-            offset += length
+    sequences = ([(key, value, 0, q_len)] if packed is None else  # (keys, values, offset, length)
+                 [(layers.layers[module.layer_idx].keys, layers.layers[module.layer_idx].values,
+                   offset, length) for layers, length, offset in zip(
+                       packed.caches, packed.lengths, itertools.accumulate(packed.lengths,
+                                                                           initial=0))])
+    if batch == 1 and query.dtype == torch.float32 and query.device.type == "cpu" \
+            and native.load() is not None:
+        output = query.new_empty(q_len, heads, head_dim)
+        for keys, values, offset, length in sequences:
+            native.load().attention(query[0, :, offset:offset + length], keys[0], values[0],
+                                    scaling, output[offset:offset + length])
+        return output[None], None
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, q_len, head_dim)
+    rows = [row for keys, values, offset, length in sequences
+            for row in _causal_rows(grouped, keys, values, offset, length, scaling)]
     output = torch.stack(rows, dim=3).reshape(batch, heads, q_len, head_dim)
     return output.transpose(1, 2).contiguous(), None
 

@@ -63,6 +63,11 @@ class NativeKernels:
         library.es_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ctypes.c_int,
                                       ctypes.c_int]
         library.es_linear.restype = None
+        library.es_attention.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64,
+                                         i64, i64, i64, ctypes.c_float, ptr, i64, i64, ptr,
+                                         ctypes.c_int, ctypes.c_int]
+        library.es_attention.restype = None
+        self._attention = library.es_attention
         self.best_isa = ISAS[library.es_best_isa()]
         self.isa = self.best_isa
         self._linear = library.es_linear
@@ -99,11 +104,45 @@ class NativeKernels:
         return out
 
 
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  scale: float, out: torch.Tensor, threads: int | None = None) -> None:
+        """Causal attention of one sequence's last ``q`` positions, each query over exactly
+        the keys up to its position, with the arithmetic of a one-token step there (the C
+        source gives the order); grouped-query heads share their kv head.
+
+        Args:
+            query: ``[heads, q, head_dim]`` float32 (any strides, head_dim contiguous).
+            key, value: ``[kv_heads, L, head_dim]`` float32, L ≥ q (the sequence's cache,
+                these queries' keys last).
+            scale: the scores' factor (head_dim ** -0.5 for Llama).
+            out: ``[q, heads, head_dim]`` float32 written in place (head_dim contiguous).
+            threads: OpenMP threads (default ``torch.get_num_threads()``); they take whole
+                heads.
+        Raises:
+            ValueError: for layouts the kernel does not take.
+        """
+        heads, q_len, head_dim = query.shape
+        kv_heads, length, _ = key.shape
+        if (any(t.stride(-1) != 1 for t in (query, key, value, out)) or length < q_len
+                or heads % kv_heads or any(t.dtype != torch.float32 for t in (query, key, value, out))):
+            raise ValueError("attention takes float32 query [H, q, d], key/value [Hkv, L ≥ q, d] "
+                             "and out [q, H, d] with the last dim contiguous, H a multiple of Hkv")
+        threads = torch.get_num_threads() if threads is None else threads
+        scratch = torch.empty(max(threads, 1) * length, dtype=torch.float32)
+        self._attention(query.data_ptr(), q_len, heads, head_dim, query.stride(1),
+                        query.stride(0), key.data_ptr(), value.data_ptr(), kv_heads, length,
+                        key.stride(0), key.stride(1), value.stride(0), value.stride(1), scale,
+                        out.data_ptr(), out.stride(0), out.stride(1), scratch.data_ptr(), threads,
+                        ISAS.index(self.isa))
+
+
 def load() -> NativeKernels | None:
     """The compiled kernels (compiled now if this source version never was), or None where
     they cannot be built or loaded (no C compiler, ``EXACTSPEC_NATIVE_KERNELS=0``); the
     reason is logged once as a warning."""
     global _loaded
+    if _loaded is not False:  # the hot path: once per product, no lock
+        return _loaded
     with _lock:
         if _loaded is False:
             _loaded = _build_and_load()

@@ -186,3 +186,109 @@ void es_linear(const float *x, int64_t ldx, int64_t rows, int64_t K, const float
         if (j0 < j1) columns(isa, x, ldx, rows, K, w, y, ldy, j0, j1);
     }
 }
+
+/* ---- attention for a block of queries ----
+ *
+ * es_attention: for each query i of one sequence (the last nq positions of its L keys) and
+ * each head h (grouped-query: kv head h / (H / Hkv)), over exactly the keys it may see,
+ * j < L - nq + 1 + i:
+ *
+ *     s_j = dot(q, k_j) * scale      dot: 8 lanes of fma over d in order, then hsum8, then
+ *                                    the d % 8 last dims in order (as the linear kernel)
+ *     m = max_j s_j;  e_j = expf(s_j - m);  sum = e_0 + e_1 + ... in order of j
+ *     out[c] = (fma over j in order of e_j * v_j[c]) / sum      for each dim c on its own
+ *
+ * so each query's arithmetic is that of a one-token step at its position, whatever the
+ * other queries, their number or the thread split (threads take whole heads). The AVX2 path
+ * and the portable path give the same bits; there is no AVX-512 path. */
+
+static float dot_portable8(const float *a, const float *b, int64_t d) {
+    return dot_portable(a, b, d);
+}
+
+__attribute__((target("avx2,fma"))) static float dot_avx2(const float *a, const float *b,
+                                                          int64_t d) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 8 <= d; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc);
+    float s = hsum8(acc);
+    for (; c < d; c++) s = fmaf(a[c], b[c], s);
+    return s;
+}
+
+/* out[0..d) = sum_j e[j] * v[j*ldv + c], fma in order of j, each dim on its own */
+__attribute__((target("avx2,fma"))) static void weighted_sum_avx2(
+    const float *e, int64_t n, const float *v, int64_t ldv, int64_t d, float *out) {
+    int64_t c = 0;
+    for (; c + 32 <= d; c += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j < n; j++) {
+            __m256 w = _mm256_broadcast_ss(e + j);
+            const float *row = v + j * ldv + c;
+            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row), a0);
+            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8), a1);
+            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 16), a2);
+            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 24), a3);
+        }
+        _mm256_storeu_ps(out + c, a0);
+        _mm256_storeu_ps(out + c + 8, a1);
+        _mm256_storeu_ps(out + c + 16, a2);
+        _mm256_storeu_ps(out + c + 24, a3);
+    }
+    for (; c + 8 <= d; c += 8) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++)
+            a = _mm256_fmadd_ps(_mm256_broadcast_ss(e + j), _mm256_loadu_ps(v + j * ldv + c), a);
+        _mm256_storeu_ps(out + c, a);
+    }
+    for (; c < d; c++) {
+        float a = 0.0f;
+        for (int64_t j = 0; j < n; j++) a = fmaf(e[j], v[j * ldv + c], a);
+        out[c] = a;
+    }
+}
+
+static void weighted_sum_portable(const float *e, int64_t n, const float *v, int64_t ldv,
+                                  int64_t d, float *out) {
+    for (int64_t c = 0; c < d; c++) {
+        float a = 0.0f;
+        for (int64_t j = 0; j < n; j++) a = fmaf(e[j], v[j * ldv + c], a);
+        out[c] = a;
+    }
+}
+
+/* q: element (i, h, c) at q[i*sq + h*sh + c]; k, v: (kvh, j, c) at [kvh*skh + j*skj + c];
+ * out: (i, h, c) at out[i*so + h*soh + c]; scratch: threads * L floats. */
+void es_attention(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, int64_t sh,
+                  const float *k, const float *v, int64_t Hkv, int64_t L, int64_t skh,
+                  int64_t skj, int64_t svh, int64_t svj, float scale, float *out, int64_t so,
+                  int64_t soh, float *scratch, int threads, int isa) {
+    int64_t group = H / Hkv;
+    if (threads < 1) threads = 1;
+    if (threads > H) threads = (int)H;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t h = 0; h < H; h++) {
+        float *e = scratch + (int64_t)omp_get_thread_num() * L;
+        const float *kh = k + (h / group) * skh, *vh = v + (h / group) * svh;
+        for (int64_t i = 0; i < nq; i++) {
+            const float *qi = q + i * sq + h * sh;
+            int64_t visible = L - nq + 1 + i;
+            float m = -INFINITY;
+            for (int64_t j = 0; j < visible; j++) {
+                float s = (isa >= 1 ? dot_avx2(qi, kh + j * skj, d)
+                                    : dot_portable8(qi, kh + j * skj, d)) * scale;
+                e[j] = s;
+                if (s > m) m = s;
+            }
+            float sum = 0.0f;
+            for (int64_t j = 0; j < visible; j++) {
+                e[j] = expf(e[j] - m);
+                sum += e[j];
+            }
+            float *o = out + i * so + h * soh;
+            if (isa >= 1) weighted_sum_avx2(e, visible, vh, svj, d, o);
+            else weighted_sum_portable(e, visible, vh, svj, d, o);
+            for (int64_t c = 0; c < d; c++) o[c] = o[c] / sum;
+        }
+    }
+}
