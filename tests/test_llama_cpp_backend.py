@@ -237,3 +237,36 @@ def test_load_time_check_is_timed(tmp_path):
 
     backend = LlamaCppBackend.load(write_tiny_gguf(tiny_model(0), tmp_path / "t.gguf"), threads=1)
     assert 0 < backend.seconds_per_token_at_load < 60
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("weight_type", ["F32", "Q8_0"])
+def test_weights_converted_to_another_type_decode_exactly(tmp_path, monkeypatch, weight_type):
+    """F32 of an F32 file is the same model bit for bit; Q8_0 rounds the weights, and the
+    converted model is batch-invariant and decodes speculatively as it decodes plainly."""
+    from pathlib import Path
+
+    import torch
+
+    from exactspec import PromptLookupProposer, SamplingParams, SpeculativeGenerator
+    from exactspec.backends.gguf_types import converted_gguf
+    from tiny_gguf import write_tiny_gguf
+
+    monkeypatch.setenv("EXACTSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tiny_model(0), tmp_path / "tiny.gguf")
+    original = LlamaCppBackend.load(path, threads=1)
+    converted = LlamaCppBackend.load(path, threads=1, weight_type=weight_type)
+    assert converted.description.endswith(f"weights converted to {weight_type}")
+    assert converted_gguf(path, weight_type) == Path(converted.llama.model_path)  # cached
+    assert converted.batch_invariant
+    prompt = converted.tokenizer.encode("abcabcab")
+    original.prefill(prompt[:-1])
+    converted.prefill(prompt[:-1])
+    same = torch.equal(original.forward(prompt[-1:]), converted.forward(prompt[-1:]))
+    assert same == (weight_type == "F32")
+    params = SamplingParams(max_new_tokens=24)
+    plain = SpeculativeGenerator(converted, None).generate(prompt, params).token_ids
+    drafted = SpeculativeGenerator(converted, PromptLookupProposer(1, 3), 4, "constant")
+    assert drafted.generate(prompt, params).token_ids == plain
+    with pytest.raises(ValueError, match="weight type 'Q4' is invalid: choose one of F32"):
+        LlamaCppBackend.load(path, weight_type="Q4")

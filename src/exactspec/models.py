@@ -240,7 +240,7 @@ def choose_backend(path: Path, backend: str = "auto", *, device: str = "auto",
 def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
                device: str = "auto", dtype: str | None = None,
                threads: int | None = None, kernels: str | None = None,
-               max_model_len: int | None = None) -> Backend:
+               max_model_len: int | None = None, weight_type: str | None = None) -> Backend:
     """Load a model on the transformers or the llama.cpp backend.
 
     Args:
@@ -261,6 +261,9 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
             model's context; llama.cpp at most its ``DEFAULT_CONTEXT_LENGTH``). On llama.cpp
             it is also the KV cache allocated per sequence, so batched decoding's memory
             grows with ``max_model_len`` × its batch size.
+        weight_type: llama.cpp only: the GGUF file's weights converted to ``F32`` (the same
+            weights), ``BF16``, ``F16`` or ``Q8_0`` (rounded), see
+            :mod:`~exactspec.backends.gguf_types`; None: as the file has them.
     Returns:
         a :class:`~exactspec.backends.base.Backend`.
     Raises:
@@ -277,7 +280,12 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
     if choose_backend(path, backend, device=device, dtype=dtype, kernels=kernels) == "llama_cpp":
         from exactspec.backends.llama_cpp_backend import LlamaCppBackend
 
-        return LlamaCppBackend.load(path, threads=threads, context_length=max_model_len)
+        return LlamaCppBackend.load(path, threads=threads, context_length=max_model_len,
+                                    weight_type=weight_type)
+    if weight_type is not None:
+        raise ValueError(f"weight type {weight_type!r} (--weight-type) applies to the llama_cpp "
+                         "backend only, and this model runs on transformers (--dtype chooses "
+                         "its weights' type)")
     if threads is not None:
         raise ValueError("threads (--threads) applies to the llama_cpp backend only, and this "
                          "model runs on transformers (it uses torch's threads: set "

@@ -216,7 +216,8 @@ class LlamaCppBackend:
 
     @classmethod
     def load(cls, path: str | Path, *, threads: int | None = None,
-             context_length: int | None = None) -> LlamaCppBackend:
+             context_length: int | None = None,
+             weight_type: str | None = None) -> LlamaCppBackend:
         """Load a ``.gguf`` file on the CPU.
 
         Args:
@@ -225,11 +226,14 @@ class LlamaCppBackend:
                 cores this process may use).
             context_length: KV cache size in tokens, per sequence (default: the model's own
                 context, at most :data:`DEFAULT_CONTEXT_LENGTH`).
+            weight_type: run the file's weights converted to this GGUF type (``F32``,
+                ``BF16``, ``F16``, ``Q8_0``; converted once and cached, see
+                :mod:`~exactspec.backends.gguf_types`), None: as the file has them.
         Raises:
             LlamaCppNotInstalledError: if llama-cpp-python is not installed.
             FileNotFoundError: if ``path`` does not exist.
-            ValueError: if ``path`` is not a GGUF file, threads/context_length < 1, or
-                context_length above the model's own context.
+            ValueError: if ``path`` is not a GGUF file, threads/context_length < 1,
+                context_length above the model's own context, or an unknown weight_type.
             UnsupportedModelError: see the class.
         """
         import_llama_cpp()  # fail first, with the install command
@@ -249,8 +253,15 @@ class LlamaCppBackend:
         elif trained and context_length > trained:
             raise ValueError(f"context_length = {context_length} is invalid: {path.name}'s "
                              f"context holds {trained} tokens")
-        return cls(new_llama(path, threads=threads or default_threads(),
-                             context_length=context_length))
+        if weight_type is not None:
+            from exactspec.backends.gguf_types import converted_gguf
+
+            path = converted_gguf(path, weight_type)
+        backend = cls(new_llama(path, threads=threads or default_threads(),
+                                context_length=context_length))
+        if weight_type is not None:
+            backend.description += f", weights converted to {weight_type}"
+        return backend
 
     def new_llama(self, **overrides):
         """Another ``llama_cpp.Llama`` on the same file, threads and context size, with
