@@ -104,6 +104,37 @@ def test_a_long_prompt_joins_in_chunks_while_the_others_decode(make_backend):
     assert outputs[long][0].stats.prefill_seconds > 0
 
 
+def test_a_short_prompt_arriving_during_a_long_prefill_is_not_blocked_behind_it(make_backend):
+    """No row decodes: a long prompt is still prefilled one chunk per cycle, so a short one
+    submitted after its first chunk joins at the next cycle, is prefilled first, and emits
+    its first token while the long one is still being prefilled; both outputs equal decoding
+    alone."""
+    target = make_backend(0, max_context=4096)
+    chunk = target.prefill_chunk_size
+    long_prompt = [(5 * i + 1) % 64 for i in range(4 * chunk + 30)]
+    batched = BatchedGenerator(SpeculativeGenerator(target, PromptLookupProposer(1, 3), 4,
+                                                    "constant"), max_batch_size=2)
+    events = []
+    params = SamplingParams(max_new_tokens=5)
+    long = batched.submit(long_prompt, params,
+                          on_commit=lambda sample, tokens: events.append("long"))
+    outputs = batched.step()  # the long prompt's first chunk
+    short = batched.submit(PROMPTS[0], params,
+                           on_commit=lambda sample, tokens: events.append("short"))
+    cycles_to_first_short = None
+    cycles = 0
+    while batched.num_active or batched.num_waiting:
+        outputs.update(batched.step())
+        cycles += 1
+        if "short" in events and cycles_to_first_short is None:
+            cycles_to_first_short = cycles
+    assert cycles_to_first_short <= 2  # one cycle to prefill, one to decode its first token
+    assert events[0] == "short"  # before the long prompt's first token
+    plain = SpeculativeGenerator(make_backend(0, max_context=4096), None)
+    assert outputs[short][0].token_ids == plain.generate(PROMPTS[0], params).token_ids
+    assert outputs[long][0].token_ids == plain.generate(long_prompt, params).token_ids
+
+
 @pytest.mark.parametrize("policy", ["constant", "auto"])
 @pytest.mark.parametrize("drafter", ["none", "prompt-lookup", "suffix"])
 def test_greedy_rows_equal_decoding_them_alone(drafter, policy, make_backend):

@@ -371,16 +371,18 @@ class BatchedGenerator:
 
     def _prefill(self, finished: dict[int, RequestOutput]) -> None:
         """Prefill the prompts of rows that joined, ``prefill_chunk_size`` tokens per cycle
-        while other rows decode (chunked prefill: Agrawal et al. 2023, "Sarathi"), so that a
-        long prompt does not stall them, or all at once when none decode. The chunks start
-        at multiples of the chunk size, so the cache is bit for bit the one-call prefill's
+        in all (chunked prefill: Agrawal et al. 2023, "Sarathi"), the prompts with the fewest
+        tokens left first: a long prompt neither stalls the rows that decode nor the
+        requests that arrive during its prefill (they join at the next cycle, and a short
+        prompt is prefilled before the long one's next chunk). The chunks start at
+        multiples of the chunk size, so the cache is bit for bit the one-call prefill's
         (:meth:`~exactspec.backends.base.BatchBackend.extend_sequence`). A row whose prompt
         is in starts its first sample."""
         chunk = self.target.prefill_chunk_size
-        budget = chunk if any(row.sample is not None for row in self._active) else float("inf")
-        for row in self._active:
-            if row.sample is not None or row.request_id in finished:
-                continue
+        budget = chunk
+        joining = [row for row in self._active
+                   if row.sample is None and row.request_id not in finished]
+        for row in sorted(joining, key=lambda row: len(row.prompt_token_ids) - row.num_prefilled):
             end = len(row.prompt_token_ids) - 1  # the cache holds all but the last token
             try:
                 while row.num_prefilled < end:
