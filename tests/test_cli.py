@@ -102,7 +102,7 @@ def test_bad_arguments_exit_2_naming_the_value(args, message, capsys):
 
 
 def test_backend_options_that_do_not_fit_are_clear_errors(model_folder, capsys):
-    code, _, err = run(capsys, "hi", "--model", model_folder, "--threads", "2")
+    code, _, err = run(capsys, "hi", "--model", model_folder, "--weight-type", "q8_0")
     assert code == 1 and "applies to the llama_cpp backend only" in err
     code, _, err = run(capsys, "hi", "--model", model_folder, "--backend", "llama_cpp")
     assert code == 1 and ("loads .gguf files" in err or "llama-cpp-python" in err)
@@ -201,8 +201,10 @@ def test_audit_command_writes_its_report(model_folder, tmp_path, capsys):
                      "--prompt", "hello hello hel", "--samples", "300", "--tokens", "2",
                      "--greedy-tokens", "8", "--proposer", "prompt-lookup:ngram=1-3",
                      "--output", str(out)])
-    report = capsys.readouterr().out
+    report, err = capsys.readouterr()
     assert "2 of 2 prompts token-for-token identical" in report
+    line = [line for line in err.splitlines() if line.startswith("verdict: ")]
+    assert len(line) == 1 and (code != 0 or "deviation above TV 0." in line[0])
     assert "Power check" in report
     assert {p.name for p in out.iterdir()} == {"audit.json", "report.md", "prompt-0.png",
                                                "prompt-1.png"}
@@ -401,6 +403,10 @@ def test_bench_with_unstable_measurements_says_so_and_exits_3(model_folder, tmp_
                           "as more tokens are scored: 3 tokens took 379.0 ms, 9.6× less than "
                           "1 (3656.0 ms)\n")
     assert f"warning: {headline}\n- target forward cost falls" in " ".join(err.split(" "))
+    verdict = err.strip().splitlines()[-1]
+    assert verdict.startswith("verdict: prompt-lookup:k=2 was the fastest")
+    assert verdict.endswith("greedy outputs differing from plain decoding: 0; timings "
+                            "disturbed: see the warning above, compare nothing")
 
 
 def test_bench_checks_method_models_before_loading(model_folder, tmp_path, capsys, no_loading):

@@ -191,6 +191,30 @@ def test_greedy_trace_shows_argmax_matches():
         PROMPT, params).token_ids
 
 
+def test_drafts_past_a_stop_are_marked_so_and_an_empty_draft_says_so(tmp_path):
+    """A stop string ends generation inside a block of accepted drafts: the drafts after
+    it are neither committed nor called accepted; a cycle whose drafter found nothing keeps
+    the k its policy chose and says that nothing was drafted."""
+    target = tiny_backend(2)
+    generator = SpeculativeGenerator(target, PromptLookupProposer(1, 3), 4, "constant")
+    free = generator.generate(PROMPT, SamplingParams(max_new_tokens=60), trace=True)
+    cycle = next(c for c in free.trace if sum(d.verdict == "accepted" for d in c.drafts) >= 2)
+    before = sum(len(c.committed) for c in free.trace[:cycle.index])
+    stop_text = target.tokenizer.decode(free.token_ids[:before + 1])  # ends at the first draft
+    params = SamplingParams(max_new_tokens=60, stop=(stop_text,))
+    result = generator.generate(PROMPT, params, trace=True)
+    last = result.trace[-1]
+    assert result.finish_reason == "stop" and last.index == cycle.index
+    assert [d.verdict for d in last.drafts][:2] == ["accepted", "past the stop"]
+    assert len(last.committed) == 1
+    assert "past the stop" not in {d.verdict for c in free.trace for d in c.drafts}
+    free.trace[0] = CycleTrace(0, 0, 3, [], free.trace[0].committed)  # k = 3, none drafted
+    page, _ = write_trace(tmp_path / "trace.html", [free, result], target.tokenizer.decode, {})
+    html = page.read_text()
+    assert "3, 0 drafted" in html and "the drafter found nothing to draft" in html
+    assert "past the stop" in html
+
+
 def test_no_trace_unless_asked():
     result = SpeculativeGenerator(tiny_backend(0), PromptLookupProposer(1, 3)).generate(
         PROMPT, SamplingParams(max_new_tokens=8))

@@ -38,6 +38,7 @@ from exactspec.proposers.base import Proposer
 from exactspec.sampling import SamplingParams, make_rng
 from exactspec.speculation_length import (Choice, ForwardCost, SpeculationLengthPolicy,
                                           batch_speculation_lengths, survival)
+from exactspec.threads import torch_threads
 
 DEFAULT_MAX_BATCH_SIZE = 8
 """Rows decoded together when none is given."""
@@ -275,7 +276,8 @@ class BatchedGenerator:
         """
         self._stepping = True
         try:
-            finished = self._cycle()
+            with torch_threads(1):  # host-side work; the backend chooses its own (threads.py)
+                finished = self._cycle()
         finally:
             self._stepping = False
         for request_id in finished:

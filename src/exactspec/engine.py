@@ -32,6 +32,7 @@ from exactspec.sampling import SamplingParams, make_rng
 from exactspec.speculation_length import (DEFAULT_POLICY, Choice, SpeculationLengthPolicy,
                                           make_policy)
 from exactspec.stopping import StopChecker
+from exactspec.threads import torch_threads
 from exactspec.trace.record import CycleTrace, trace_cycle
 from exactspec.verification import greedy_accept_length, rejection_sample
 
@@ -379,8 +380,9 @@ class SpeculativeGenerator:
         for index in range(n):
             self.target.rollback(self.target.num_cached_tokens - (len(prompt_token_ids) - 1))
             emit = None if on_commit is None else functools.partial(on_commit, index)
-            results.append(self._decode(prompt_token_ids, pipeline, rng, timed, start,
-                                        prefill_seconds, emit, [] if trace else None))
+            with torch_threads(1):  # host-side work; the backend chooses its own (threads.py)
+                results.append(self._decode(prompt_token_ids, pipeline, rng, timed, start,
+                                            prefill_seconds, emit, [] if trace else None))
             start, prefill_seconds = time.perf_counter(), 0.0
         return results
 

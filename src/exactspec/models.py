@@ -254,9 +254,11 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
             :mod:`~exactspec.backends.batch_invariant`. The backend's ``batch_invariant``
             says whether greedy output is bit-identical to plain decoding on this choice,
             dtype and device.
-        threads: llama.cpp only: CPU threads (default: half the cores this process may use;
-            all of them are faster on an idle machine but collapse when another process
-            takes a core, see README).
+        threads: CPU threads. llama.cpp: its threads (default: half the cores this process
+            may use; all of them are faster on an idle machine but collapse when another
+            process takes a core, see README). transformers: the most a forward uses
+            (default: PyTorch's count); each forward runs with one or this many, whichever
+            is measured faster (:class:`~exactspec.threads.ThreadChooser`).
         max_model_len: most tokens (prompt + generated) a sequence may hold (default: the
             model's context; llama.cpp at most its ``DEFAULT_CONTEXT_LENGTH``). On llama.cpp
             it is also the KV cache allocated per sequence, so batched decoding's memory
@@ -286,12 +288,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
         raise ValueError(f"weight type {weight_type!r} (--weight-type) applies to the llama_cpp "
                          "backend only, and this model runs on transformers (--dtype chooses "
                          "its weights' type)")
-    if threads is not None:
-        raise ValueError("threads (--threads) applies to the llama_cpp backend only, and this "
-                         "model runs on transformers (it uses torch's threads: set "
-                         "OMP_NUM_THREADS)")
     from exactspec.backends.transformers_backend import TransformersBackend
 
     return TransformersBackend.load(path, device=device, dtype=dtype or "float32",
                                     kernels=kernels or "batch-invariant",
-                                    max_model_len=max_model_len)
+                                    max_model_len=max_model_len, threads=threads)

@@ -6,7 +6,7 @@ from exactspec.audit.engines import BatchedEngine, EngineUnderTest, ExactspecEng
 from exactspec.audit.reference import next_token_probs
 from exactspec.audit.report import write_audit_report
 from exactspec.audit.runner import (AuditResult, audit_distribution, check_greedy, fit_prompt,
-                                    verdict)
+                                    verdict, verdict_line)
 
 AUDIT_PROMPTS = (
     "red green blue red green blue red green blue red green",
@@ -19,4 +19,5 @@ AUDIT_PROMPTS = (
 
 __all__ = ["AUDIT_PROMPTS", "AuditResult", "BROKEN_VERIFIERS", "BrokenGenerator",
            "BatchedEngine", "EngineUnderTest", "ExactspecEngine", "PeerEngine", "audit_distribution",
-           "check_greedy", "fit_prompt", "next_token_probs", "verdict", "write_audit_report"]
+           "check_greedy", "fit_prompt", "next_token_probs", "verdict", "verdict_line",
+           "write_audit_report"]

@@ -151,7 +151,7 @@ def _plot(test: PromptTest, result: AuditResult, decode, path: Path) -> Path:
         ax.set_xticks(x, labels, rotation=40, ha="right", fontsize=8)
         ax.legend(fontsize=8)
     ax.set_ylabel("probability")
-    ax.set_title(f"prompt {test.prompt_index}, first token: p = {position.p_value:.3g}, "
+    ax.set_title(f"prompt {test.prompt_index}, first token: p-value {position.p_value:.3g}, "
                  f"TV = {position.tv:.3f}")
     fig.tight_layout()
     with replaced_atomically(path) as partial:

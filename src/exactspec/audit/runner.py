@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -221,7 +222,7 @@ def verdict(result: AuditResult, decode: Callable[[list[int]], str] | None = Non
             if position.rejected:
                 deviations.append(
                     f"prompt {test.prompt_index}, token {position.position}: the next-token "
-                    f"distribution deviates from the target's (p = {position.p_value:.2e}, "
+                    f"distribution deviates from the target's (p-value {position.p_value:.2e}, "
                     f"mean TV = {position.tv:.3f})")
     if result.control is None:
         doubts.append("no broken control was run, so the test's power is unchecked")
@@ -240,6 +241,24 @@ def verdict(result: AuditResult, decode: Callable[[list[int]], str] | None = Non
         "(this engine does not report how much it drafted)"]
     result.verdict = "NOT exact" if deviations else "inconclusive" if doubts else "exact"
     return result
+
+
+def verdict_line(result: AuditResult, quick: bool = False) -> str:
+    """The audit's outcome in one sentence a newcomer can act on: for ``exact``, the largest
+    deviation (total variation) this run could have missed at some tested token, so a
+    coarse run says it is coarse; otherwise the first reason."""
+    if result.verdict != "exact":
+        return f"verdict: {result.verdict}: {result.reasons[0]}"
+    detectable = [p.detectable_tv for t in result.distribution.prompts for p in t.positions
+                  if math.isfinite(p.detectable_tv)]
+    if not detectable:
+        return "verdict: exact (no position had enough samples to state a detectable deviation)"
+    line = (f"verdict: exact at the power of this run: at every token tested, a deviation "
+            f"above TV {max(detectable):.2f} from the target's distribution would have been "
+            "caught (with probability 0.8)")
+    if quick:
+        line += "; --quick is coarse: raise --samples (e.g. 5000) for a statement near TV 0.05"
+    return line
 
 
 def describe_impossible(impossible: Impossible,

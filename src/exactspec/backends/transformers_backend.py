@@ -20,12 +20,14 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 
 import torch
 
 from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, chat_messages,
                                      check_batch_invariance, check_sequence_invariance)
 from exactspec.backends import native
+from exactspec.threads import ThreadChooser, torch_threads
 from exactspec.backends.batch_invariant import (KERNELS, PackedSequences, kernel_mode,
                                                  native_kernels_apply, packed_sequences,
                                                  use_exactspec_kernels)
@@ -88,6 +90,10 @@ class TransformersBackend:
             whether scored alone or in a block; exactspec's native kernels where they
             build, see ``description``) or ``fast`` (PyTorch's own kernels, equal only up
             to rounding); see :mod:`~exactspec.backends.batch_invariant`.
+        threads: the most CPU threads a forward uses (default: PyTorch's count at
+            construction); each decode-phase forward runs with one thread or this many,
+            whichever :class:`~exactspec.threads.ThreadChooser` measures faster (one while
+            another process takes a core), prefill with this many.
     Attributes:
         batch_invariant: the result of the bit-identity check run at construction.
         supports_batches: True: besides its one sequence (``prefill``/``forward``/``rollback``)
@@ -103,12 +109,13 @@ class TransformersBackend:
     """
 
     def __init__(self, model, tokenizer, eos_token_ids: Sequence[int] | None = None,
-                 kernels: str = "batch-invariant") -> None:
+                 kernels: str = "batch-invariant", threads: int | None = None) -> None:
         from transformers import DynamicCache
 
         if kernels not in KERNELS:
             raise ValueError(f"kernels {kernels!r} is invalid: choose one of {', '.join(KERNELS)}")
         self.kernels = kernels
+        self.threads = ThreadChooser(torch.get_num_threads() if threads is None else threads)
         self.model = model.eval()
         use_exactspec_kernels(model)
         self.tokenizer = tokenizer
@@ -139,7 +146,7 @@ class TransformersBackend:
     @classmethod
     def load(cls, path: str | Path, *, device: str = "auto", dtype: str = "float32",
              gguf_file: str | None = None, kernels: str = "batch-invariant",
-             max_model_len: int | None = None) -> TransformersBackend:
+             max_model_len: int | None = None, threads: int | None = None) -> TransformersBackend:
         """Load a local model folder, or a GGUF file (``path`` ending in .gguf).
 
         Args:
@@ -154,6 +161,7 @@ class TransformersBackend:
             kernels: ``batch-invariant`` (the default) or ``fast``, see the class.
             max_model_len: most tokens (prompt + generated) a sequence may hold (default and
                 most: the model's ``max_position_embeddings``).
+            threads: see the class.
         Raises:
             FileNotFoundError: if ``path`` does not exist, or a folder lacks a config,
                 weights or a tokenizer (``ModelNotFoundError``, naming what is missing).
@@ -188,7 +196,8 @@ class TransformersBackend:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
         finally:
             hf_logging.enable_progress_bar()
-        backend = cls(model.to(resolved_device), HFTokenizer(tokenizer), kernels=kernels)
+        backend = cls(model.to(resolved_device), HFTokenizer(tokenizer), kernels=kernels,
+                      threads=threads)
         if max_model_len is not None:
             limit = backend.max_context_length
             if limit is not None and max_model_len > limit:
@@ -240,10 +249,13 @@ class TransformersBackend:
         # A 4-D mask is used as given: transformers builds none (attention ignores it here).
         mask = torch.zeros((1, 1, len(token_ids), 1), device=self.device)
         packed = PackedSequences(caches, lengths)
-        with kernel_mode(self.kernels), packed_sequences(packed), torch.inference_mode():
+        threads, start = self.threads.choose(len(token_ids)), time.perf_counter()
+        with (kernel_mode(self.kernels), packed_sequences(packed), torch_threads(threads),
+              torch.inference_mode()):
             output = self.model(input_ids=input_ids, position_ids=position_ids,
                                 attention_mask=mask, cache=packed,
                                 use_cache=True, logits_to_keep=len(token_ids))
+        self.threads.record(len(token_ids), threads, time.perf_counter() - start)
         return list(output.logits[0].split(lengths))
 
     def rollback_sequence(self, sequence_id: int, num_tokens: int) -> None:
@@ -280,7 +292,7 @@ class TransformersBackend:
         if limit is not None and cache.get_seq_length() + len(token_ids) > limit:
             raise ValueError(f"{cache.get_seq_length() + len(token_ids)} tokens exceed the "
                              f"model's context of {limit} tokens")
-        with kernel_mode("fast"):
+        with kernel_mode("fast"), torch_threads(self.threads.max_threads):
             for start in range(0, len(token_ids), self.prefill_chunk_size):
                 self._run(token_ids[start:start + self.prefill_chunk_size], num_logits=1,
                           cache=cache)
@@ -288,8 +300,11 @@ class TransformersBackend:
     def forward(self, token_ids: Sequence[int], num_logits: int | None = None) -> torch.Tensor:
         if len(token_ids) == 0:
             raise ValueError("forward needs at least one token")
-        with kernel_mode(self.kernels):
-            return self._run(token_ids, num_logits or len(token_ids))
+        threads, start = self.threads.choose(len(token_ids)), time.perf_counter()
+        with kernel_mode(self.kernels), torch_threads(threads):
+            logits = self._run(token_ids, num_logits or len(token_ids))
+        self.threads.record(len(token_ids), threads, time.perf_counter() - start)
+        return logits
 
     def rollback(self, num_tokens: int) -> None:
         if not 0 <= num_tokens <= self.num_cached_tokens:

@@ -202,6 +202,28 @@ def write_report(results: BenchResults, out_dir: str | Path) -> dict:
     return summary | {"files": [str(f) for f in files], "unstable": unstable}
 
 
+def verdict_line(summary: dict, unstable: Sequence[str] = ()) -> str:
+    """The bench's outcome in one sentence: the fastest method overall against plain
+    decoding with its range over groups, the greedy identity failures, and whether the
+    timings can be trusted."""
+    overall = summary[OVERALL]
+    others = [m for m in overall if m != "plain" and overall[m].get("speedup") is not None]
+    failures = sum(e["mismatches"] or 0 for m, e in overall.items() if not is_peer(m))
+    parts = []
+    if others:
+        best = max(others, key=lambda m: overall[m]["speedup"])
+        by_group = [entry[best]["speedup"] for group, entry in summary.items()
+                    if group != OVERALL and isinstance(entry, dict)  # not "files", "unstable"
+                    and entry.get(best, {}).get("speedup") is not None]
+        parts.append(f"{best} was the fastest, {overall[best]['speedup']:.2f}× plain decoding "
+                     "overall" + (f" ({min(by_group):.2f}–{max(by_group):.2f}× by group)"
+                                  if by_group else ""))
+    parts.append(f"greedy outputs differing from plain decoding: {failures}")
+    parts.append("timings disturbed: see the warning above, compare nothing" if unstable
+                 else "timings steady")
+    return "verdict: " + "; ".join(parts)
+
+
 def markdown(results: BenchResults, summary: dict, unstable: Sequence[str] = ()) -> str:
     """The tables of ``report.md``, after the warnings: an incomplete run, ``unstable``
     measurements (see :func:`instabilities`)."""
@@ -281,6 +303,7 @@ def plot(results: BenchResults, summary: dict, out: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     files = []
     groups = list(summary)
@@ -307,8 +330,9 @@ def plot(results: BenchResults, summary: dict, out: Path) -> list[Path]:
         ax.bar(range(1, len(cycles) + 1), cycles, color="tab:green")
         ax.set_xlabel("cycle")
         ax.set_ylabel("tokens committed")
-        ax.set_title(f"Committed tokens per cycle: {run.method}, question {run.question_id} "
-                     f"({run.group})")
+        ax.set_title(f"Committed tokens per cycle, first 60 cycles: {run.method}, question "
+                     f"{run.question_id} ({run.group}), the run with the longest mean "
+                     "acceptance length", fontsize=9)
         files.append(_save(fig, out / "committed_per_cycle.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -319,6 +343,7 @@ def plot(results: BenchResults, summary: dict, out: Path) -> list[Path]:
             ax.plot(range(1, len(values) + 1), [v if v is not None else float("nan")
                                                 for v in values], marker="o", label=method)
     ax.set_xlabel("draft position")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # positions are whole
     ax.set_ylabel("P(accepted | drafted)")
     ax.set_ylim(0, 1)
     ax.set_title("Acceptance by draft position (all groups)")

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from exactspec import SamplingParams, SpeculativeGenerator
     from exactspec.audit import (AUDIT_PROMPTS, AuditResult, BatchedEngine, BrokenGenerator,
                                  ExactspecEngine, PeerEngine, audit_distribution, check_greedy,
-                                 verdict, write_audit_report)
+                                 verdict, verdict_line, write_audit_report)
     from exactspec.batching import BatchedGenerator
     from exactspec.backends.base import UnsupportedModelError
     from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
@@ -201,5 +201,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     files = write_audit_report(result, args.output, tokenizer.decode)
     print(files[1].read_text())
     console.print(f"wrote {', '.join(str(f) for f in files)}", highlight=False)
+    console.print(verdict_line(result, quick=args.quick), highlight=False, style="bold")
     return 0 if result.verdict == "exact" else 1
 

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from exactspec.backends.llama_cpp_backend import LlamaCppBackend, LlamaCppNotInstalledError
     from exactspec.bench import load_questions, parse_method, run_bench, write_report
     from exactspec.bench.methods import is_peer, parse_method_spec
-    from exactspec.bench.report import UNSTABLE_HEADLINE
+    from exactspec.bench.report import UNSTABLE_HEADLINE, verdict_line
 
     for name in FULL:  # explicit flags win over --quick's sizes
         if getattr(args, name) is None:
@@ -156,6 +156,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         console.print("[bold yellow]warning:[/] " + escape(
             "\n".join([UNSTABLE_HEADLINE] + [f"- {line}" for line in summary["unstable"]])),
             highlight=False)
+    console.print(escape(verdict_line(summary, summary["unstable"])), highlight=False,
+                  style="bold")
     if results.incomplete:
         raise KeyboardInterrupt  # the report says what was kept; exit as interrupted
     failures = sum(e["mismatches"] for m, e in summary["overall"].items() if not is_peer(m))

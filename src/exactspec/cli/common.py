@@ -89,15 +89,24 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                             "same weights unrounded; BF16, F16 and Q8_0 round them, a model "
                             "close to the file's (default: the file's own weights)")
     model.add_argument("--threads", type=positive_int, default=None,
-                       help="llama_cpp backend only: CPU threads (default: half the cores, "
-                            f"here {_default_threads()}). All cores are faster on an idle "
+                       help="CPU threads. llama_cpp: its threads (default: half the cores, "
+                            f"here {_default_threads()}); all cores are faster on an idle "
                             "machine, but collapse (e.g. 100× slower) while another process "
-                            "uses the CPU: then use fewer than the free cores")
+                            "uses the CPU: then use fewer than the free cores. transformers: "
+                            "the most a forward uses (default: PyTorch's, here "
+                            f"{_torch_threads()}); each forward runs on one thread or this "
+                            "many, whichever is measured faster, so a busy core costs little")
     model.add_argument("--max-model-len", type=positive_int, default=None, metavar="TOKENS",
                        help="most tokens (prompt + generated) per request (default: the "
                             "model's context; on llama_cpp at most 8192). On llama_cpp this is "
                             "also the KV cache allocated per sequence (with batched decoding, "
                             "per batch row): a lower one takes less memory")
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _default_threads() -> int:

@@ -42,7 +42,9 @@ class DraftVerdict:
         acceptance_probability: min(1, p/q), 0 when q = 0 (greedy: None).
         uniform: the verifier's uniform u in [0, 1); accepted iff u·q < p (greedy: None).
         target_token_id: greedy only: the target's argmax at this position.
-        verdict: ``accepted``, ``rejected``, or ``not reached`` (after a rejection).
+        verdict: ``accepted``, ``rejected``, ``not reached`` (after a rejection), or ``past
+            the stop`` (after the token that ended generation: neither committed nor
+            counted).
     """
 
     token_id: int
@@ -51,7 +53,7 @@ class DraftVerdict:
     acceptance_probability: float | None
     uniform: float | None
     target_token_id: int | None
-    verdict: Literal["accepted", "rejected", "not reached"]
+    verdict: Literal["accepted", "rejected", "not reached", "past the stop"]
 
 
 @dataclass
@@ -111,6 +113,8 @@ def trace_cycle(index: int, position: int, chosen_k: int, draft_token_ids: list[
     kinds = token_kinds(k, num_accepted, len(committed))
     verdicts = ["accepted"] * num_accepted + ["rejected"] * (num_accepted < k) + [
         "not reached"] * max(0, k - num_accepted - 1)
+    if len(committed) < num_accepted + 1:  # a stop cut the cycle: what follows it is moot
+        verdicts[len(committed):] = ["past the stop"] * (k - len(committed))
     drafts: list[DraftVerdict] = []
     if greedy:
         argmax = greedy_tokens(processed).tolist()
