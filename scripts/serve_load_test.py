@@ -67,6 +67,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-rss-growth", type=float, default=0.10,
                         help="fail if the server's memory grows more than this fraction "
                              "from the end of the first minute (or half the run, if shorter) to the end")
+    parser.add_argument("--long-prompt-tokens", type=int, default=0, metavar="N",
+                        help="also send a prompt of about N tokens: first alone, with a short "
+                             "request 1 s after it (its time to first token: head-of-line "
+                             "blocking), then one every --long-prompt-every seconds during the "
+                             "load; their TTFTs are reported apart (default 0: none)")
+    parser.add_argument("--long-prompt-every", type=float, default=30, metavar="SECONDS",
+                        help="interval between long prompts during the load (30)")
     parser.add_argument("--output", help="folder for report.json")
     return parser.parse_args(argv)
 
@@ -80,6 +87,13 @@ def check_loopback(url: str) -> None:
     if not loopback:
         raise SystemExit(f"--url {url} is not a loopback address: this test only runs on "
                          "this machine")
+
+
+def long_prompt(num_tokens: int) -> str:
+    """A prompt of about ``num_tokens`` tokens (numbered lines of a few words each)."""
+    lines = [f"Line {i}: the {['red', 'green', 'blue', 'grey'][i % 4]} item number {i} is "
+             f"on shelf {i % 17}." for i in range(num_tokens // 14 + 1)]
+    return "Here is an inventory.\n" + "\n".join(lines) + "\nWhich shelf holds item 3?"
 
 
 def load_prompts(args: argparse.Namespace) -> list[str]:
@@ -138,14 +152,55 @@ async def run(args: argparse.Namespace, url: str, pid: int | None) -> dict:
         return dict(model=model, messages=[{"role": "user", "content": prompt}],
                     max_tokens=args.max_tokens, temperature=0)
 
+    async def streamed(prompt: str, sent: float) -> tuple[str, float | None, int, int]:
+        """(text, time of its first text, completion tokens, prompt tokens)."""
+        first, text, tokens, prompt_tokens = None, "", 0, 0
+        stream = await client.chat.completions.create(**request(prompt), stream=True,
+                                                      stream_options={"include_usage": True})
+        async for chunk in stream:
+            if chunk.usage is not None:
+                tokens, prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    first = first or time.monotonic()
+                    text += choice.delta.content
+        return text, first, tokens, prompt_tokens
+
     print(f"references: {len(prompts)} prompts, non-streamed …", flush=True)
     references = [(await client.chat.completions.create(**request(p))).choices[0].message.content
                   for p in prompts]
+    head_of_line = None
+    if args.long_prompt_tokens:
+        print(f"head-of-line probe: a {args.long_prompt_tokens}-token prompt, a short one 1 s "
+              "later …", flush=True)
+        sent = time.monotonic()
+        long_task = asyncio.create_task(streamed(long_prompt(args.long_prompt_tokens), sent))
+        await asyncio.sleep(1)
+        short_sent = time.monotonic()
+        _, short_first, _, _ = await streamed(prompts[0], short_sent)
+        _, long_first, _, long_tokens = await long_task
+        head_of_line = {"long_prompt_tokens": long_tokens,
+                        "long_ttft_seconds": (long_first or time.monotonic()) - sent,
+                        "short_ttft_seconds": (short_first or time.monotonic()) - short_sent}
+        print(json.dumps(head_of_line), flush=True)
     records: list[dict] = []
+    long_records: list[dict] = []
     errors: list[str] = []
     start = time.monotonic()
     end = start + args.seconds
     rss: list[tuple[float, int]] = []
+
+    async def long_prompts() -> None:
+        while args.long_prompt_tokens and time.monotonic() + args.long_prompt_every < end:
+            await asyncio.sleep(args.long_prompt_every)
+            sent = time.monotonic()
+            try:
+                _, first, _, _ = await streamed(long_prompt(args.long_prompt_tokens), sent)
+            except openai.APIError as error:
+                errors.append(f"long prompt: {error}")
+                continue
+            long_records.append({"ttft": (first or time.monotonic()) - sent,
+                                 "seconds": time.monotonic() - sent})
 
     async def one_client(number: int) -> None:
         turn = number
@@ -153,19 +208,8 @@ async def run(args: argparse.Namespace, url: str, pid: int | None) -> dict:
             index = turn % len(prompts)
             turn += args.clients
             sent = time.monotonic()
-            first = None
-            text, tokens = "", 0
             try:
-                stream = await client.chat.completions.create(
-                    **request(prompts[index]), stream=True,
-                    stream_options={"include_usage": True})
-                async for chunk in stream:
-                    if chunk.usage is not None:
-                        tokens = chunk.usage.completion_tokens
-                    for choice in chunk.choices:
-                        if choice.delta.content:
-                            first = first or time.monotonic()
-                            text += choice.delta.content
+                text, first, tokens, _ = await streamed(prompts[index], sent)
             except openai.APIError as error:
                 errors.append(f"client {number}: {error}")
                 continue
@@ -180,7 +224,8 @@ async def run(args: argparse.Namespace, url: str, pid: int | None) -> dict:
             await asyncio.sleep(1)
 
     print(f"load: {args.clients} streaming clients for {args.seconds:.0f} s …", flush=True)
-    await asyncio.gather(watch_memory(), *(one_client(i) for i in range(args.clients)))
+    await asyncio.gather(watch_memory(), long_prompts(),
+                         *(one_client(i) for i in range(args.clients)))
     duration = time.monotonic() - start
     ttfts = sorted(r["ttft"] for r in records)
     checkpoint = min(60.0, args.seconds / 2)
@@ -199,6 +244,9 @@ async def run(args: argparse.Namespace, url: str, pid: int | None) -> dict:
         "rss_after_first_minute_bytes": first_rss, "rss_at_end_bytes": last_rss,
         "rss_growth": (last_rss - first_rss) / first_rss if first_rss else None,
         "rss_checkpoint_seconds": checkpoint,
+        "head_of_line_probe": head_of_line,
+        "long_prompts": len(long_records),
+        "long_prompt_ttft_seconds": [round(r["ttft"], 2) for r in long_records],
     }
 
 

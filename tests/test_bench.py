@@ -181,6 +181,25 @@ def test_a_method_far_from_the_others_in_its_group_is_flagged():
         "prompt-lookup:k=4 on qa: 53.6 tokens/s, 26.8× above the other methods' median (2.0)"]
 
 
+def test_host_overhead_far_above_its_idle_calibration_is_flagged():
+    """The issue 28 run: a busy core made plain decoding's host work 4.6 ms a cycle where
+    the same work takes about 0.1 ms on an idle machine."""
+    results = synthetic({"plain": [20.0]})
+    results.host_seconds_at_start = 0.0001
+    summary = {"overall": {"plain": {"overhead_per_cycle": 0.0046}}}
+    assert instabilities(results, summary) == [
+        "host overhead of plain decoding: 4.60 ms a cycle, 46× the 0.10 ms measured for the "
+        "same work at the start"]
+    summary["overall"]["plain"]["overhead_per_cycle"] = 0.0008  # bookkeeping on top: fine
+    assert instabilities(results, summary) == []
+
+
+def test_host_calibration_times_a_plain_cycles_host_work():
+    from exactspec.bench.runner import measure_host_seconds
+
+    assert 0 < measure_host_seconds(tiny_backend(0), trials=5) < 0.05
+
+
 def test_unstable_measurements_head_the_report(tmp_path):
     results = synthetic({"plain": [20.0, 21.0], "prompt-lookup:k=4": [30.0, 12.0]})
     summary = write_report(results, tmp_path)

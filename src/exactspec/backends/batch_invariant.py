@@ -20,9 +20,10 @@ this docstring; measurements: ``results/kernels-2026-11-30``):
   compiler, a GPU, another dtype) the product is computed by PyTorch on blocks of exactly
   :data:`FALLBACK_ROWS` rows (the last block zero-padded), as ``W @ block.T``: every call
   has the same shape, so the kernel, its blocking and its thread split are the same.
-- **Attention**: each query row is computed as a one-query problem over exactly the keys it
-  may see (``[Hkv, g, d] @ [Hkv, d, L_i]``, softmax, ``@ V[:L_i]``), the same shapes a
-  one-token forward at that position uses.
+- **Attention**: each query over exactly the keys it may see, with a one-token step's
+  arithmetic at that position: the native kernel for a block of queries, else one query
+  row at a time in PyTorch (``[Hkv, g, d] @ [Hkv, d, L_i]``, softmax, ``@ V[:L_i]``, the
+  same shapes a one-token forward at that position uses).
 - Everything else in a Llama-style decoder (embedding, RMSNorm, rotary embedding, SiLU,
   residual additions) already works row by row.
 
@@ -134,9 +135,10 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
               attention_mask: torch.Tensor | None, dropout: float = 0.0,
               scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function interface. Fast kernels: transformers' SDPA.
-    Batch-invariant kernels: one query row at a time, causal over one unpadded sequence
-    whose last ``q`` positions are the queries; inside :func:`packed_sequences` (either
-    kernels), the same per sequence of the packed forward, over that sequence's own cache.
+    Batch-invariant kernels: each query causal over one unpadded sequence whose last ``q``
+    positions are the queries, as a one-token step there (the native kernel, else one query
+    row at a time); inside :func:`packed_sequences` (either kernels), the same per sequence
+    of the packed forward, over that sequence's own cache.
 
     Args:
         query: ``[batch, heads, q, head_dim]``; key, value: ``[batch, kv_heads, L, head_dim]``.
@@ -159,11 +161,12 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     kv_heads = key.shape[1]
     scaling = head_dim ** -0.5 if scaling is None else scaling
     packed = _packed.get()
-    sequences = ([(key, value, 0, q_len)] if packed is None else  # (keys, values, offset, length)
-                 [(layers.layers[module.layer_idx].keys, layers.layers[module.layer_idx].values,
-                   offset, length) for layers, length, offset in zip(
-                       packed.caches, packed.lengths, itertools.accumulate(packed.lengths,
-                                                                           initial=0))])
+    sequences = [(key, value, 0, q_len)]  # (keys, values, first query, queries) per sequence
+    if packed is not None:  # several sequences, each attending to its own cache only
+        offsets = itertools.accumulate(packed.lengths, initial=0)
+        sequences = [(cache.layers[module.layer_idx].keys, cache.layers[module.layer_idx].values,
+                      offset, length)
+                     for cache, length, offset in zip(packed.caches, packed.lengths, offsets)]
     if batch == 1 and query.dtype == torch.float32 and query.device.type == "cpu" \
             and native.load() is not None:
         output = query.new_empty(q_len, heads, head_dim)

@@ -45,6 +45,12 @@ REPETITION_TOLERANCE = 1.5
 """Most one method's tokens/s in one group may differ between repetitions (max/min, ×)."""
 OUTLIER_TOLERANCE = 4.0
 """Most a method's tokens/s in a group may differ from the other methods' median (×)."""
+HOST_TOLERANCE = 4.0
+"""Plain decoding's host overhead per cycle above this many times the idle calibration
+(:func:`~exactspec.bench.runner.measure_host_seconds`) flags the run: host-side work on a
+busy core."""
+HOST_SLACK_SECONDS = 0.0005
+"""Per-cycle bookkeeping the calibration does not time (stop checks, stats), allowed on top."""
 
 
 def summarize(results: BenchResults) -> dict:
@@ -149,9 +155,18 @@ def instabilities(results: BenchResults, summary: dict) -> list[str]:
     tokens are scored (worst pair); a method's tokens/s in a group differs between
     repetitions by more than :data:`REPETITION_TOLERANCE` ×; a method's tokens/s in a group
     is more than :data:`OUTLIER_TOLERANCE` × above or below the median of the group's
-    other methods.
+    other methods; plain decoding's host overhead per cycle is more than
+    :data:`HOST_TOLERANCE` × the idle calibration measured at the start (plus
+    :data:`HOST_SLACK_SECONDS` for the cycle's bookkeeping).
     """
     found = []
+    plain = summary.get(OVERALL, {}).get("plain", {})
+    measured, calibrated = plain.get("overhead_per_cycle"), results.host_seconds_at_start
+    if measured is not None and calibrated \
+            and measured > HOST_TOLERANCE * calibrated + HOST_SLACK_SECONDS:
+        found.append(f"host overhead of plain decoding: {measured * 1000:.2f} ms a cycle, "
+                     f"{measured / calibrated:.0f}× the {calibrated * 1000:.2f} ms measured "
+                     "for the same work at the start")
     cost = sorted((int(n), seconds) for n, seconds in results.forward_seconds.items())
     pairs = [(fewer[1] / more[1], fewer, more) for i, fewer in enumerate(cost)
              for more in cost[i + 1:] if more[1] > 0]
@@ -283,7 +298,10 @@ def markdown(results: BenchResults, summary: dict, unstable: Sequence[str] = ())
                          f"{e['speedup_leviathan']:.2f}× |")
     lines += ["", "## Host-side overhead (exactspec's methods, all groups)", "",
               "Overhead = decoding time outside the target's forward passes: drafting (prompt "
-              "lookup is pure Python), logits processing, verification, bookkeeping.", "",
+              "lookup is pure Python), logits processing, verification, bookkeeping."
+              + ("" if results.host_seconds_at_start is None else
+                 f" A plain cycle's host work measured alone at the start (idle calibration): "
+                 f"{results.host_seconds_at_start * 1000:.2f} ms."), "",
               "| method | cycles | target forward per cycle | overhead per cycle | overhead share |",
               "|---|---|---|---|---|"]
     for method, e in summary[OVERALL].items():

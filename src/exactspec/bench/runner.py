@@ -47,6 +47,7 @@ class BenchResults:
     machine: dict
     forward_seconds: dict[int, float]  # tokens scored in one target forward → seconds
     records: list[Record] = field(default_factory=list)
+    host_seconds_at_start: float | None = None  # a plain cycle's host work, idle calibration
     incomplete: str | None = None  # why fewer runs than planned were made; None: all made
 
     def to_dict(self) -> dict:
@@ -104,6 +105,30 @@ def measure_forward_cost(target: Backend, context_length: int, max_tokens: int,
     return cost
 
 
+def measure_host_seconds(target: Backend, trials: int = 30) -> float:
+    """Median seconds of a plain greedy cycle's host-side work (logits processing, argmax,
+    stop check) on random logits, as the engine runs it (one thread): the calibration the
+    report compares the measured overhead with, to flag a run disturbed by other work."""
+    from exactspec.engine import SpeculativeGenerator
+    from exactspec.logits_pipeline import LogitsPipeline
+    from exactspec.proposers.base import EMPTY_PROPOSAL
+    from exactspec.threads import torch_threads
+
+    generator = SpeculativeGenerator(target, None)
+    params = SamplingParams(max_new_tokens=2)
+    tokens = [1, 2, 3]
+    pipeline = LogitsPipeline(params, tokens, target.vocab_size, target.eos_token_ids, [],
+                              target.device)
+    logits = torch.randn(1, target.vocab_size, generator=torch.Generator().manual_seed(0))
+    times = []
+    with torch_threads(1):
+        for _ in range(trials):
+            start = time.perf_counter()
+            generator._verify(tokens, EMPTY_PROPOSAL, logits, pipeline, None)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def run_bench(target: Backend, questions: list[Question], methods: list[Method], *,
               params: SamplingParams, repetitions: int, chat: bool, config: dict,
               show_progress: bool = True) -> BenchResults:
@@ -127,7 +152,8 @@ def run_bench(target: Backend, questions: list[Question], methods: list[Method],
     max_k = max(m.k for m in methods)
     median_prompt = int(statistics.median(len(p) for p in prompts.values()))
     results = BenchResults(config, machine_info(),
-                           measure_forward_cost(target, median_prompt, max_k + 1))
+                           measure_forward_cost(target, median_prompt, max_k + 1),
+                           host_seconds_at_start=measure_host_seconds(target))
 
     total = len(questions) * repetitions * len(methods)
     blocks = 0

@@ -67,7 +67,7 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
         max_batch_size: most prompts decoded together, in one target forward per cycle
             (:class:`~exactspec.batching.BatchedGenerator`).
     Raises:
-        ValueError: if the default policy cannot run with ``proposer``.
+        ValueError: if the default policy cannot run with ``proposer``, or a key is empty.
     """
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if any(not key for key in api_keys):
