@@ -71,9 +71,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                        help="transformers backend only: batch-invariant (the default: a token "
                             "scored in a verification block gets plain decoding's logits bit for "
                             "bit, so greedy output is identical and sampling uses exactly the "
-                            "same probabilities; exactspec's compiled kernels, which read the "
-                            "weights once for all tokens, else PyTorch's on fixed 2-row "
-                            "blocks) or fast (PyTorch's own "
+                            "same probabilities; exactspec's kernels, compiled with the "
+                            "machine's C compiler on first use, which read the weights once "
+                            "for all tokens; without a compiler, off float32 or on a GPU, "
+                            "PyTorch's on fixed 2-row blocks) or fast (PyTorch's own "
                             "kernels, faster on a CPU; identical only up to rounding, so "
                             "near-tied tokens can flip; implies --allow-batch-variance)")
     model.add_argument("--allow-batch-variance", action="store_true",
@@ -82,20 +83,21 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                             "output is then exact only up to that rounding")
     model.add_argument("--weight-type", default=None, choices=WEIGHT_TYPES, type=str.upper,
                        help="llama_cpp backend only: run the GGUF file's weights converted to "
-                            "this type (converted once, cached): Q8_0 makes scoring several "
-                            "tokens cheaper for speculation at a plain step no slower on the "
-                            "embedded model (each extra token costs about 70%% of a step "
-                            "instead of 80%%; results/llama-weights-2026-12-01); F32 is the "
-                            "same weights unrounded; BF16, F16 and Q8_0 round them, a model "
-                            "close to the file's (default: the file's own weights)")
+                            "this type (converted once, cached). Q8_0 makes each extra token "
+                            "scored cost about 70%% of a plain step instead of 80%% on the "
+                            "embedded model, with a plain step no slower: speculation gains; "
+                            "F32 is the same weights unrounded; BF16, F16 and Q8_0 round "
+                            "them, a model close to the file's (default: the file's own "
+                            "weights, Q4_1 for the embedded model)")
     model.add_argument("--threads", type=positive_int, default=None,
                        help="CPU threads. llama_cpp: its threads (default: half the cores, "
                             f"here {_default_threads()}); all cores are faster on an idle "
                             "machine, but collapse (e.g. 100× slower) while another process "
-                            "uses the CPU: then use fewer than the free cores. transformers: "
-                            "the most a forward uses (default: PyTorch's, here "
-                            f"{_torch_threads()}); each forward runs on one thread or this "
-                            "many, whichever is measured faster, so a busy core costs little")
+                            "uses the CPU: then use at most the cores that are free. "
+                            "transformers: the most a forward uses (default: PyTorch's, here "
+                            f"{_torch_threads()}); each forward runs on either one thread or "
+                            "exactly this many, whichever is measured faster, so a busy core "
+                            "costs little")
     model.add_argument("--max-model-len", type=positive_int, default=None, metavar="TOKENS",
                        help="most tokens (prompt + generated) per request (default: the "
                             "model's context; on llama_cpp at most 8192). On llama_cpp this is "
