@@ -92,7 +92,7 @@ def check_loopback(url: str) -> None:
 def long_prompt(num_tokens: int) -> str:
     """A prompt of about ``num_tokens`` tokens (numbered lines of a few words each)."""
     lines = [f"Line {i}: the {['red', 'green', 'blue', 'grey'][i % 4]} item number {i} is "
-             f"on shelf {i % 17}." for i in range(num_tokens // 14 + 1)]
+             f"on shelf {i % 17}." for i in range(num_tokens // 21)]
     return "Here is an inventory.\n" + "\n".join(lines) + "\nWhich shelf holds item 3?"
 
 

@@ -202,10 +202,6 @@ void es_linear(const float *x, int64_t ldx, int64_t rows, int64_t K, const float
  * other queries, their number or the thread split (threads take whole heads). The AVX2 path
  * and the portable path give the same bits; there is no AVX-512 path. */
 
-static float dot_portable8(const float *a, const float *b, int64_t d) {
-    return dot_portable(a, b, d);
-}
-
 __attribute__((target("avx2,fma"))) static float dot_avx2(const float *a, const float *b,
                                                           int64_t d) {
     __m256 acc = _mm256_setzero_ps();
@@ -276,7 +272,7 @@ void es_attention(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, 
             float m = -INFINITY;
             for (int64_t j = 0; j < visible; j++) {
                 float s = (isa >= 1 ? dot_avx2(qi, kh + j * skj, d)
-                                    : dot_portable8(qi, kh + j * skj, d)) * scale;
+                                    : dot_portable(qi, kh + j * skj, d)) * scale;
                 e[j] = s;
                 if (s > m) m = s;
             }
