@@ -10,7 +10,6 @@ warm-up, decoding tokens/s (prefill excluded), median over prompts. THREADS: "au
 default (transformers: one thread or two per forward, whichever is measured faster;
 llama.cpp: half the cores), "1" / "2" fixed (transformers: the chooser given one count).
 """
-import json
 import statistics
 import subprocess
 import sys
