@@ -92,6 +92,25 @@ def test_native_products_are_bit_identical_for_1_to_16_rows(native_path, threads
                                alone[rows - 1][0])
 
 
+def test_native_kernels_refuse_arguments_they_would_misread():
+    from exactspec.backends import native
+
+    kernels = native.load()
+    if kernels is None:
+        pytest.skip("the native kernels could not be built here (no C compiler?)")
+    weight, x = torch.randn(8, 16), torch.randn(3, 16)
+    for out in (torch.empty(16, 3).t(), torch.empty(3, 8, dtype=torch.float64),
+                torch.empty(2, 8)):
+        with pytest.raises(ValueError):
+            kernels.linear(x, weight, out)
+    query, keys, out = torch.randn(2, 3, 8), torch.randn(1, 6, 8), torch.empty(3, 2, 8)
+    with pytest.raises(ValueError, match="key and value"):
+        kernels.attention(query, keys, torch.randn(1, 3, 8), 0.3, out)  # fewer values
+    with pytest.raises(ValueError, match="key and value"):
+        kernels.attention(query, torch.randn(1, 6, 4), torch.randn(1, 6, 4), 0.3, out)
+    kernels.attention(query, keys, torch.randn(1, 6, 8), 0.3, out)  # fits
+
+
 def test_native_paths_avx2_and_portable_give_the_same_bits():
     """Both sum 8 lanes the same way with fused multiply-adds (the AVX-512 path sums 16)."""
     from exactspec.backends import native

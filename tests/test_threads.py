@@ -75,3 +75,19 @@ def test_a_forward_gives_the_same_logits_on_one_thread_and_on_two():
         packed = target.forward_sequences([(0, prompt[-1:]), (1, prompt[-2:])])
         outputs.append([single, block, *packed])
     assert all(torch.equal(a, b) for a, b in zip(*outputs))
+
+
+def test_without_the_native_kernels_the_thread_count_stays_fixed(monkeypatch):
+    """PyTorch's reductions may split differently with another thread count, so a backend
+    on them never changes its count between forwards."""
+    from exactspec.backends import transformers_backend
+
+    monkeypatch.setattr(transformers_backend, "native_kernels_apply", lambda weight: False)
+    chooser = tiny_backend(0).threads
+    assert not chooser.adaptive
+    assert set(run(chooser, {1: 0.001, 2: 0.100}, 3 * EXPLORE_FIRST)) == {chooser.max_threads}
+    from conftest import CharTokenizer, tiny_model
+    from exactspec.backends import TransformersBackend
+
+    fast = TransformersBackend(tiny_model(0), CharTokenizer(), kernels="fast")
+    assert not fast.threads.adaptive

@@ -12,8 +12,10 @@ busy process, 2 threads decoded 4× slower than 1; README, "Choosing --threads")
   many threads as a :class:`ThreadChooser` finds fastest, from measured forward times:
   every so often one forward runs with the other thread count, and the faster count is
   kept, so the backend moves to one thread while a core is busy and back when it frees.
-  The kernels' results do not depend on the thread count (threads split output columns or
-  heads only), so a change of count never changes a logit.
+  exactspec's native kernels' results do not depend on the thread count (threads split
+  output columns or heads only), so a change of count never changes a logit; where they do
+  not run (PyTorch's kernels, whose reductions may split differently), the count stays
+  fixed.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ SMOOTHING = 0.3
 
 @contextlib.contextmanager
 def torch_threads(num_threads: int) -> Iterator[None]:
-    """PyTorch's intra-op threads set to ``num_threads`` inside the block (a process-wide
-    setting, restored after; setting it costs well under a microsecond)."""
+    """PyTorch's intra-op threads set to ``num_threads`` inside the block, restored after
+    (OpenMP keeps the setting per calling thread; setting it costs well under a
+    microsecond)."""
     before = torch.get_num_threads()
     if before == num_threads:
         yield
@@ -60,14 +63,16 @@ class ThreadChooser:
 
     Args:
         max_threads: the most threads to use (≥ 1); with 1 there is nothing to choose.
+        adaptive: False: always ``max_threads`` (for kernels whose results may depend on
+            the thread count).
     Raises:
         ValueError: for ``max_threads`` < 1.
     """
 
-    def __init__(self, max_threads: int) -> None:
+    def __init__(self, max_threads: int, adaptive: bool = True) -> None:
         if not isinstance(max_threads, int) or isinstance(max_threads, bool) or max_threads < 1:
             raise ValueError(f"threads = {max_threads!r} is invalid: it must be an integer ≥ 1")
-        self.max_threads = max_threads
+        self.max_threads, self.adaptive = max_threads, adaptive
         self.current = max_threads
         self.interval = EXPLORE_FIRST
         self._since_try = 0
@@ -76,8 +81,8 @@ class ThreadChooser:
 
     def choose(self, num_tokens: int) -> int:
         """The thread count for the next forward over ``num_tokens`` tokens."""
-        if self.max_threads == 1:
-            return 1
+        if self.max_threads == 1 or not self.adaptive:
+            return self.max_threads
         self._since_try += 1
         self._trying = (self._since_try >= self.interval
                         and (num_tokens, self.current) in self._seconds)

@@ -163,6 +163,7 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     packed = _packed.get()
     sequences = [(key, value, 0, q_len)]  # (keys, values, first query, queries) per sequence
     if packed is not None:  # several sequences, each attending to its own cache only
+        assert sum(packed.lengths) == q_len, "the packed lengths must cover every query"
         offsets = itertools.accumulate(packed.lengths, initial=0)
         sequences = [(cache.layers[module.layer_idx].keys, cache.layers[module.layer_idx].values,
                       offset, length)

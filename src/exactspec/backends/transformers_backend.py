@@ -115,7 +115,6 @@ class TransformersBackend:
         if kernels not in KERNELS:
             raise ValueError(f"kernels {kernels!r} is invalid: choose one of {', '.join(KERNELS)}")
         self.kernels = kernels
-        self.threads = ThreadChooser(torch.get_num_threads() if threads is None else threads)
         self.model = model.eval()
         use_exactspec_kernels(model)
         self.tokenizer = tokenizer
@@ -128,10 +127,14 @@ class TransformersBackend:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.device = next(model.parameters()).device
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        runs_native = kernels != "fast" and native_kernels_apply(
+            model.get_output_embeddings().weight)
+        # a forward's thread count may change only where the logits cannot change with it
+        self.threads = ThreadChooser(torch.get_num_threads() if threads is None else threads,
+                                     adaptive=runs_native)
         self.description = f"transformers {dtype} {self.device.type}, " + (
             "fast kernels" if kernels == "fast" else
-            f"native {native.load().isa} kernels" if native_kernels_apply(
-                model.get_output_embeddings().weight) else "PyTorch 2-row kernels")
+            f"native {native.load().isa} kernels" if runs_native else "PyTorch 2-row kernels")
         self._new_cache = lambda: DynamicCache(config=model.config)
         _check_rollback(model, self._new_cache())
         self._cache = self._new_cache()

@@ -88,15 +88,16 @@ class NativeKernels:
             ValueError: for other dtypes, devices, shapes or layouts.
         """
         rows, k = x.shape
-        if weight.shape[1] != k or not weight.is_contiguous() or x.stride(1) != 1:
-            raise ValueError(f"shapes {tuple(x.shape)} @ {tuple(weight.shape)}.T or layouts "
-                             "do not fit: x [rows, K] with contiguous rows, weight [N, K] "
-                             "contiguous")
-        if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.is_cuda:
-            raise ValueError("the native kernels take float32 tensors on the CPU")
         n = weight.shape[0]
         if out is None:
             out = torch.empty(rows, n, dtype=torch.float32)
+        _check_cpu_float32(x, weight, out)
+        if (weight.shape[1] != k or not weight.is_contiguous() or x.stride(1) != 1
+                or out.shape != (rows, n) or out.stride(1) != 1):
+            raise ValueError(f"shapes {tuple(x.shape)} @ {tuple(weight.shape)}.T → "
+                             f"{tuple(out.shape)} or layouts do not fit: x [rows, K] with "
+                             "contiguous rows, weight [N, K] contiguous, out [rows, N] with "
+                             "contiguous rows")
         self._linear(x.data_ptr(), x.stride(0), rows, k, weight.data_ptr(), n,
                      out.data_ptr(), out.stride(0),
                      torch.get_num_threads() if threads is None else threads,
@@ -123,10 +124,14 @@ class NativeKernels:
         """
         heads, q_len, head_dim = query.shape
         kv_heads, length, _ = key.shape
+        _check_cpu_float32(query, key, value, out)
         if (any(t.stride(-1) != 1 for t in (query, key, value, out)) or length < q_len
-                or heads % kv_heads or any(t.dtype != torch.float32 for t in (query, key, value, out))):
-            raise ValueError("attention takes float32 query [H, q, d], key/value [Hkv, L ≥ q, d] "
-                             "and out [q, H, d] with the last dim contiguous, H a multiple of Hkv")
+                or heads % kv_heads or key.shape != (kv_heads, length, head_dim)
+                or value.shape != key.shape or out.shape != (q_len, heads, head_dim)):
+            raise ValueError("attention takes query [H, q, d], key and value [Hkv, L ≥ q, d] "
+                             "and out [q, H, d] with the last dim contiguous, H a multiple of "
+                             f"Hkv; got {tuple(query.shape)}, {tuple(key.shape)}, "
+                             f"{tuple(value.shape)}, {tuple(out.shape)}")
         threads = torch.get_num_threads() if threads is None else threads
         scratch = torch.empty(max(threads, 1) * length, dtype=torch.float32)
         self._attention(query.data_ptr(), q_len, heads, head_dim, query.stride(1),
@@ -134,6 +139,11 @@ class NativeKernels:
                         key.stride(0), key.stride(1), value.stride(0), value.stride(1), scale,
                         out.data_ptr(), out.stride(0), out.stride(1), scratch.data_ptr(), threads,
                         ISAS.index(self.isa))
+
+
+def _check_cpu_float32(*tensors: torch.Tensor) -> None:
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        raise ValueError("the native kernels take float32 tensors on the CPU")
 
 
 def load() -> NativeKernels | None:

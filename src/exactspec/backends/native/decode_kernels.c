@@ -71,7 +71,7 @@ __attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
             __m256 wv[C];                                                                 \
             for (int c = 0; c < C; c++) {                                               \
                 wv[c] = _mm256_loadu_ps(w + c * K + k);                                  \
-                _mm_prefetch((const char *)(w + (C + c) * K + k), _MM_HINT_T0); /* next tile */ \
+                _mm_prefetch((const char *)((uintptr_t)w + 4 * (uintptr_t)((C + c) * K + k)), _MM_HINT_T0); /* next tile (may lie past the end: a prefetch never faults) */ \
             }                                                                             \
             for (int r = 0; r < R; r++) {                                                 \
                 __m256 xv = _mm256_loadu_ps(x + r * ldx + k);                             \
@@ -114,7 +114,7 @@ __attribute__((target("avx512f"))) static inline float hsum16(__m512 v) {
             __m512 wv[C];                                                                 \
             for (int c = 0; c < C; c++) {                                               \
                 wv[c] = _mm512_loadu_ps(w + c * K + k);                                  \
-                _mm_prefetch((const char *)(w + (C + c) * K + k), _MM_HINT_T0); /* next tile */ \
+                _mm_prefetch((const char *)((uintptr_t)w + 4 * (uintptr_t)((C + c) * K + k)), _MM_HINT_T0); /* next tile (may lie past the end: a prefetch never faults) */ \
             }                                                                             \
             for (int r = 0; r < R; r++) {                                                 \
                 __m512 xv = _mm512_loadu_ps(x + r * ldx + k);                             \
@@ -173,6 +173,7 @@ static void columns(int isa, const float *x, int64_t ldx, int64_t rows, int64_t 
 void es_linear(const float *x, int64_t ldx, int64_t rows, int64_t K, const float *w,
                int64_t N, float *y, int64_t ldy, int threads, int isa) {
     int64_t blocks = (N + 47) / 48;
+    if (rows <= 0 || N <= 0) return;
     if (threads < 1) threads = 1;
     if (threads > blocks) threads = (int)blocks;
     if (threads == 1) {
