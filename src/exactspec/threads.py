@@ -21,6 +21,7 @@ busy process, 2 threads decoded 4× slower than 1; README, "Choosing --threads")
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import torch
@@ -109,6 +110,15 @@ class ThreadChooser:
         else:
             self._confirming = False
             self.interval = min(2 * self.interval, EXPLORE_MOST)
+
+    @contextlib.contextmanager
+    def forward(self, num_tokens: int) -> Iterator[None]:
+        """Run the block (one forward over ``num_tokens`` tokens) on the chosen thread count
+        and record its time."""
+        threads, start = self.choose(num_tokens), time.perf_counter()
+        with torch_threads(threads):
+            yield
+        self.record(num_tokens, threads, time.perf_counter() - start)
 
     def _other(self) -> int:
         return 1 if self.current == self.max_threads else self.max_threads

@@ -112,9 +112,7 @@ def invariant_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     for all rows), else PyTorch's on blocks of :data:`FALLBACK_ROWS`. Returns a contiguous
     ``[rows, out]``."""
     if native_kernels_apply(weight):
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        return native.load().linear(x, weight)
+        return native.load().linear(x if x.stride(-1) == 1 else x.contiguous(), weight)
     return _fixed_rows_product(weight, x, FALLBACK_ROWS)
 
 
@@ -168,12 +166,13 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
         sequences = [(cache.layers[module.layer_idx].keys, cache.layers[module.layer_idx].values,
                       offset, length)
                      for cache, length, offset in zip(packed.caches, packed.lengths, offsets)]
+    kernels = native.load()
     if batch == 1 and query.dtype == torch.float32 and query.device.type == "cpu" \
-            and native.load() is not None:
+            and kernels is not None:
         output = query.new_empty(q_len, heads, head_dim)
         for keys, values, offset, length in sequences:
-            native.load().attention(query[0, :, offset:offset + length], keys[0], values[0],
-                                    scaling, output[offset:offset + length])
+            kernels.attention(query[0, :, offset:offset + length], keys[0], values[0],
+                              scaling, output[offset:offset + length])
         return output[None], None
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, q_len, head_dim)
     rows = [row for keys, values, offset, length in sequences

@@ -20,17 +20,16 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 
 import torch
 
+from exactspec.backends import native
 from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, chat_messages,
                                      check_batch_invariance, check_sequence_invariance)
-from exactspec.backends import native
-from exactspec.threads import ThreadChooser, torch_threads
 from exactspec.backends.batch_invariant import (KERNELS, PackedSequences, kernel_mode,
                                                  native_kernels_apply, packed_sequences,
                                                  use_exactspec_kernels)
+from exactspec.threads import ThreadChooser, torch_threads
 
 logger = logging.getLogger(__name__)
 
@@ -252,13 +251,11 @@ class TransformersBackend:
         # A 4-D mask is used as given: transformers builds none (attention ignores it here).
         mask = torch.zeros((1, 1, len(token_ids), 1), device=self.device)
         packed = PackedSequences(caches, lengths)
-        threads, start = self.threads.choose(len(token_ids)), time.perf_counter()
-        with (kernel_mode(self.kernels), packed_sequences(packed), torch_threads(threads),
-              torch.inference_mode()):
+        with (kernel_mode(self.kernels), packed_sequences(packed),
+              self.threads.forward(len(token_ids)), torch.inference_mode()):
             output = self.model(input_ids=input_ids, position_ids=position_ids,
                                 attention_mask=mask, cache=packed,
                                 use_cache=True, logits_to_keep=len(token_ids))
-        self.threads.record(len(token_ids), threads, time.perf_counter() - start)
         return list(output.logits[0].split(lengths))
 
     def rollback_sequence(self, sequence_id: int, num_tokens: int) -> None:
@@ -303,11 +300,8 @@ class TransformersBackend:
     def forward(self, token_ids: Sequence[int], num_logits: int | None = None) -> torch.Tensor:
         if len(token_ids) == 0:
             raise ValueError("forward needs at least one token")
-        threads, start = self.threads.choose(len(token_ids)), time.perf_counter()
-        with kernel_mode(self.kernels), torch_threads(threads):
-            logits = self._run(token_ids, num_logits or len(token_ids))
-        self.threads.record(len(token_ids), threads, time.perf_counter() - start)
-        return logits
+        with kernel_mode(self.kernels), self.threads.forward(len(token_ids)):
+            return self._run(token_ids, num_logits or len(token_ids))
 
     def rollback(self, num_tokens: int) -> None:
         if not 0 <= num_tokens <= self.num_cached_tokens:
@@ -357,8 +351,8 @@ def converted_gguf_folder(gguf_path: Path) -> Path:
     folder = cache_root() / "converted" / key
     if (folder / "config.json").is_file():
         return folder
-    logger.info("Converting %s to a float32 model folder, once (≈ 15 s for the embedded model on 2 idle cores); "
-                "kept in %s", gguf_path.name, folder)
+    logger.info("Converting %s to a float32 model folder, once (≈ 15 s for the embedded model "
+                "on 2 idle cores); kept in %s", gguf_path.name, folder)
     with _quiet_gguf_reader():
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
