@@ -60,31 +60,39 @@ __attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(q);
 }
 
-#define AVX2_TILE(R, C)                                                                   \
-    __attribute__((target("avx2,fma"))) static void avx2_##R##x##C(                      \
+/* One tile of R rows x C output columns for an instruction set: its name, target, vector
+ * type, lanes, and the intrinsics that zero, load and fuse-multiply-add a vector and sum
+ * its lanes in the fixed order. Every path and tile shape runs this same arithmetic. */
+#define TILE(ISA, TARGET, VEC, LANES, ZERO, LOAD, FMADD, HSUM, R, C)                       \
+    __attribute__((target(TARGET))) static void ISA##_##R##x##C(                          \
         const float *x, int64_t ldx, int64_t K, const float *w, float *y, int64_t ldy) {   \
-        __m256 acc[R][C];                                                                 \
+        VEC acc[R][C];                                                                    \
         for (int r = 0; r < R; r++)                                                       \
-            for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();                  \
+            for (int c = 0; c < C; c++) acc[r][c] = ZERO();                               \
         int64_t k = 0;                                                                    \
-        for (; k + 8 <= K; k += 8) {                                                      \
-            __m256 wv[C];                                                                 \
-            for (int c = 0; c < C; c++) {                                               \
-                wv[c] = _mm256_loadu_ps(w + c * K + k);                                  \
-                _mm_prefetch((const char *)((uintptr_t)w + 4 * (uintptr_t)((C + c) * K + k)), _MM_HINT_T0); /* next tile (may lie past the end: a prefetch never faults) */ \
+        for (; k + LANES <= K; k += LANES) {                                              \
+            VEC wv[C];                                                                    \
+            for (int c = 0; c < C; c++) {                                                 \
+                wv[c] = LOAD(w + c * K + k);                                              \
+                /* the next tile; may lie past the end: a prefetch never faults */        \
+                _mm_prefetch((const char *)((uintptr_t)w + 4 * (uintptr_t)((C + c) * K + k)), \
+                             _MM_HINT_T0);                                                \
             }                                                                             \
             for (int r = 0; r < R; r++) {                                                 \
-                __m256 xv = _mm256_loadu_ps(x + r * ldx + k);                             \
-                for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]); \
+                VEC xv = LOAD(x + r * ldx + k);                                           \
+                for (int c = 0; c < C; c++) acc[r][c] = FMADD(xv, wv[c], acc[r][c]);      \
             }                                                                             \
         }                                                                                 \
         for (int r = 0; r < R; r++)                                                       \
             for (int c = 0; c < C; c++) {                                                 \
-                float s = hsum8(acc[r][c]);                                               \
+                float s = HSUM(acc[r][c]);                                                \
                 for (int64_t t = k; t < K; t++) s = fmaf(x[r * ldx + t], w[c * K + t], s); \
                 y[r * ldy + c] = s;                                                       \
             }                                                                             \
     }
+
+#define AVX2_TILE(R, C) TILE(avx2, "avx2,fma", __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, \
+                             _mm256_fmadd_ps, hsum8, R, C)
 
 AVX2_TILE(1, 4) AVX2_TILE(2, 4) AVX2_TILE(3, 4) AVX2_TILE(4, 4)
 AVX2_TILE(1, 1) AVX2_TILE(2, 1) AVX2_TILE(3, 1) AVX2_TILE(4, 1)
@@ -103,31 +111,8 @@ __attribute__((target("avx512f"))) static inline float hsum16(__m512 v) {
     return _mm_cvtss_f32(q);
 }
 
-#define AVX512_TILE(R, C)                                                                 \
-    __attribute__((target("avx512f"))) static void avx512_##R##x##C(                     \
-        const float *x, int64_t ldx, int64_t K, const float *w, float *y, int64_t ldy) {   \
-        __m512 acc[R][C];                                                                 \
-        for (int r = 0; r < R; r++)                                                       \
-            for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();                  \
-        int64_t k = 0;                                                                    \
-        for (; k + 16 <= K; k += 16) {                                                    \
-            __m512 wv[C];                                                                 \
-            for (int c = 0; c < C; c++) {                                               \
-                wv[c] = _mm512_loadu_ps(w + c * K + k);                                  \
-                _mm_prefetch((const char *)((uintptr_t)w + 4 * (uintptr_t)((C + c) * K + k)), _MM_HINT_T0); /* next tile (may lie past the end: a prefetch never faults) */ \
-            }                                                                             \
-            for (int r = 0; r < R; r++) {                                                 \
-                __m512 xv = _mm512_loadu_ps(x + r * ldx + k);                             \
-                for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]); \
-            }                                                                             \
-        }                                                                                 \
-        for (int r = 0; r < R; r++)                                                       \
-            for (int c = 0; c < C; c++) {                                                 \
-                float s = hsum16(acc[r][c]);                                              \
-                for (int64_t t = k; t < K; t++) s = fmaf(x[r * ldx + t], w[c * K + t], s); \
-                y[r * ldy + c] = s;                                                       \
-            }                                                                             \
-    }
+#define AVX512_TILE(R, C) TILE(avx512, "avx512f", __m512, 16, _mm512_setzero_ps,           \
+                               _mm512_loadu_ps, _mm512_fmadd_ps, hsum16, R, C)
 
 AVX512_TILE(1, 6) AVX512_TILE(2, 6) AVX512_TILE(3, 6) AVX512_TILE(4, 6)
 AVX512_TILE(1, 1) AVX512_TILE(2, 1) AVX512_TILE(3, 1) AVX512_TILE(4, 1)
