@@ -35,7 +35,8 @@ from exactspec.engine import (PLAIN_STEP, GenerationResult, OnCommit, SampleDeco
                               SpeculativeGenerator)
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.proposers.base import Proposer
-from exactspec.sampling import SamplingParams, make_rng
+from exactspec.request import Prompt, Request, prepare_request
+from exactspec.sampling import SamplingParams
 from exactspec.speculation_length import (Choice, ForwardCost, SpeculationLengthPolicy,
                                           batch_speculation_lengths, survival)
 from exactspec.threads import torch_threads
@@ -199,14 +200,17 @@ class BatchedGenerator:
                 raise output
         return [outputs[i][0] for i in ids]
 
-    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+    def submit(self, prompt: Prompt | Request, params: SamplingParams | None = None, *,
                n: int = 1, chat: bool = False, on_commit: OnCommit | None = None,
                rng: torch.Generator | None = None,
                generator: SpeculativeGenerator | None = None, scope: Hashable = None) -> int:
         """Queue one request; it joins the batch at the next :meth:`step` with room.
 
         Args:
-            prompt, params, chat: as :meth:`SpeculativeGenerator.generate`.
+            prompt, params, chat: as :meth:`SpeculativeGenerator.generate`; or ``prompt``
+                is a :class:`~exactspec.request.Request` already prepared (by
+                :func:`~exactspec.request.prepare_request`: the server checks a request
+                before queueing it), whose own parameters and ``n`` then apply.
             n: samples of this prompt, decoded one after another in the request's row on one
                 ``rng``, so a seeded request gives what ``generate_samples(n=n)`` gives.
             on_commit: called after every cycle that emitted tokens for this request, with
@@ -227,29 +231,19 @@ class BatchedGenerator:
         """
         generator = self.generator if generator is None else generator
         self._check(generator)
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"n = {n!r} is invalid: it must be an integer ≥ 1")
-        start = time.perf_counter()
-        prompt_token_ids = generator._prompt_token_ids(prompt, chat)
-        target = self.target
-        pipeline = LogitsPipeline(params, prompt_token_ids, target.vocab_size,
-                                  target.eos_token_ids, generator._bad_words_ids(params.bad_words),
-                                  target.device)
-        timed = params.greedy or params.seed is None  # as SpeculativeGenerator.generate_samples
+        request = (prompt if isinstance(prompt, Request)
+                   else prepare_request(self.target, prompt, params, n=n, chat=chat))
         proposer = generator.proposer
         if proposer is not None and proposer.batchable:
             proposer = copy.copy(proposer)  # see Proposer.batchable; reset when it starts
         policy = copy.deepcopy(generator.policy)
         policy.reset(timed=False)  # a forward's time is the batch's: see the module docstring
         row = _Row(
-            request_id=next(_request_ids), generator=generator, prompt_token_ids=prompt_token_ids,
-            pipeline=pipeline, rng=make_rng(params.seed, target.device) if rng is None else rng,
-            proposer=proposer, policy=policy,
-            timed=timed, batch_chosen=policy.follows_batch and timed, num_samples=n,
-            on_commit=on_commit, start=start, scope=scope)
+            request_id=next(_request_ids), generator=generator,
+            prompt_token_ids=request.prompt_token_ids, pipeline=request.pipeline,
+            rng=request.rng if rng is None else rng, proposer=proposer, policy=policy,
+            timed=request.timed, batch_chosen=policy.follows_batch and request.timed,
+            num_samples=request.n, on_commit=on_commit, start=request.start, scope=scope)
         self._waiting.append(row)
         return row.request_id
 

@@ -16,7 +16,6 @@ committed) is the only record of a sequence; proposers and backends follow it.
 from __future__ import annotations
 
 import functools
-import operator
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass
@@ -28,7 +27,8 @@ from exactspec.backends.base import Backend, UnsupportedModelError
 from exactspec.logits_pipeline import LogitsPipeline, check_finite, greedy_tokens
 from exactspec.metrics import GenerationStats
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
-from exactspec.sampling import SamplingParams, make_rng
+from exactspec.request import prepare_request
+from exactspec.sampling import SamplingParams
 from exactspec.speculation_length import (DEFAULT_POLICY, Choice, SpeculationLengthPolicy,
                                           make_policy)
 from exactspec.stopping import StopChecker
@@ -359,19 +359,10 @@ class SpeculativeGenerator:
         Returns:
             ``[n]`` :class:`GenerationResult`; the first one's stats include the prefill.
         """
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"n = {n!r} is invalid: it must be an integer ≥ 1")
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
-        start = time.perf_counter()
-        prompt_token_ids = self._prompt_token_ids(prompt, chat)
-        pipeline = LogitsPipeline(params, prompt_token_ids, self.target.vocab_size,
-                                  self.target.eos_token_ids, self._bad_words_ids(params.bad_words),
-                                  self.target.device)
-        rng = make_rng(params.seed, self.target.device)
+        request = prepare_request(self.target, prompt, params, n=n, chat=chat)
+        prompt_token_ids, pipeline, rng = request.prompt_token_ids, request.pipeline, request.rng
+        timed, start = request.timed, request.start
         self.target.prefill(prompt_token_ids[:-1])
-        timed = params.greedy or params.seed is None  # see SpeculationLengthPolicy.reset
         self.policy.reset(timed)
         if self.proposer is not None:
             self.proposer.reset(reproducible=not timed, scope=scope)
@@ -440,34 +431,3 @@ class SpeculativeGenerator:
         return [TokenLogprob(token, value, list(zip(ids, values)))
                 for token, value, ids, values in zip(token_ids, chosen, top_ids.tolist(),
                                                      top_values.tolist())]
-
-    def _bad_words_ids(self, bad_words: Sequence[str]) -> list[list[int]]:
-        """Each bad word as tokenised alone and after a space (no special tokens)."""
-        encode = self.target.tokenizer.encode
-        variants = {tuple(encode(text, add_special_tokens=False))
-                    for word in bad_words for text in (word, " " + word)}
-        return [list(ids) for ids in variants if ids]
-
-    def _prompt_token_ids(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
-        tokenizer = self.target.tokenizer
-        if isinstance(prompt, str):
-            token_ids = tokenizer.apply_chat_template(prompt) if chat else tokenizer.encode(prompt)
-        else:
-            if chat:
-                raise ValueError("chat=True needs a text prompt, not token ids")
-            try:
-                token_ids = [operator.index(t) for t in prompt]
-            except TypeError:
-                raise ValueError("prompt token ids must be integers") from None
-        if not token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.target.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        limit = self.target.max_context_length
-        if limit is not None and len(token_ids) >= limit:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens; the context holds {limit} "
-                             "(the model's, or max_model_len where set), so a prompt may have "
-                             f"at most {limit - 1} to leave room for a generated token")
-        return token_ids

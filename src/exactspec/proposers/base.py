@@ -20,11 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from exactspec.logits_pipeline import LogitsPipeline
+
+if TYPE_CHECKING:
+    from exactspec.proposers.suffix import SuffixCorpus
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,11 @@ class Proposer(Protocol):
     """A shallow copy per sequence, each ``reset`` on its own, drafts independently of the
     others (no model cache of its own), so batched decoding can give every row one
     (:class:`~exactspec.batching.BatchedGenerator`)."""
+
+    corpus: SuffixCorpus | None = None
+    """The earlier outputs the drafter learns from across requests (scoped, see
+    :meth:`reset`), or None when it learns nothing across requests; the server reports its
+    size and the bench refills it so that no question is drafted from its own answer."""
 
     def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
                 rng: torch.Generator, min_confidence: float = 0.0) -> Proposal:
