@@ -67,6 +67,8 @@ class Backend(Protocol):
     """One model with the KV cache of one sequence.
 
     Attributes:
+        name: the runtime, as ``--backend`` names it (``transformers``, ``llama_cpp``):
+            what peers and drafters that need one runtime's model check.
         tokenizer: the model's :class:`Tokenizer`.
         vocab_size: width of the logits (may exceed the tokenizer's size: padding).
         max_context_length: most positions the model supports (tokens), or None.
@@ -84,6 +86,7 @@ class Backend(Protocol):
             sequences and scores them in one forward).
     """
 
+    name: str
     tokenizer: Tokenizer
     vocab_size: int
     max_context_length: int | None

@@ -171,6 +171,7 @@ class LlamaCppBackend:
     context, so n slots take n × the main cache's memory.
     """
 
+    name = "llama_cpp"
     supports_batches = True
 
     @functools.cached_property

@@ -208,6 +208,7 @@ class TransformersBackend:
             backend.max_context_length = max_model_len
         return backend
 
+    name = "transformers"
     supports_batches = True
     prefill_chunk_size = PREFILL_CHUNK_SIZE
     max_sequences = 256
