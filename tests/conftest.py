@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from exactspec.backends.base import forward_one, new_sequence_id
 from exactspec.backends.transformers_backend import TransformersBackend
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
 from exactspec.sampling import SamplingParams
@@ -75,6 +76,39 @@ def perturbed_backend(target: TransformersBackend, noise: float = 0.05,
         for parameter in model.parameters():
             parameter.add_(torch.randn(parameter.shape, generator=generator) * noise)
     return TransformersBackend(model, target.tokenizer, eos_token_ids=target.eos_token_ids)
+
+
+class OneSequence:
+    """One sequence of a backend driven as a single cache, the tests' shorthand for the
+    by-id API underneath: :meth:`prefill` starts the sequence anew."""
+
+    def __init__(self, backend) -> None:
+        self.backend, self.sequence_id = backend, new_sequence_id()
+
+    def prefill(self, token_ids) -> None:
+        self.backend.release(self.sequence_id)
+        self.backend.prefill(self.sequence_id, token_ids)
+
+    def forward(self, token_ids, num_logits=None) -> torch.Tensor:
+        return forward_one(self.backend, self.sequence_id, token_ids, num_logits)
+
+    def rollback(self, num_tokens: int) -> None:
+        self.backend.rollback(self.sequence_id, num_tokens)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.backend.num_cached_tokens(self.sequence_id)
+
+    def release(self) -> None:
+        """Free the sequence (a llama.cpp slot) for others."""
+        self.backend.release(self.sequence_id)
+
+
+def one(backend) -> OneSequence:
+    """The tests' one sequence on ``backend`` (the same one at every call)."""
+    if "_one_sequence" not in backend.__dict__:
+        backend.__dict__["_one_sequence"] = OneSequence(backend)
+    return backend.__dict__["_one_sequence"]
 
 
 class RandomProposer(Proposer):

@@ -17,7 +17,7 @@ from exactspec.audit.stats import detectable_tv, fit_tree, holm, node_fit, sampl
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.peers import TransformersPeer
 
-from conftest import perturbed_backend, tiny_backend
+from conftest import perturbed_backend, tiny_backend, one
 
 K = 3
 PARAMS = SamplingParams(temperature=0.8, top_k=12, top_p=0.95, seed=0, max_new_tokens=K + 1)
@@ -32,9 +32,10 @@ def lookup_friendly_prompt(target, head, middle):
     would almost never be accepted, and the broken controls would change nothing)."""
     def p_next(x):
         prompt = [head, x, *middle, head]
-        target.prefill(prompt[:-1])
-        return float(target.forward(prompt[-1:])[0].softmax(-1)[x])
+        one(target).prefill(prompt[:-1])
+        return float(one(target).forward(prompt[-1:])[0].softmax(-1)[x])
     x = max(range(target.vocab_size), key=p_next)
+    one(target).release()
     return [head, x, *middle, head]
 
 
@@ -221,8 +222,8 @@ def test_reference_is_the_processed_distribution_after_each_prefix(target, promp
     got = dict(next_token_probs(target, prompt, pipeline, prefixes))
     for prefix in prefixes:
         context = prompt + list(prefix)
-        target.prefill(context[:-1])
-        expected = pipeline.probs(pipeline.process(target.forward(context[-1:]), context))[0]
+        one(target).prefill(context[:-1])
+        expected = pipeline.probs(pipeline.process(one(target).forward(context[-1:]), context))[0]
         assert got[prefix] == pytest.approx(expected.double().numpy(), abs=1e-6), prefix
     assert not np.allclose(got[(3, 3)], got[(3, 4)])
     with pytest.raises(ValueError, match="before its parent"):

@@ -6,20 +6,20 @@ import torch
 
 from exactspec.backends import TransformersBackend, UnsupportedModelError
 
-from conftest import CharTokenizer
+from conftest import CharTokenizer, one
 
 
 def test_forward_after_rollback_equals_a_fresh_forward(make_backend):
     backend = make_backend(0)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    backend.prefill(prompt)
-    assert backend.num_cached_tokens == 8
-    backend.forward([7, 7, 7, 7])  # a rejected draft block
-    backend.rollback(4)
-    assert backend.num_cached_tokens == 8
-    after_rollback = backend.forward([5, 3])
-    backend.prefill(prompt)
-    fresh = backend.forward([5, 3])
+    one(backend).prefill(prompt)
+    assert one(backend).num_cached_tokens == 8
+    one(backend).forward([7, 7, 7, 7])  # a rejected draft block
+    one(backend).rollback(4)
+    assert one(backend).num_cached_tokens == 8
+    after_rollback = one(backend).forward([5, 3])
+    one(backend).prefill(prompt)
+    fresh = one(backend).forward([5, 3])
     assert torch.equal(after_rollback, fresh)
     assert after_rollback.shape == (2, backend.vocab_size)
 
@@ -29,29 +29,29 @@ def test_block_forward_is_bit_identical_to_one_token_forwards(num_tokens, make_b
     backend = make_backend(1)
     assert backend.batch_invariant
     tokens = [(5 * i + 4) % backend.vocab_size for i in range(num_tokens)]
-    backend.prefill([1, 2, 3])
-    block = backend.forward(tokens)
-    backend.prefill([1, 2, 3])
-    singles = torch.stack([backend.forward([t])[0] for t in tokens])
+    one(backend).prefill([1, 2, 3])
+    block = one(backend).forward(tokens)
+    one(backend).prefill([1, 2, 3])
+    singles = torch.stack([one(backend).forward([t])[0] for t in tokens])
     assert torch.equal(block, singles)
-    backend.prefill([1, 2, 3])
-    last = backend.forward(tokens, num_logits=1)
+    one(backend).prefill([1, 2, 3])
+    last = one(backend).forward(tokens, num_logits=1)
     assert last.shape == (1, backend.vocab_size)
     assert torch.equal(last[0], block[-1])
-    assert backend.num_cached_tokens == 3 + num_tokens
+    assert one(backend).num_cached_tokens == 3 + num_tokens
 
 
 def test_prefill_resets_and_bad_calls_raise(make_backend):
     backend = make_backend(0)
-    backend.prefill([1, 2, 3])
-    backend.prefill([])
-    assert backend.num_cached_tokens == 0
-    with pytest.raises(ValueError, match=r"rollback\(1\) is invalid: the cache holds 0 tokens"):
-        backend.rollback(1)
+    one(backend).prefill([1, 2, 3])
+    one(backend).prefill([])
+    assert one(backend).num_cached_tokens == 0
+    with pytest.raises(ValueError, match=r"rollback\(\d+, 1\) is invalid: the sequence holds 0 tokens"):
+        one(backend).rollback(1)
     with pytest.raises(ValueError, match="rollback"):
-        backend.rollback(-1)
+        one(backend).rollback(-1)
     with pytest.raises(ValueError, match="at least one token"):
-        backend.forward([])
+        one(backend).forward([])
 
 
 def test_sliding_window_model_is_refused():

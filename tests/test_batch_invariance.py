@@ -11,7 +11,7 @@ from exactspec.backends import TransformersBackend, UnsupportedModelError
 from exactspec.backends.base import check_batch_invariance
 from exactspec.proposers.base import Proposal, Proposer
 
-from conftest import CharTokenizer, tiny_model
+from conftest import CharTokenizer, tiny_model, one
 
 PROMPT = "the cat sat on the mat"
 
@@ -30,10 +30,10 @@ def backend(kernels: str, seed: int = 0) -> TransformersBackend:
 def first_row_logits(target, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The logits of the first new position scored alone and as row 0 of a k+1 block."""
     prompt = target.tokenizer.encode(PROMPT)
-    target.prefill(prompt[:-1])
-    single = target.forward(prompt[-1:])[0]
-    target.prefill(prompt[:-1])
-    block = target.forward(prompt[-1:] + [5] * k)[0]
+    one(target).prefill(prompt[:-1])
+    single = one(target).forward(prompt[-1:])[0]
+    one(target).prefill(prompt[:-1])
+    block = one(target).forward(prompt[-1:] + [5] * k)[0]
     return single, block
 
 

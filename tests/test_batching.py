@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_backend
+from conftest import tiny_backend, one
 from exactspec import (BatchedGenerator, DraftModelProposer, PromptLookupProposer,
                        SamplingParams, SpeculativeGenerator, SuffixProposer)
 from exactspec.audit import BatchedEngine, audit_distribution
@@ -31,47 +31,50 @@ def drafters():
 
 def test_the_packed_forward_scores_each_sequence_as_alone(make_backend):
     target = make_backend(0)
+    target.reserve(4)  # three sequences, and one to score each alone
     assert check_sequence_invariance(target) and target.sequences_invariant
     prompts = [[1, 5, 9, 3], [2, 7], [4, 4, 4, 8, 1, 2, 3]]
     for i, prompt in enumerate(prompts):
-        target.prefill_sequence(i, prompt[:-1])
+        target.prefill(i, prompt[:-1])
     rows = [(0, [3, 10, 11]), (1, [7]), (2, [3, 20, 21, 22, 23])]
-    together = target.forward_sequences(rows)
-    target.rollback_sequence(2, 2)
-    assert target.cached_tokens(2) == 9
-    again = target.forward_sequences([(2, [22, 23]), (0, [12])])
+    together = target.forward(rows)
+    target.rollback(2, 2)
+    assert target.num_cached_tokens(2) == 9
+    again = target.forward([(2, [22, 23]), (0, [12])])
     for (i, tokens), logits in zip(rows, together):
-        target.prefill(prompts[i][:-1])
-        alone = torch.cat([target.forward([t]) for t in tokens])
+        one(target).prefill(prompts[i][:-1])
+        alone = torch.cat([one(target).forward([t]) for t in tokens])
         assert torch.equal(alone, logits)
         if i == 2:
             assert torch.equal(alone[3:], again[0])
     with pytest.raises(ValueError, match="not held"):
-        target.forward_sequences([(7, [1])])
+        target.forward([(7, [1])])
     with pytest.raises(ValueError, match="at least one row"):
-        target.forward_sequences([(0, [])])
-    with pytest.raises(ValueError, match="rollback_sequence"):
-        target.rollback_sequence(1, 5)
-    target.release_sequence(1)
+        target.forward([(0, [])])
+    with pytest.raises(ValueError, match="rollback"):
+        target.rollback(1, 5)
+    target.release(1)
     with pytest.raises(ValueError, match="not held"):
-        target.cached_tokens(1)
+        target.num_cached_tokens(1)
 
 
 def test_a_prefill_continued_in_chunks_is_bit_identical_to_one_call(make_backend):
     target = make_backend(0, max_context=2048)
+    target.reserve(3)
     chunk = target.prefill_chunk_size
     prompt = [(7 * i + 3) % 64 for i in range(2 * chunk + 40)]
-    target.prefill_sequence(0, prompt[:chunk])
-    target.extend_sequence(0, prompt[chunk:2 * chunk])
-    target.extend_sequence(0, prompt[2 * chunk:])
-    assert target.cached_tokens(0) == len(prompt)
-    chunked = target.forward_sequences([(0, [5, 9, 1])])[0]
-    target.prefill(prompt)
-    assert torch.equal(chunked, target.forward([5, 9, 1]))
-    with pytest.raises(ValueError, match="not held"):
-        target.extend_sequence(1, [1])
+    target.prefill(0, prompt[:chunk])
+    target.prefill(0, prompt[chunk:2 * chunk])
+    target.prefill(0, prompt[2 * chunk:])
+    assert target.num_cached_tokens(0) == len(prompt)
+    chunked = target.forward([(0, [5, 9, 1])])[0]
+    one(target).prefill(prompt)
+    assert torch.equal(chunked, one(target).forward([5, 9, 1]))
+    target.prefill(1, [1])  # a sequence not held is held from its first prefill
+    assert target.num_cached_tokens(1) == 1
+    target.release(1)
     with pytest.raises(ValueError, match="exceed"):
-        target.extend_sequence(0, [1] * 2048)
+        target.prefill(0, [1] * 2048)
 
 
 def test_a_long_prompt_joins_in_chunks_while_the_others_decode(make_backend):
@@ -79,6 +82,7 @@ def test_a_long_prompt_joins_in_chunks_while_the_others_decode(make_backend):
     commits tokens in the cycles between (one chunk per cycle), and both outputs equal
     decoding alone."""
     target = make_backend(0, max_context=2048)
+    target.reserve(3)
     chunk = target.prefill_chunk_size
     long_prompt = [(5 * i + 1) % 64 for i in range(2 * chunk + 30)]
     generator = SpeculativeGenerator(target, PromptLookupProposer(1, 3), 4, "constant")
@@ -251,14 +255,14 @@ def test_a_failing_request_ends_alone_and_cancel_drops_one(make_backend):
     banned = SamplingParams(max_new_tokens=6, banned_token_ids=tuple(range(target.vocab_size)))
     bad = batched.submit(PROMPTS[1], banned)
     holder["dropped"] = batched.submit(PROMPTS[2], params)
-    extend = target.extend_sequence
+    extend = target.prefill
 
     def failing_prefill(sequence_id, token_ids):  # e.g. out of memory on a long prompt
         if len(token_ids) == 29:
             raise RuntimeError("out of memory")
         extend(sequence_id, token_ids)
 
-    target.extend_sequence = failing_prefill
+    target.prefill = failing_prefill
     too_long = batched.submit(list(range(1, 31)), params)
     other = batched.submit(PROMPTS[1], params)
     outputs = batched.step()
@@ -270,7 +274,7 @@ def test_a_failing_request_ends_alone_and_cancel_drops_one(make_backend):
     assert outputs[good][0].token_ids == alone[0] and outputs[other][0].token_ids == alone[1]
     for request_id in (good, bad, holder["dropped"], too_long, other):
         with pytest.raises(ValueError, match="not held"):
-            target.cached_tokens(request_id)
+            target.num_cached_tokens(request_id)
 
 
 def test_two_batches_on_one_target_never_share_a_sequence():
@@ -321,27 +325,27 @@ def test_llama_cpp_slots_are_reserved_and_run_out_with_a_clear_error(make_backen
     target = make_backend(0)
     if make_backend.kind != "llama_cpp":
         pytest.skip("slots are llama.cpp's (the transformers backend holds up to 256)")
-    assert target.max_sequences == 0  # nothing allocated before batching is used
+    assert target.max_sequences == 1  # the Llama's own context until batching reserves more
     BatchedGenerator(SpeculativeGenerator(target, None), 2)
     assert target.max_sequences == 2 and target.sequences_invariant
     for i in range(2):
-        target.prefill_sequence(i, [1, 2])
+        target.prefill(i, [1, 2])
     with pytest.raises(ValueError, match="all 2 sequence slots are in use"):
-        target.prefill_sequence(99, [1, 2])
+        target.prefill(99, [1, 2])
     with pytest.raises(ValueError, match="cannot grow from 2 to 4 sequence slots while 2 are held"):
         BatchedGenerator(SpeculativeGenerator(target, None), 4)
-    target.release_sequence(0)
-    target.prefill_sequence(99, [1, 2])
-    assert target.cached_tokens(99) == 2
-    target.release_sequence(1)
-    target.release_sequence(99)
+    target.release(0)
+    target.prefill(99, [1, 2])
+    assert target.num_cached_tokens(99) == 2
+    target.release(1)
+    target.release(99)
     batched = BatchedGenerator(SpeculativeGenerator(target, PromptLookupProposer(1, 3), 3), 4)
     assert target.max_sequences == 4
     params = SamplingParams(max_new_tokens=12)
     assert [r.token_ids for r in batched.generate(PROMPTS[:4], params)] == [
         SpeculativeGenerator(target, None).generate(p, params).token_ids for p in PROMPTS[:4]]
     with pytest.raises(ValueError, match="cannot be reserved: llama.cpp holds 1 to"):
-        target.reserve_sequences(100_000)
+        target.reserve(100_000)
 
 
 def test_batch_level_auto_gives_way_to_batching_as_the_batch_fills():
@@ -377,10 +381,10 @@ class ArgmaxProposer(Proposer):
         self.backend = backend
 
     def propose(self, token_ids, k, pipeline, rng, min_confidence=0.0):
-        self.backend.prefill(list(token_ids[:-1]))
+        one(self.backend).prefill(list(token_ids[:-1]))
         context, drafted = list(token_ids), []
         for _ in range(k):
-            logits = pipeline.process(self.backend.forward([context[-1]]), context)
+            logits = pipeline.process(one(self.backend).forward([context[-1]]), context)
             drafted.append(int(logits[0].argmax()))
             context.append(drafted[-1])
         return Proposal(drafted)

@@ -13,7 +13,7 @@ from exactspec.backends.llama_cpp_backend import (LlamaCppBackend, LlamaCppNotIn
                                                   import_llama_cpp)
 from exactspec.models import DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotFoundError, choose_backend
 
-from conftest import ALPHABET, tiny_model
+from conftest import ALPHABET, tiny_model, one
 
 needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                                      reason="llama-cpp-python is not installed "
@@ -64,15 +64,16 @@ def test_speculation_is_refused_on_a_backend_that_is_not_batch_invariant(tmp_pat
     class BatchVariant(LlamaCppBackend):
         """Scores batches with a rounding-sized difference, as llamafile's kernels do."""
 
-        def forward(self, token_ids, num_logits=None):
-            logits = super().forward(token_ids, num_logits)
-            return logits + 1e-6 if len(token_ids) > 1 else logits
+        def forward(self, rows, num_logits=None):
+            logits = super().forward(rows, num_logits)
+            return [row + 1e-6 if len(token_ids) > 1 else row
+                    for row, (_, token_ids) in zip(logits, rows)]
 
     path = write_tiny_gguf(tiny_model(0), tmp_path / "tiny.gguf")
     honest = LlamaCppBackend.load(path, threads=1)
     assert honest.batch_invariant  # this build: GGML_LLAMAFILE=OFF
     variant = BatchVariant(honest.new_llama())
-    assert not variant.batch_invariant and variant.num_cached_tokens == 0
+    assert not variant.batch_invariant  # its check freed the one slot plain decoding needs below
     with pytest.raises(UnsupportedModelError, match="not batch-invariant.*GGML_LLAMAFILE=OFF"):
         SpeculativeGenerator(variant, PromptLookupProposer(), 4)
     plain = SpeculativeGenerator(variant, None).generate("abc", SamplingParams(max_new_tokens=3))
@@ -120,11 +121,11 @@ def test_context_length_bounds_each_sequence_and_its_kv_cache(tmp_path):
         LlamaCppBackend.load(path, threads=1, context_length=1024)
     backend = LlamaCppBackend.load(path, threads=1, context_length=24)
     assert backend.max_context_length == 24
-    backend.reserve_sequences(2)
+    backend.reserve(2)
     llama_cpp = import_llama_cpp()
-    assert llama_cpp.llama_n_ctx_seq(backend._sequence_context) == 256  # 24, padded by llama.cpp
+    assert llama_cpp.llama_n_ctx_seq(backend._context) == 256  # 24, padded by llama.cpp
     with pytest.raises(ValueError, match="exceed the llama.cpp context of 24"):
-        backend.prefill_sequence(0, [1] * 25)
+        backend.prefill(0, [1] * 25)
     generator = SpeculativeGenerator(backend, PromptLookupProposer(), 4)
     params = SamplingParams(max_new_tokens=100, ignore_eos=True)
     alone = generator.generate("abc abc abd abc", params)
@@ -260,9 +261,10 @@ def test_weights_converted_to_another_type_decode_exactly(tmp_path, monkeypatch,
     assert converted_gguf(path, weight_type) == Path(converted.llama.model_path)  # cached
     assert converted.batch_invariant
     prompt = converted.tokenizer.encode("abcabcab")
-    original.prefill(prompt[:-1])
-    converted.prefill(prompt[:-1])
-    same = torch.equal(original.forward(prompt[-1:]), converted.forward(prompt[-1:]))
+    one(original).prefill(prompt[:-1])
+    one(converted).prefill(prompt[:-1])
+    same = torch.equal(one(original).forward(prompt[-1:]), one(converted).forward(prompt[-1:]))
+    one(converted).release()
     assert same == (weight_type == "F32")
     params = SamplingParams(max_new_tokens=24)
     plain = SpeculativeGenerator(converted, None).generate(prompt, params).token_ids

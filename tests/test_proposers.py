@@ -77,9 +77,9 @@ def test_draft_cache_follows_the_context():
     draft = tiny_backend(1)
     proposer = DraftModelProposer(draft, target)
     proposer.propose([1, 2, 3], 4, pipe(GREEDY), G)
-    assert draft.num_cached_tokens == 3 + 3  # context + all drafts but the last
+    assert draft.num_cached_tokens(proposer.sequence_id) == 3 + 3  # context + all drafts but the last
     proposer.propose([1, 2, 3, 9, 9], 2, pipe(GREEDY), G)  # a diverging context
-    assert draft.num_cached_tokens == 5 + 1
+    assert draft.num_cached_tokens(proposer.sequence_id) == 5 + 1
     fresh = DraftModelProposer(tiny_backend(model=draft.model), target)
     assert proposer.propose([1, 2, 3, 9, 9, 4], 3, pipe(GREEDY), G).token_ids == \
         fresh.propose([1, 2, 3, 9, 9, 4], 3, pipe(GREEDY), G).token_ids

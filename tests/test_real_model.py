@@ -69,10 +69,10 @@ def test_block_logits_are_bit_identical_to_one_token_forwards(target, num_tokens
     """On the real model, after a real prompt, as verification scores them."""
     prompt = target.tokenizer.encode(PROMPTS[0])
     assert target.batch_invariant
-    target.prefill(prompt[:-num_tokens])
-    block = target.forward(prompt[-num_tokens:])
-    target.prefill(prompt[:-num_tokens])
-    singles = [target.forward([token])[0] for token in prompt[-num_tokens:]]
+    one(target).prefill(prompt[:-num_tokens])
+    block = one(target).forward(prompt[-num_tokens:])
+    one(target).prefill(prompt[:-num_tokens])
+    singles = [one(target).forward([token])[0] for token in prompt[-num_tokens:]]
     assert all(torch.equal(row, single) for row, single in zip(block, singles))
 
 

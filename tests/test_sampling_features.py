@@ -11,7 +11,7 @@ from exactspec.audit import BROKEN_VERIFIERS, BrokenGenerator
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.proposers.base import Proposal, Proposer
 
-from conftest import RandomProposer, perturbed_backend, tiny_backend
+from conftest import RandomProposer, perturbed_backend, tiny_backend, one
 from gof import audit_positions
 
 PROMPT = "abc abc abd abc abcd, abc abc"
@@ -132,10 +132,10 @@ def test_stop_token_ids_ignore_eos_and_finish_reasons():
 def teacher_forced_logprobs(target, prompt_ids, token_ids, params):
     """What plain decoding reports for these tokens: one position at a time."""
     pipeline = LogitsPipeline(params, prompt_ids, target.vocab_size, target.eos_token_ids)
-    target.prefill(prompt_ids[:-1])
+    one(target).prefill(prompt_ids[:-1])
     context, values = list(prompt_ids), []
     for token in token_ids:
-        logprobs = pipeline.logprobs(pipeline.process(target.forward([context[-1]]), context))
+        logprobs = pipeline.logprobs(pipeline.process(one(target).forward([context[-1]]), context))
         values.append(float(logprobs[0, token]))
         context.append(token)
     return values

@@ -6,7 +6,7 @@ import torch
 
 from exactspec.threads import EXPLORE_FIRST, EXPLORE_MOST, ThreadChooser, torch_threads
 
-from conftest import tiny_backend
+from conftest import tiny_backend, one
 
 
 def run(chooser: ThreadChooser, seconds_per_thread_count: dict[int, float], forwards: int,
@@ -66,13 +66,14 @@ def test_a_forward_gives_the_same_logits_on_one_thread_and_on_two():
     for threads in (1, 2):
         target.threads = ThreadChooser(2)
         target.threads.choose = lambda num_tokens, t=threads: t  # no tries
-        target.prefill(prompt[:-1])
-        single = target.forward(prompt[-1:])
-        target.rollback(1)
-        block = target.forward(prompt[-1:] + prompt[:8])
+        one(target).prefill(prompt[:-1])
+        single = one(target).forward(prompt[-1:])
+        one(target).rollback(1)
+        block = one(target).forward(prompt[-1:] + prompt[:8])
         for s in range(2):
-            target.prefill_sequence(s, prompt[:-1 - s])
-        packed = target.forward_sequences([(0, prompt[-1:]), (1, prompt[-2:])])
+            target.release(s)
+            target.prefill(s, prompt[:-1 - s])
+        packed = target.forward([(0, prompt[-1:]), (1, prompt[-2:])])
         outputs.append([single, block, *packed])
     assert all(torch.equal(a, b) for a, b in zip(*outputs))
 

@@ -2,7 +2,7 @@
 
 Each cycle every active row drafts on its own (its own drafter state, policy, k, possibly
 none), one packed forward of the target scores every row's ``[last, d_1 .. d_k]``
-(:meth:`~exactspec.backends.base.BatchBackend.forward_sequences`), and each row is verified,
+(:meth:`~exactspec.backends.base.Backend.forward`), and each row is verified,
 committed and rolled back on its own, exactly as :class:`~exactspec.engine.SpeculativeGenerator`
 does for one sequence (the same :class:`~exactspec.engine.SampleDecoding`). Rows join
 between cycles as others finish (continuous batching, Yu et al. 2022, "Orca",
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import itertools
 import time
 from collections import deque
 from collections.abc import Hashable, Sequence
@@ -30,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from exactspec.backends.base import BatchBackend, UnsupportedModelError
+from exactspec.backends.base import Backend, UnsupportedModelError, new_sequence_id
 from exactspec.engine import (PLAIN_STEP, GenerationResult, OnCommit, SampleDecoding,
                               SpeculativeGenerator)
 from exactspec.logits_pipeline import LogitsPipeline
@@ -43,9 +42,6 @@ from exactspec.threads import torch_threads
 
 DEFAULT_MAX_BATCH_SIZE = 8
 """Rows decoded together when none is given."""
-_request_ids = itertools.count()
-"""Request ids, unique in the process: they are the backend's sequence ids too, so two
-batches on one target never touch each other's sequences."""
 
 
 @dataclass
@@ -97,8 +93,7 @@ class BatchedGenerator:
             may bring another generator on the same target, see :meth:`submit`).
         max_batch_size: most rows decoded together (≥ 1); more requests wait in order.
     Raises:
-        ValueError: if the target cannot hold several sequences (``supports_batches``
-            False), the drafter is not ``batchable`` (a draft model or early exit: one model
+        ValueError: if the drafter is not ``batchable`` (a draft model or early exit: one model
             cache; prompt lookup and suffix are) and ``max_batch_size`` > 1, or
             ``max_batch_size`` < 1 or above what the backend holds.
         UnsupportedModelError: if the target scores a sequence in a batch differently from
@@ -109,18 +104,15 @@ class BatchedGenerator:
     def __init__(self, generator: SpeculativeGenerator,
                  max_batch_size: int = DEFAULT_MAX_BATCH_SIZE) -> None:
         target = generator.target
-        if not target.supports_batches:
-            raise ValueError(f"batched decoding needs a backend that holds several sequences; "
-                             f"{target.description} holds one")
         if (not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool)
                 or max_batch_size < 1):
             raise ValueError(f"max_batch_size = {max_batch_size!r} is invalid: it must be an "
                              "integer ≥ 1")
         try:
-            target.reserve_sequences(max_batch_size)
+            target.reserve(max_batch_size)
         except ValueError as error:
             raise ValueError(f"max_batch_size = {max_batch_size} is invalid: {error}") from None
-        self.target: BatchBackend = target
+        self.target: Backend = target
         self.max_batch_size = max_batch_size
         self._check(generator)
         if not generator.allow_batch_variance and not target.sequences_invariant:
@@ -239,7 +231,7 @@ class BatchedGenerator:
         policy = copy.deepcopy(generator.policy)
         policy.reset(timed=False)  # a forward's time is the batch's: see the module docstring
         row = _Row(
-            request_id=next(_request_ids), generator=generator,
+            request_id=new_sequence_id(), generator=generator,
             prompt_token_ids=request.prompt_token_ids, pipeline=request.pipeline,
             rng=request.rng if rng is None else rng, proposer=proposer, policy=policy,
             timed=request.timed, batch_chosen=policy.follows_batch and request.timed,
@@ -255,7 +247,7 @@ class BatchedGenerator:
             return
         self._waiting = deque(row for row in self._waiting if row.request_id != request_id)
         if any(row.request_id == request_id for row in self._active):
-            self.target.release_sequence(request_id)
+            self.target.release(request_id)
             self._active = [row for row in self._active if row.request_id != request_id]
 
     def step(self) -> dict[int, RequestOutput]:
@@ -275,7 +267,7 @@ class BatchedGenerator:
         finally:
             self._stepping = False
         for request_id in finished:
-            self.target.release_sequence(request_id)
+            self.target.release(request_id)
         self._active = [row for row in self._active if row.request_id not in finished]
         for request_id in self._cancelled:
             finished.pop(request_id, None)
@@ -312,7 +304,7 @@ class BatchedGenerator:
             return finished
         t0 = time.perf_counter()
         try:
-            all_logits = self.target.forward_sequences(inputs)
+            all_logits = self.target.forward(inputs)
         except Exception as error:
             finished.update((row.request_id, error) for row in drafted)
             return finished
@@ -322,7 +314,7 @@ class BatchedGenerator:
             if row.request_id in self._cancelled:
                 continue
             try:
-                self.target.rollback_sequence(
+                self.target.rollback(
                     row.request_id, row.sample.verify_and_commit(logits, forward_seconds))
                 if row.sample.finish_reason is not None:
                     self._end_sample(row, finished)
@@ -349,7 +341,7 @@ class BatchedGenerator:
         """
         failed = self._admit()
         for request_id in failed:
-            self.target.release_sequence(request_id)
+            self.target.release(request_id)
         self._active = [row for row in self._active if row.request_id not in failed]
         return failed
 
@@ -360,7 +352,7 @@ class BatchedGenerator:
             row = self._waiting.popleft()
             self._active.append(row)
             try:
-                self.target.prefill_sequence(row.request_id, [])
+                self.target.prefill(row.request_id, [])
             except Exception as error:
                 failed[row.request_id] = error
         return failed
@@ -372,7 +364,7 @@ class BatchedGenerator:
         requests that arrive during its prefill (they join at the next cycle, and a short
         prompt is prefilled before the long one's next chunk). The chunks start at
         multiples of the chunk size, so the cache is bit for bit the one-call prefill's
-        (:meth:`~exactspec.backends.base.BatchBackend.extend_sequence`). A row whose prompt
+        (``Backend.prefill``). A row whose prompt
         is in starts its first sample."""
         chunk = self.target.prefill_chunk_size
         budget = chunk
@@ -386,7 +378,7 @@ class BatchedGenerator:
                     if size > budget:
                         return
                     t0 = time.perf_counter()
-                    self.target.extend_sequence(
+                    self.target.prefill(
                         row.request_id,
                         row.prompt_token_ids[row.num_prefilled:row.num_prefilled + size])
                     row.prefill_seconds += time.perf_counter() - t0
@@ -433,7 +425,7 @@ class BatchedGenerator:
         if len(row.results) == row.num_samples:
             finished[row.request_id] = row.results
             return
-        self.target.rollback_sequence(row.request_id, self.target.cached_tokens(row.request_id)
+        self.target.rollback(row.request_id, self.target.num_cached_tokens(row.request_id)
                                       - (len(row.prompt_token_ids) - 1))
         row.start = time.perf_counter()
         row.start_sample()

@@ -19,43 +19,28 @@ import functools
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 
-from exactspec.backends.base import Backend, UnsupportedModelError
-from exactspec.logits_pipeline import LogitsPipeline, check_finite, greedy_tokens
+from exactspec.backends.base import Backend, UnsupportedModelError, forward_one, new_sequence_id
+from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.metrics import GenerationStats
-from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
-from exactspec.request import prepare_request
+from exactspec.proposers.base import EMPTY_PROPOSAL, Proposer
+from exactspec.request import Prompt, Request, prepare_request
 from exactspec.sampling import SamplingParams
 from exactspec.speculation_length import (DEFAULT_POLICY, Choice, SpeculationLengthPolicy,
                                           make_policy)
 from exactspec.stopping import StopChecker
 from exactspec.threads import torch_threads
 from exactspec.trace.record import CycleTrace, trace_cycle
-from exactspec.verification import greedy_accept_length, rejection_sample
+from exactspec.verification import TokenLogprob, rejection_sample, verify
 
 FinishReason = Literal["stop", "length"]
 OnCommit = Callable[[int, list[int]], None]
 """Called after each cycle with (sample index, the tokens that cycle emitted)."""
 PLAIN_STEP = Choice(0)
 """The cycle of plain decoding (no drafter, or k_max = 0)."""
-
-
-class TokenLogprob(NamedTuple):
-    """One emitted token's log-probability under the target's processed distribution.
-
-    Attributes:
-        token_id: the emitted token.
-        logprob: its natural-log probability (≤ 0; -inf cannot occur for a sampled token).
-        top: the ``logprobs`` most likely tokens at that position as (token_id, logprob),
-            most likely first.
-    """
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -106,28 +91,6 @@ class GenerationResult:
                                    cycle.to_dict() for cycle in self.trace]}
 
 
-class Verified(NamedTuple):
-    """One cycle's verification.
-
-    Attributes:
-        committed: the tokens to commit: accepted drafts, then the recovered or bonus token.
-        num_accepted: drafts accepted.
-        logprobs: the committed tokens' :class:`TokenLogprob` (when asked), else None.
-        processed: ``[k+1, vocab]`` the target's processed logits the verdict came from.
-        target_probs: ``[k+1, vocab]`` their probabilities (p) when sampling; None when
-            greedy.
-        uniforms: ``[k]`` float64 acceptance uniforms of the stochastic verifier; None
-            when greedy.
-    """
-
-    committed: list[int]
-    num_accepted: int
-    logprobs: list[TokenLogprob] | None
-    processed: torch.Tensor
-    target_probs: torch.Tensor | None
-    uniforms: torch.Tensor | None
-
-
 class SampleDecoding:
     """One sample being decoded, and the half of each cycle that belongs to one sequence.
 
@@ -139,7 +102,8 @@ class SampleDecoding:
     ``tokens`` (prompt + committed) is the one record of the sequence.
 
     Args:
-        generator: the engine whose verifier (``_verify``) and k_max the sample uses.
+        generator: the engine whose target, stochastic verifier (``rejection_sampler``) and
+            k_max the sample uses.
         prompt_token_ids: ``[prompt_len]`` the prompt as the model sees it.
         pipeline: the sample's logits processing (its :class:`SamplingParams`).
         rng: its random source.
@@ -216,7 +180,8 @@ class SampleDecoding:
         """
         proposal, generated = self.proposal, len(self.tokens) - self.num_prompt_tokens
         t0 = time.perf_counter()
-        verified = self.generator._verify(self.tokens, proposal, logits, self.pipeline, self.rng)
+        verified = verify(self.tokens, proposal.token_ids, proposal.probs, logits, self.pipeline,
+                          self.rng, self.generator.rejection_sampler)
         verify_seconds = forward_seconds + time.perf_counter() - t0
         committed, num_accepted = verified.committed, verified.num_accepted
         num_emitted = self._commit(committed, verified.logprobs)
@@ -309,6 +274,7 @@ class SpeculativeGenerator:
                 + target.batch_variance_fix + " (allow_batch_variance=True, "
                 "--allow-batch-variance, speculates anyway, exact only up to rounding.)")
         self.target = target
+        self._sequence = new_sequence_id()  # the target's sequence this engine decodes in
         self.proposer = proposer
         self.allow_batch_variance = allow_batch_variance
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
@@ -321,13 +287,14 @@ class SpeculativeGenerator:
                              f"of its own (a draft model); {type(proposer).__name__} has none: "
                              "use the auto or heuristic policy")
 
-    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
                  chat: bool = False, trace: bool = False) -> GenerationResult:
         """Generate a continuation of ``prompt`` whose tokens follow the target's processed
         distribution exactly (token for token equal to plain decoding when greedy).
 
         Args:
-            prompt: text, or ``[prompt_len]`` token ids (used as they are).
+            prompt: text, ``[prompt_len]`` token ids (used as they are), or chat messages
+                (``{"role", "content"}`` dicts, through the chat template).
             params: sampling parameters (default: greedy, 128 new tokens).
             chat: wrap a text prompt in the model's chat template as one user turn.
             trace: record every cycle's drafts, p, q, uniforms and verdicts in
@@ -335,13 +302,14 @@ class SpeculativeGenerator:
         Returns:
             :class:`GenerationResult`.
         Raises:
-            ValueError: for an empty prompt, token ids outside the vocabulary, a prompt
-                that fills the context (no room for a token), ``chat`` with token ids, or sampling
-                parameters naming token ids outside the vocabulary.
+            RequestError: (a ValueError naming the field) for an empty prompt, token ids
+                outside the vocabulary, a prompt that fills the context (no room for a
+                token), ``chat`` with token ids, or sampling parameters naming token ids
+                outside the vocabulary (:func:`~exactspec.request.prepare_request`).
         """
         return self.generate_samples(prompt, params, n=1, chat=chat, trace=trace)[0]
 
-    def generate_samples(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+    def generate_samples(self, prompt: Prompt, params: SamplingParams | None = None,
                          *, n: int = 1, chat: bool = False, trace: bool = False,
                          on_commit: OnCommit | None = None,
                          scope: Hashable = None) -> list[GenerationResult]:
@@ -360,74 +328,42 @@ class SpeculativeGenerator:
             ``[n]`` :class:`GenerationResult`; the first one's stats include the prefill.
         """
         request = prepare_request(self.target, prompt, params, n=n, chat=chat)
-        prompt_token_ids, pipeline, rng = request.prompt_token_ids, request.pipeline, request.rng
-        timed, start = request.timed, request.start
-        self.target.prefill(prompt_token_ids[:-1])
-        self.policy.reset(timed)
-        if self.proposer is not None:
-            self.proposer.reset(reproducible=not timed, scope=scope)
-        prefill_seconds = time.perf_counter() - start
-        results = []
-        for index in range(n):
-            self.target.rollback(self.target.num_cached_tokens - (len(prompt_token_ids) - 1))
-            emit = None if on_commit is None else functools.partial(on_commit, index)
-            with torch_threads(1):  # host-side work; the backend chooses its own (threads.py)
-                results.append(self._decode(prompt_token_ids, pipeline, rng, timed, start,
-                                            prefill_seconds, emit, [] if trace else None))
-            start, prefill_seconds = time.perf_counter(), 0.0
+        prompt_token_ids, target, sequence = request.prompt_token_ids, self.target, self._sequence
+        start, timed = request.start, request.timed
+        target.release(sequence)
+        try:
+            target.prefill(sequence, prompt_token_ids[:-1])
+            self.policy.reset(timed)
+            if self.proposer is not None:
+                self.proposer.reset(reproducible=not timed, scope=scope)
+            prefill_seconds = time.perf_counter() - start
+            results = []
+            for index in range(n):
+                target.rollback(sequence, target.num_cached_tokens(sequence)
+                                - (len(prompt_token_ids) - 1))
+                emit = None if on_commit is None else functools.partial(on_commit, index)
+                with torch_threads(1):  # host-side work; the backend chooses its own (threads.py)
+                    results.append(self._decode(request, start, prefill_seconds, emit,
+                                                [] if trace else None))
+                start, prefill_seconds = time.perf_counter(), 0.0
+        finally:
+            target.release(sequence)
         return results
 
-    def _decode(self, prompt_token_ids: list[int], pipeline: LogitsPipeline,
-                rng: torch.Generator, timed: bool, start: float, prefill_seconds: float,
+    def _decode(self, request: Request, start: float, prefill_seconds: float,
                 emit: Callable[[list[int]], None] | None,
                 trace: list[CycleTrace] | None) -> GenerationResult:
         """The speculative loop for one sample; the target's cache holds the prompt but its
         last token. Each cycle: choose → draft → forward → verify, commit, observe →
         rollback (:class:`SampleDecoding` does all but the forward and the rollback)."""
-        sample = SampleDecoding(self, prompt_token_ids, pipeline, rng, self.proposer,
-                                self.policy, observe_seconds=timed, start=start,
-                                prefill_seconds=prefill_seconds, emit=emit, trace=trace)
+        sample = SampleDecoding(self, request.prompt_token_ids, request.pipeline, request.rng,
+                                self.proposer, self.policy, observe_seconds=request.timed,
+                                start=start, prefill_seconds=prefill_seconds, emit=emit,
+                                trace=trace)
         while sample.finish_reason is None and (room := sample.room()):
             block = sample.draft(sample.choose(), room)
             t0 = time.perf_counter()
-            logits = self.target.forward(block)  # [k+1, vocab]
-            self.target.rollback(sample.verify_and_commit(logits, time.perf_counter() - t0))
+            logits = forward_one(self.target, self._sequence, block)  # [k+1, vocab]
+            self.target.rollback(self._sequence,
+                                 sample.verify_and_commit(logits, time.perf_counter() - t0))
         return sample.result()
-
-    def _verify(self, tokens: list[int], proposal: Proposal, logits: torch.Tensor,
-                pipeline: LogitsPipeline, rng: torch.Generator) -> Verified:
-        """Process every row of ``logits`` (``[k+1, vocab]``, the target's scores of
-        ``[tokens[-1], *drafts]`` from one forward pass) with its true history, and run the
-        rejection sampler (see :class:`Verified`)."""
-        check_finite(logits)
-        processed = pipeline.process(logits, tokens, proposal.token_ids)  # [k+1, vocab]
-        target_probs = uniforms = None
-        if pipeline.params.greedy:
-            target_token_ids = greedy_tokens(processed).tolist()  # one host sync
-            committed = target_token_ids[: greedy_accept_length(proposal.token_ids,
-                                                                target_token_ids) + 1]
-        else:
-            draft_token_ids = torch.tensor([proposal.token_ids], dtype=torch.long,
-                                           device=logits.device)  # [1, k]
-            target_probs = pipeline.probs(processed)  # [k+1, vocab]
-            draft_probs = None if proposal.probs is None else proposal.probs.unsqueeze(0)
-            result = self.rejection_sampler(draft_token_ids, draft_probs,
-                                            target_probs.unsqueeze(0), rng)
-            committed = [t for t in result.output_token_ids[0].tolist() if t >= 0]  # one sync
-            uniforms = None if result.uniforms is None else result.uniforms[0]
-        committed_logprobs = None
-        if pipeline.params.logprobs is not None:
-            committed_logprobs = self._token_logprobs(pipeline, processed[: len(committed)],
-                                                      committed)
-        return Verified(committed, len(committed) - 1, committed_logprobs, processed,
-                        target_probs, uniforms)
-
-    def _token_logprobs(self, pipeline: LogitsPipeline, processed: torch.Tensor,
-                        token_ids: list[int]) -> list[TokenLogprob]:
-        """Logprob of each committed token (row i ↔ token i) and the top alternatives."""
-        logprobs = pipeline.logprobs(processed)  # [n, vocab]
-        chosen = logprobs[torch.arange(len(token_ids)), torch.tensor(token_ids)].tolist()
-        top_values, top_ids = logprobs.topk(pipeline.params.logprobs, dim=-1)
-        return [TokenLogprob(token, value, list(zip(ids, values)))
-                for token, value, ids, values in zip(token_ids, chosen, top_ids.tolist(),
-                                                     top_values.tolist())]

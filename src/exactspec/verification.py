@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from exactspec.logits_pipeline import LogitsPipeline, check_finite, greedy_tokens
 from exactspec.sampling import sample_from_probs
 
 PADDING_TOKEN_ID = -1
@@ -55,6 +56,43 @@ class VerificationResult(NamedTuple):
     output_token_ids: torch.Tensor
     num_accepted: torch.Tensor
     uniforms: torch.Tensor | None = None
+
+
+class TokenLogprob(NamedTuple):
+    """One emitted token's log-probability under the target's processed distribution.
+
+    Attributes:
+        token_id: the emitted token.
+        logprob: its natural-log probability (≤ 0; -inf cannot occur for a sampled token).
+        top: the ``logprobs`` most likely tokens at that position as (token_id, logprob),
+            most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class Verified(NamedTuple):
+    """One cycle's verification.
+
+    Attributes:
+        committed: the tokens to commit: accepted drafts, then the recovered or bonus token.
+        num_accepted: drafts accepted.
+        logprobs: the committed tokens' :class:`TokenLogprob` (when asked), else None.
+        processed: ``[k+1, vocab]`` the target's processed logits the verdict came from.
+        target_probs: ``[k+1, vocab]`` their probabilities (p) when sampling; None when
+            greedy.
+        uniforms: ``[k]`` float64 acceptance uniforms of the stochastic verifier; None
+            when greedy.
+    """
+
+    committed: list[int]
+    num_accepted: int
+    logprobs: list[TokenLogprob] | None
+    processed: torch.Tensor
+    target_probs: torch.Tensor | None
+    uniforms: torch.Tensor | None
 
 
 def rejection_sample(
@@ -183,3 +221,60 @@ def _check_shapes(draft_token_ids: torch.Tensor, target_probs: torch.Tensor) -> 
             f"({batch}, {k + 1}, vocab) for draft_token_ids of shape {(batch, k)}"
         )
     return batch, k
+
+
+def verify(tokens: Sequence[int], draft_token_ids: list[int], draft_probs: torch.Tensor | None,
+           logits: torch.Tensor, pipeline: LogitsPipeline, rng: torch.Generator | None,
+           sampler=rejection_sample) -> Verified:
+    """Verify one sequence's cycle: process every row of ``logits`` with its true history
+    and commit the accepted drafts and the recovered or bonus token (Algorithm 1 above;
+    greedy: the target's argmax while it agrees with the drafts).
+
+    Args:
+        tokens: the sequence so far (prompt + committed); ``logits`` scored
+            ``[tokens[-1], *draft_token_ids]``.
+        draft_token_ids: ``[k]`` the drafts.
+        draft_probs: ``[k, vocab]`` q for each draft, or None for a point-mass drafter.
+        logits: ``[k+1, vocab]`` the target's raw logits of that block, one forward pass.
+        pipeline: the sequence's logits processing.
+        rng: its random source (unused when greedy).
+        sampler: the stochastic verifier (:func:`rejection_sample`; the audit's broken
+            controls pass another).
+    Returns:
+        :class:`Verified`.
+    Raises:
+        ValueError: if ``logits`` holds NaN or infinity where a token could be chosen
+            (:func:`~exactspec.logits_pipeline.check_finite`).
+    """
+    check_finite(logits)
+    processed = pipeline.process(logits, tokens, draft_token_ids)  # [k+1, vocab]
+    target_probs = uniforms = None
+    if pipeline.params.greedy:
+        target_token_ids = greedy_tokens(processed).tolist()  # one host sync
+        committed = target_token_ids[: greedy_accept_length(draft_token_ids,
+                                                            target_token_ids) + 1]
+    else:
+        draft_ids = torch.tensor([draft_token_ids], dtype=torch.long,
+                                 device=logits.device)  # [1, k]
+        target_probs = pipeline.probs(processed)  # [k+1, vocab]
+        result = sampler(draft_ids, None if draft_probs is None else draft_probs.unsqueeze(0),
+                         target_probs.unsqueeze(0), rng)
+        committed = [t for t in result.output_token_ids[0].tolist() if t >= 0]  # one sync
+        uniforms = None if result.uniforms is None else result.uniforms[0]
+    committed_logprobs = None
+    if pipeline.params.logprobs is not None:
+        committed_logprobs = token_logprobs(pipeline, processed[: len(committed)], committed)
+    return Verified(committed, len(committed) - 1, committed_logprobs, processed,
+                    target_probs, uniforms)
+
+
+def token_logprobs(pipeline: LogitsPipeline, processed: torch.Tensor,
+                   token_ids: list[int]) -> list[TokenLogprob]:
+    """Each token's logprob under ``processed`` (``[n, vocab]``, row i ↔ ``token_ids[i]``)
+    and its ``pipeline.params.logprobs`` most likely alternatives."""
+    logprobs = pipeline.logprobs(processed)  # [n, vocab]
+    chosen = logprobs[torch.arange(len(token_ids)), torch.tensor(token_ids)].tolist()
+    top_values, top_ids = logprobs.topk(pipeline.params.logprobs, dim=-1)
+    return [TokenLogprob(token, value, list(zip(ids, values)))
+            for token, value, ids, values in zip(token_ids, chosen, top_ids.tolist(),
+                                                 top_values.tolist())]

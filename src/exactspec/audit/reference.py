@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from exactspec.backends.base import Backend
+from exactspec.backends.base import Backend, forward_one, new_sequence_id
 from exactspec.logits_pipeline import LogitsPipeline
 
 
@@ -27,7 +27,7 @@ def next_token_probs(target: Backend, prompt_ids: Sequence[int], pipeline: Logit
     """The exact next-token distribution after ``prompt_ids + prefix`` for each prefix.
 
     Args:
-        target: the target backend (its cache is reset).
+        target: the target backend (one sequence held while the generator runs).
         prompt_ids: ``[prompt_len]`` the prompt as the model sees it (non-empty).
         pipeline: built for ``prompt_ids`` and the audited sampling parameters.
         prefixes: continuations to score, sorted, every prefix of one listed before it
@@ -40,19 +40,23 @@ def next_token_probs(target: Backend, prompt_ids: Sequence[int], pipeline: Logit
     if not prompt_ids:
         raise ValueError("the reference needs a non-empty prompt")
     prompt_ids = list(prompt_ids)
-    target.prefill(prompt_ids[:-1])
-    path: tuple[int, ...] | None = None  # the continuation in the cache after the prompt
-    for prefix in prefixes:
-        if not prefix:
-            target.rollback(target.num_cached_tokens - (len(prompt_ids) - 1))
-            logits = target.forward(prompt_ids[-1:])
-        else:
-            if path is None or path[: len(prefix) - 1] != prefix[:-1]:
-                raise ValueError(f"prefix {prefix} comes before its parent: pass prefixes "
-                                 "sorted and closed under taking prefixes")
-            target.rollback(len(path) - (len(prefix) - 1))
-            logits = target.forward(prefix[-1:])
-        path = prefix
-        probs = pipeline.probs(pipeline.process(logits, prompt_ids + list(prefix)))[0]
-        probs = probs.double().cpu().numpy()
-        yield prefix, probs / probs.sum()
+    sequence = new_sequence_id()
+    try:
+        target.prefill(sequence, prompt_ids[:-1])
+        path: tuple[int, ...] | None = None  # the continuation in the cache after the prompt
+        for prefix in prefixes:
+            if not prefix:
+                target.rollback(sequence, target.num_cached_tokens(sequence) - (len(prompt_ids) - 1))
+                logits = forward_one(target, sequence, prompt_ids[-1:])
+            else:
+                if path is None or path[: len(prefix) - 1] != prefix[:-1]:
+                    raise ValueError(f"prefix {prefix} comes before its parent: pass prefixes "
+                                     "sorted and closed under taking prefixes")
+                target.rollback(sequence, len(path) - (len(prefix) - 1))
+                logits = forward_one(target, sequence, prefix[-1:])
+            path = prefix
+            probs = pipeline.probs(pipeline.process(logits, prompt_ids + list(prefix)))[0]
+            probs = probs.double().cpu().numpy()
+            yield prefix, probs / probs.sum()
+    finally:
+        target.release(sequence)

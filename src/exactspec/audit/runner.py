@@ -27,7 +27,7 @@ from exactspec.audit.engines import EngineUnderTest
 from exactspec.audit.reference import next_token_probs
 from exactspec.audit.stats import (Impossible, NodeFit, PositionFit, detectable_tv, fit_tree,
                                    holm)
-from exactspec.backends.base import Backend
+from exactspec.backends.base import Backend, forward_one, new_sequence_id
 from exactspec.engine import SpeculativeGenerator
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.sampling import SamplingParams
@@ -134,8 +134,12 @@ def check_greedy(target: Backend, engine: EngineUnderTest, prompts: Sequence[Seq
         check = GreedyCheck(index, False, len(expected), position)
         if position < min(len(expected), len(got)):
             context = list(prompt_ids) + expected[:position]
-            target.prefill(context[:-1])
-            logits = target.forward(context[-1:], num_logits=1)[0]
+            sequence = new_sequence_id()
+            try:
+                target.prefill(sequence, context[:-1])
+                logits = forward_one(target, sequence, context[-1:])[0]
+            finally:
+                target.release(sequence)
             check.plain_token, check.engine_token = expected[position], got[position]
             check.plain_logit = float(logits[check.plain_token])
             check.engine_logit = float(logits[check.engine_token])

@@ -1,8 +1,8 @@
 """Runtimes that run the target (and draft) models. See :mod:`exactspec.backends.base`."""
 
-from exactspec.backends.base import Backend, BatchBackend, Tokenizer, UnsupportedModelError
+from exactspec.backends.base import Backend, Tokenizer, UnsupportedModelError
 from exactspec.backends.llama_cpp_backend import LlamaCppBackend, LlamaCppNotInstalledError
 from exactspec.backends.transformers_backend import HFTokenizer, TransformersBackend
 
-__all__ = ["Backend", "BatchBackend", "HFTokenizer", "LlamaCppBackend", "LlamaCppNotInstalledError", "Tokenizer",
+__all__ = ["Backend", "HFTokenizer", "LlamaCppBackend", "LlamaCppNotInstalledError", "Tokenizer",
            "TransformersBackend", "UnsupportedModelError"]

@@ -1,9 +1,10 @@
 """llama.cpp backend (through ``llama-cpp-python``): GGUF models at CPU speed.
 
-The model and its one KV cache (sequence 0) are driven with llama.cpp's batch API: a batch
-carries each token's position and a flag saying whether its logits are wanted, so a
-verification scores ``k + 1`` tokens in one ``llama_decode`` and copies out only the rows
-it asked for; ``llama_memory_seq_rm`` removes rejected positions from the cache. The
+The model and the KV caches of the sequences it holds (one llama.cpp sequence id, a slot,
+per sequence) are driven with llama.cpp's batch API: a batch carries each token's slot,
+position and a flag saying whether its logits are wanted, so a verification scores
+``k + 1`` tokens of one or many sequences in one ``llama_decode`` and copies out only the
+rows it asked for; ``llama_memory_seq_rm`` removes rejected positions from a slot. The
 tokenizer and chat template are the GGUF file's own.
 
 Recurrent and hybrid models (whose state cannot lose its last positions) are refused with
@@ -38,7 +39,8 @@ import numpy as np
 import torch
 
 from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, chat_messages,
-                                     check_batch_invariance, check_sequence_invariance)
+                                     check_batch_invariance, check_context,
+                                     check_sequence_invariance)
 from exactspec.models import gguf_architecture_value
 
 INSTALL_HINT = ("CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --no-cache-dir "
@@ -46,9 +48,6 @@ INSTALL_HINT = ("CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --no-cache-dir 
 """How to install a llama-cpp-python build whose CPU kernels are batch-invariant."""
 DEFAULT_CONTEXT_LENGTH = 8192
 """KV cache size (tokens) when the caller gives none, capped by the model's own context."""
-DEFAULT_MAX_SEQUENCES = 8
-"""Slots made for sequences held by id when none were reserved (see :class:`LlamaCppBackend`)."""
-
 
 class LlamaCppNotInstalledError(ImportError):
     """``llama-cpp-python`` is missing; the message gives the install command."""
@@ -148,7 +147,8 @@ class LlamaCppTokenizer:
 
 
 class LlamaCppBackend:
-    """A GGUF model on llama.cpp with one rollback-able KV cache (see ``Backend``).
+    """A GGUF model on llama.cpp with a rollback-able KV cache per sequence held (see
+    ``Backend``).
 
     Args:
         llama: a ``llama_cpp.Llama`` (its own batch and cache are not used).
@@ -163,17 +163,14 @@ class LlamaCppBackend:
     Raises:
         UnsupportedModelError: for recurrent or hybrid models (their state cannot roll back).
 
-    Several sequences (:class:`~exactspec.backends.base.BatchBackend`) live in a second
-    llama.cpp context, made by :meth:`reserve_sequences` (or the first
-    ``prefill_sequence``, with :data:`DEFAULT_MAX_SEQUENCES` slots): one slot (llama.cpp
-    sequence id) per sequence, each with a KV cache of its own (``kv_unified`` off, so a
-    sequence's cells are its positions, as in the one-sequence context) as long as the main
-    context, so n slots take n × the main cache's memory.
+    Each sequence held is a slot (a llama.cpp sequence id) of one context: the ``Llama``'s
+    own, with one slot, until :meth:`reserve` asks for more and replaces it with a context of
+    that many slots, each with a KV cache of its own (``kv_unified`` off, so a sequence's
+    cells are its positions) as long as the context, so n slots take n × one sequence's
+    memory.
     """
 
     name = "llama_cpp"
-    supports_batches = True
-
     @functools.cached_property
     def sequences_invariant(self) -> bool:
         """Whether a batched forward scores each sequence bit for bit as alone (measured once,
@@ -204,15 +201,14 @@ class LlamaCppBackend:
         self.device = torch.device("cpu")
         threads = llama.n_threads
         self.description = f"llama.cpp cpu, {threads} thread{'s' if threads != 1 else ''}"
-        self._ctx = llama.ctx
-        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        # the Llama's own context (one slot) until reserve() makes one with more
+        self._context, self._own_context = llama.ctx, False
+        self._memory = llama_cpp.llama_get_memory(self._context)
         self._batch_capacity = int(llama.n_batch)
         self.prefill_chunk_size = self._batch_capacity  # llama_decode takes n_batch at a time
         self._batch = llama_cpp.llama_batch_init(self._batch_capacity, 0, 1)
-        self._num_cached = 0
-        self._sequences: dict[int, int] = {}  # sequence id → its slot (llama.cpp seq_id)
-        self._slot_lengths: list[int] = []  # tokens cached per slot; one per slot reserved
-        self._sequence_context = self._sequence_memory = None
+        self._slots: dict[int, int] = {}  # sequence id → its slot (llama.cpp seq_id)
+        self._slot_lengths: list[int] = [0]  # tokens cached per slot
         self.batch_invariant, self.seconds_per_token_at_load = check_batch_invariance(self)
 
     @classmethod
@@ -272,38 +268,13 @@ class LlamaCppBackend:
                          context_length=self.llama.n_ctx(), **overrides)
 
     @property
-    def num_cached_tokens(self) -> int:
-        return self._num_cached
-
-    def prefill(self, token_ids: Sequence[int]) -> None:
-        self._llama_cpp.llama_memory_clear(self._memory, True)
-        self._num_cached = 0
-        if len(token_ids) > 0:
-            self._decode(token_ids, num_logits=0)
-
-    def forward(self, token_ids: Sequence[int], num_logits: int | None = None) -> torch.Tensor:
-        if len(token_ids) == 0:
-            raise ValueError("forward needs at least one token")
-        num_logits = num_logits or len(token_ids)
-        return self._decode(token_ids, num_logits)
-
-    def rollback(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= self._num_cached:
-            raise ValueError(f"rollback({num_tokens}) is invalid: the cache holds "
-                             f"{self._num_cached} tokens")
-        if num_tokens:
-            keep = self._num_cached - num_tokens
-            if not self._llama_cpp.llama_memory_seq_rm(self._memory, 0, keep, -1):
-                raise UnsupportedModelError("llama.cpp could not remove positions from this "
-                                            "model's cache")
-            self._num_cached = keep
-
-    @property
     def max_sequences(self) -> int:
-        """Sequences that can be held now: the slots reserved (0 before any)."""
+        """Sequences that can be held now: the context's slots (1 until :meth:`reserve`)."""
         return len(self._slot_lengths)
 
-    def reserve_sequences(self, num_sequences: int) -> None:
+    def reserve(self, num_sequences: int) -> None:
+        """See ``Backend.reserve``: a context with more slots replaces the current one (each
+        slot a cache as long as the context, so n slots take n × one sequence's memory)."""
         limit = int(self._llama_cpp.llama_max_parallel_sequences())
         if (not isinstance(num_sequences, int) or isinstance(num_sequences, bool)
                 or not 1 <= num_sequences <= limit):
@@ -311,10 +282,9 @@ class LlamaCppBackend:
                              f"1 to {limit}")
         if num_sequences <= self.max_sequences:
             return
-        if self._sequences:
+        if self._slots:
             raise ValueError(f"cannot grow from {self.max_sequences} to {num_sequences} sequence "
-                             f"slots while {len(self._sequences)} are held: release them first")
-        self._free_sequence_context()
+                             f"slots while {len(self._slots)} are held: release them first")
         llama_cpp = self._llama_cpp
         params = type(self.llama.context_params).from_buffer_copy(self.llama.context_params)
         params.n_seq_max = num_sequences
@@ -325,139 +295,112 @@ class LlamaCppBackend:
             raise RuntimeError(f"llama.cpp could not make a context for {num_sequences} "
                                f"sequences of {self.max_context_length} tokens (memory? a "
                                "smaller max_model_len needs less)")
-        self._sequence_context = context
-        self._sequence_memory = llama_cpp.llama_get_memory(context)
+        self._free_own_context()
+        self._context, self._own_context = context, True
+        self._memory = llama_cpp.llama_get_memory(context)
         self._slot_lengths = [0] * num_sequences
+        self.__dict__.pop("sequences_invariant", None)  # new caches: measure again
 
-    def prefill_sequence(self, sequence_id: int, token_ids: Sequence[int]) -> None:
-        if not self.max_sequences:
-            self.reserve_sequences(DEFAULT_MAX_SEQUENCES)
-        if sequence_id not in self._sequences:
-            free = sorted(set(range(self.max_sequences)) - set(self._sequences.values()))
+    def prefill(self, sequence_id: int, token_ids: Sequence[int]) -> None:
+        new = sequence_id not in self._slots
+        if new:
+            free = sorted(set(range(self.max_sequences)) - set(self._slots.values()))
             if not free:
                 raise ValueError(f"all {self.max_sequences} sequence slots are in use: release "
-                                 "one first (or reserve_sequences more while none is held)")
-            self._sequences[sequence_id] = free[0]
-        slot = self._sequences[sequence_id]
-        self._llama_cpp.llama_memory_seq_rm(self._sequence_memory, slot, -1, -1)
-        self._slot_lengths[slot] = 0
+                                 "one first (or reserve more while none is held)")
+            self._slots[sequence_id] = free[0]
+            # whatever another user of the Llama's own context left in the slot goes
+            self._llama_cpp.llama_memory_seq_rm(self._memory, free[0], -1, -1)
         try:
-            self.extend_sequence(sequence_id, token_ids)
+            if len(token_ids) > 0:
+                self._decode([(self._slots[sequence_id], token_ids)], num_logits=0)
         except Exception:
-            self.release_sequence(sequence_id)
+            if new:  # a failed first prefill holds nothing
+                self.release(sequence_id)
             raise
 
-    def extend_sequence(self, sequence_id: int, token_ids: Sequence[int]) -> None:
-        slot = self._slot(sequence_id)
-        if len(token_ids) > 0:
-            self._decode_rows(self._sequence_context, [(slot, token_ids)], logits=False)
-
-    def forward_sequences(self, rows: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
+    def forward(self, rows: Sequence[tuple[int, Sequence[int]]],
+                num_logits: int | None = None) -> list[torch.Tensor]:
         if not rows or any(len(token_ids) == 0 for _, token_ids in rows):
-            raise ValueError("forward_sequences needs at least one row, each with a token")
+            raise ValueError("forward needs at least one row and at least one token in each")
         slots = [(self._slot(sequence_id), token_ids) for sequence_id, token_ids in rows]
-        logits = self._decode_rows(self._sequence_context, slots, logits=True)
-        return list(logits.split([len(token_ids) for _, token_ids in rows]))
+        logits = self._decode(slots, num_logits)
+        return list(logits.split([num_logits or len(token_ids) for _, token_ids in rows]))
 
-    def rollback_sequence(self, sequence_id: int, num_tokens: int) -> None:
+    def rollback(self, sequence_id: int, num_tokens: int) -> None:
         slot = self._slot(sequence_id)
         if not 0 <= num_tokens <= self._slot_lengths[slot]:
-            raise ValueError(f"rollback_sequence({sequence_id}, {num_tokens}) is invalid: the "
+            raise ValueError(f"rollback({sequence_id}, {num_tokens}) is invalid: the "
                              f"sequence holds {self._slot_lengths[slot]} tokens")
         if num_tokens:
             keep = self._slot_lengths[slot] - num_tokens
-            if not self._llama_cpp.llama_memory_seq_rm(self._sequence_memory, slot, keep, -1):
+            if not self._llama_cpp.llama_memory_seq_rm(self._memory, slot, keep, -1):
                 raise UnsupportedModelError("llama.cpp could not remove positions from this "
                                             "model's cache")
             self._slot_lengths[slot] = keep
 
-    def release_sequence(self, sequence_id: int) -> None:
-        slot = self._sequences.pop(sequence_id, None)
+    def release(self, sequence_id: int) -> None:
+        slot = self._slots.pop(sequence_id, None)
         if slot is not None:
-            self._llama_cpp.llama_memory_seq_rm(self._sequence_memory, slot, -1, -1)
+            self._llama_cpp.llama_memory_seq_rm(self._memory, slot, -1, -1)
             self._slot_lengths[slot] = 0
 
-    def cached_tokens(self, sequence_id: int) -> int:
+    def num_cached_tokens(self, sequence_id: int) -> int:
         return self._slot_lengths[self._slot(sequence_id)]
 
     def _slot(self, sequence_id: int) -> int:
         try:
-            return self._sequences[sequence_id]
+            return self._slots[sequence_id]
         except KeyError:
-            raise ValueError(f"sequence {sequence_id!r} is not held (prefill_sequence first)") from None
+            raise ValueError(f"sequence {sequence_id!r} is not held (prefill it first)") from None
 
-    def _free_sequence_context(self) -> None:
-        if self._sequence_context is not None:
-            self._llama_cpp.llama_free(self._sequence_context)
-            self._sequence_context = self._sequence_memory = None
-            self._slot_lengths = []
+    def _free_own_context(self) -> None:
+        if self._own_context:
+            self._llama_cpp.llama_free(self._context)
+            self._own_context = False
 
-    def _decode_rows(self, context, rows: Sequence[tuple[int, Sequence[int]]],
-                     logits: bool) -> torch.Tensor:
-        """Append each ``(slot, token_ids)`` row to its slot of ``context`` in batches of at
-        most ``n_batch`` tokens; every token's logits in row order (``[total, vocab]``) when
-        ``logits``, else an empty tensor."""
-        items = [(slot, token) for slot, token_ids in rows for token in token_ids]
-        if any(self._slot_lengths[slot] + len(ids) > self.max_context_length for slot, ids in rows):
-            raise ValueError(f"a sequence would exceed the llama.cpp context of "
-                             f"{self.max_context_length} tokens")
+    def _decode(self, rows: Sequence[tuple[int, Sequence[int]]],
+                num_logits: int | None) -> torch.Tensor:
+        """Append each ``(slot, token_ids)`` row to its slot in batches of at most
+        ``n_batch`` tokens. Returns the logits of each row's last ``num_logits`` tokens
+        (None: all; 0: none), in row order: ``[total, vocab]``."""
+        for slot, token_ids in rows:
+            check_context(self, self._slot_lengths[slot], len(token_ids), "llama.cpp")
+        items = [(slot, token, i >= len(token_ids) - (num_logits or len(token_ids))
+                  if num_logits != 0 else False)
+                 for slot, token_ids in rows for i, token in enumerate(token_ids)]
         out = []
         for start in range(0, len(items), self._batch_capacity):
             chunk = items[start:start + self._batch_capacity]
+            lengths = list(self._slot_lengths)
             batch = self._batch
             batch.n_tokens = len(chunk)
-            for i, (slot, token) in enumerate(chunk):
+            for i, (slot, token, wanted) in enumerate(chunk):
                 batch.token[i] = token
                 batch.pos[i] = self._slot_lengths[slot]
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = slot
-                batch.logits[i] = logits
+                batch.logits[i] = wanted
                 self._slot_lengths[slot] += 1
-            status = self._llama_cpp.llama_decode(context, batch)
-            if status != 0:
+            status = self._llama_cpp.llama_decode(self._context, batch)
+            if status != 0:  # the chunk's positions are not in the caches
+                for slot in {slot for slot, _, _ in chunk}:
+                    self._llama_cpp.llama_memory_seq_rm(self._memory, slot, lengths[slot], -1)
+                self._slot_lengths = lengths
                 raise RuntimeError(f"llama_decode failed with status {status}")
-            if logits:
-                pointer = self._llama_cpp.llama_get_logits(context)
-                out.append(np.ctypeslib.as_array(pointer, shape=(len(chunk), self.vocab_size)).copy())
+            num_rows = sum(wanted for _, _, wanted in chunk)
+            if num_rows:
+                pointer = self._llama_cpp.llama_get_logits(self._context)
+                out.append(np.ctypeslib.as_array(pointer, shape=(num_rows, self.vocab_size)).copy())
         if not out:
             return torch.empty(0, self.vocab_size)
         return torch.from_numpy(out[0] if len(out) == 1 else np.concatenate(out))
-
-    def _decode(self, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:
-        """Append ``token_ids`` in batches of at most ``n_batch``; logits of the last
-        ``num_logits`` positions, ``[num_logits, vocab_size]`` (empty when 0)."""
-        if self._num_cached + len(token_ids) > self.max_context_length:
-            raise ValueError(f"{self._num_cached + len(token_ids)} tokens exceed the llama.cpp "
-                             f"context of {self.max_context_length} tokens")
-        first_logit = len(token_ids) - num_logits
-        rows = []
-        for start in range(0, len(token_ids), self._batch_capacity):
-            chunk = token_ids[start:start + self._batch_capacity]
-            batch = self._batch
-            batch.n_tokens = len(chunk)
-            for i, token in enumerate(chunk):
-                batch.token[i] = token
-                batch.pos[i] = self._num_cached + i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = start + i >= first_logit
-            status = self._llama_cpp.llama_decode(self._ctx, batch)
-            if status != 0:
-                raise RuntimeError(f"llama_decode failed with status {status}")
-            self._num_cached += len(chunk)
-            num_rows = len(chunk) - max(0, first_logit - start)
-            if num_rows > 0:
-                pointer = self._llama_cpp.llama_get_logits(self._ctx)
-                rows.append(np.ctypeslib.as_array(pointer, shape=(num_rows, self.vocab_size)).copy())
-        if not rows:
-            return torch.empty(0, self.vocab_size)
-        return torch.from_numpy(rows[0] if len(rows) == 1 else np.concatenate(rows))
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self._llama_cpp.llama_batch_free(self._batch)
         with contextlib.suppress(Exception):
-            self._free_sequence_context()
+            self._free_own_context()
 
 
 def new_llama(path: str | Path, *, threads: int, context_length: int, **overrides):

@@ -1,7 +1,7 @@
 """Hugging Face transformers (PyTorch) backend.
 
 Loads a local model folder or a GGUF file (dequantised by transformers), keeps one
-``DynamicCache`` and rolls it back with ``DynamicCache.crop(-n)``. Models whose cache
+``DynamicCache`` per sequence and rolls it back with ``DynamicCache.crop(-n)``. Models whose cache
 layers are not plain full-attention layers (sliding windows, recurrent state) cannot be
 rolled back exactly and are refused with :class:`UnsupportedModelError`. Decode-phase
 forwards run batch-invariant kernels by default
@@ -25,7 +25,8 @@ import torch
 
 from exactspec.backends import native
 from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, chat_messages,
-                                     check_batch_invariance, check_sequence_invariance)
+                                     check_batch_invariance, check_context,
+                                     check_sequence_invariance)
 from exactspec.backends.batch_invariant import (KERNELS, PackedSequences, kernel_mode,
                                                  native_kernels_apply, packed_sequences,
                                                  use_exactspec_kernels)
@@ -79,7 +80,8 @@ class HFTokenizer:
 
 
 class TransformersBackend:
-    """A transformers causal LM with one rollback-able KV cache (see ``Backend``).
+    """A transformers causal LM with a rollback-able ``DynamicCache`` per sequence held (see
+    ``Backend``).
 
     Args:
         model: a ``PreTrainedModel`` for causal LM, already on its device and in eval mode.
@@ -95,10 +97,6 @@ class TransformersBackend:
             another process takes a core), prefill with this many.
     Attributes:
         batch_invariant: the result of the bit-identity check run at construction.
-        supports_batches: True: besides its one sequence (``prefill``/``forward``/``rollback``)
-            it holds any number of others by id and scores them together in one packed
-            forward (:meth:`forward_sequences`; see
-            :class:`~exactspec.backends.base.BatchBackend`).
     Raises:
         UnsupportedModelError: if the model's cache cannot be rolled back.
         ValueError: for unknown ``kernels``.
@@ -136,8 +134,7 @@ class TransformersBackend:
             f"native {native.load().isa} kernels" if runs_native else "PyTorch 2-row kernels")
         self._new_cache = lambda: DynamicCache(config=model.config)
         _check_rollback(model, self._new_cache())
-        self._cache = self._new_cache()
-        self._sequences: dict[int, object] = {}  # sequence id → its DynamicCache
+        self._caches: dict[int, object] = {}  # sequence id → its DynamicCache
         self.batch_invariant = check_batch_invariance(self).invariant
         self.batch_variance_fix = (
             "These are the fast kernels: load the model with kernels='batch-invariant' (the "
@@ -209,12 +206,11 @@ class TransformersBackend:
         return backend
 
     name = "transformers"
-    supports_batches = True
     prefill_chunk_size = PREFILL_CHUNK_SIZE
     max_sequences = 256
     """A bound on sequences held at once (each one's cache grows as it is used)."""
 
-    def reserve_sequences(self, num_sequences: int) -> None:
+    def reserve(self, num_sequences: int) -> None:
         if (not isinstance(num_sequences, int) or isinstance(num_sequences, bool)
                 or not 1 <= num_sequences <= self.max_sequences):
             raise ValueError(f"{num_sequences!r} sequences cannot be reserved: this backend "
@@ -226,98 +222,78 @@ class TransformersBackend:
         :func:`~exactspec.backends.base.check_sequence_invariance`)."""
         return check_sequence_invariance(self)
 
-    @property
-    def num_cached_tokens(self) -> int:
-        return self._cache.get_seq_length()
+    def prefill(self, sequence_id: int, token_ids: Sequence[int]) -> None:
+        """See ``Backend.prefill``. The fast kernels run here: a prompt's cache entries are
+        shared by plain and speculative decoding alike, so they need not match one-token
+        scoring."""
+        cache = self._caches.get(sequence_id)
+        if cache is None:
+            if len(self._caches) >= self.max_sequences:
+                raise ValueError(f"all {self.max_sequences} sequences are held: release one first")
+            cache = self._caches[sequence_id] = self._new_cache()
+        check_context(self, cache.get_seq_length(), len(token_ids))
+        with kernel_mode("fast"), torch_threads(self.threads.max_threads), torch.inference_mode():
+            for start in range(0, len(token_ids), self.prefill_chunk_size):
+                chunk = token_ids[start:start + self.prefill_chunk_size]
+                self.model(input_ids=self._tensor(chunk), cache=cache, use_cache=True,
+                           logits_to_keep=1)
 
-    def prefill(self, token_ids: Sequence[int]) -> None:
-        self._cache = self._filled_cache(token_ids)
-
-    def prefill_sequence(self, sequence_id: int, token_ids: Sequence[int]) -> None:
-        self._sequences[sequence_id] = self._filled_cache(token_ids)
-
-    def extend_sequence(self, sequence_id: int, token_ids: Sequence[int]) -> None:
-        self._extend(self._sequence(sequence_id), token_ids)
-
-    def forward_sequences(self, rows: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
+    def forward(self, rows: Sequence[tuple[int, Sequence[int]]],
+                num_logits: int | None = None) -> list[torch.Tensor]:
+        """See ``Backend.forward``. Several rows are packed into one sequence whose attention
+        runs per sequence over its own cache (:class:`PackedSequences`); a lone row runs
+        unpacked (the same arithmetic, and the fast kernels' own attention)."""
         if not rows or any(len(token_ids) == 0 for _, token_ids in rows):
-            raise ValueError("forward_sequences needs at least one row, each with a token")
-        caches = [self._sequence(sequence_id) for sequence_id, _ in rows]
+            raise ValueError("forward needs at least one row and at least one token in each")
+        caches = [self._cache(sequence_id) for sequence_id, _ in rows]
         lengths = [len(token_ids) for _, token_ids in rows]
+        for cache, length in zip(caches, lengths):
+            check_context(self, cache.get_seq_length(), length)
         token_ids = [token for _, ids in rows for token in ids]
-        positions = [cache.get_seq_length() + i for cache, n in zip(caches, lengths)
-                     for i in range(n)]
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
-        # A 4-D mask is used as given: transformers builds none (attention ignores it here).
-        mask = torch.zeros((1, 1, len(token_ids), 1), device=self.device)
-        packed = PackedSequences(caches, lengths)
-        with (kernel_mode(self.kernels), packed_sequences(packed),
-              self.threads.forward(len(token_ids)), torch.inference_mode()):
-            output = self.model(input_ids=input_ids, position_ids=position_ids,
-                                attention_mask=mask, cache=packed,
-                                use_cache=True, logits_to_keep=len(token_ids))
-        return list(output.logits[0].split(lengths))
+        with (kernel_mode(self.kernels), self.threads.forward(len(token_ids)),
+              torch.inference_mode()):
+            if len(rows) == 1:
+                logits = self.model(input_ids=self._tensor(token_ids), cache=caches[0],
+                                    use_cache=True,
+                                    logits_to_keep=num_logits or len(token_ids)).logits[0]
+                return [logits]
+            positions = [cache.get_seq_length() + i for cache, n in zip(caches, lengths)
+                         for i in range(n)]
+            # A 4-D mask is used as given: transformers builds none (attention ignores it here).
+            mask = torch.zeros((1, 1, len(token_ids), 1), device=self.device)
+            packed = PackedSequences(caches, lengths)
+            with packed_sequences(packed):
+                output = self.model(input_ids=self._tensor(token_ids),
+                                    position_ids=self._tensor(positions), attention_mask=mask,
+                                    cache=packed, use_cache=True,
+                                    logits_to_keep=len(token_ids))
+        rows_logits = output.logits[0].split(lengths)
+        return list(rows_logits) if num_logits is None else [
+            logits[-num_logits:] for logits in rows_logits]
 
-    def rollback_sequence(self, sequence_id: int, num_tokens: int) -> None:
-        cache = self._sequence(sequence_id)
+    def rollback(self, sequence_id: int, num_tokens: int) -> None:
+        cache = self._cache(sequence_id)
         if not 0 <= num_tokens <= cache.get_seq_length():
-            raise ValueError(f"rollback_sequence({sequence_id}, {num_tokens}) is invalid: the "
+            raise ValueError(f"rollback({sequence_id}, {num_tokens}) is invalid: the "
                              f"sequence holds {cache.get_seq_length()} tokens")
         if num_tokens:
             cache.crop(-num_tokens)
 
-    def release_sequence(self, sequence_id: int) -> None:
-        self._sequences.pop(sequence_id, None)
+    def release(self, sequence_id: int) -> None:
+        self._caches.pop(sequence_id, None)
 
-    def cached_tokens(self, sequence_id: int) -> int:
-        return self._sequence(sequence_id).get_seq_length()
+    def num_cached_tokens(self, sequence_id: int) -> int:
+        return self._cache(sequence_id).get_seq_length()
 
-    def _sequence(self, sequence_id: int):
+    def _cache(self, sequence_id: int):
         try:
-            return self._sequences[sequence_id]
+            return self._caches[sequence_id]
         except KeyError:
-            raise ValueError(f"sequence {sequence_id!r} is not held (prefill_sequence first)") from None
+            raise ValueError(f"sequence {sequence_id!r} is not held (prefill it first)") from None
 
-    def _filled_cache(self, token_ids: Sequence[int]):
-        """A new cache holding ``token_ids`` (see :meth:`_extend`)."""
-        cache = self._new_cache()
-        self._extend(cache, token_ids)
-        return cache
-
-    def _extend(self, cache, token_ids: Sequence[int]) -> None:
-        """Append ``token_ids`` to ``cache``, ``prefill_chunk_size`` tokens per forward, with
-        the fast kernels: a prompt's cache entries are shared by plain and speculative
-        decoding alike, so they need not match one-token scoring."""
-        limit = self.max_context_length
-        if limit is not None and cache.get_seq_length() + len(token_ids) > limit:
-            raise ValueError(f"{cache.get_seq_length() + len(token_ids)} tokens exceed the "
-                             f"model's context of {limit} tokens")
-        with kernel_mode("fast"), torch_threads(self.threads.max_threads):
-            for start in range(0, len(token_ids), self.prefill_chunk_size):
-                self._run(token_ids[start:start + self.prefill_chunk_size], num_logits=1,
-                          cache=cache)
-
-    def forward(self, token_ids: Sequence[int], num_logits: int | None = None) -> torch.Tensor:
-        if len(token_ids) == 0:
-            raise ValueError("forward needs at least one token")
-        with kernel_mode(self.kernels), self.threads.forward(len(token_ids)):
-            return self._run(token_ids, num_logits or len(token_ids))
-
-    def rollback(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= self.num_cached_tokens:
-            raise ValueError(f"rollback({num_tokens}) is invalid: the cache holds "
-                             f"{self.num_cached_tokens} tokens")
-        if num_tokens:
-            self._cache.crop(-num_tokens)
-
-    def _run(self, token_ids: Sequence[int], num_logits: int, cache=None) -> torch.Tensor:
-        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
-        with torch.inference_mode():
-            output = self.model(input_ids=input_ids,
-                                cache=self._cache if cache is None else cache, use_cache=True,
-                                logits_to_keep=num_logits)
-        return output.logits[0]
+    def _tensor(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """``[1, len(token_ids)]`` long tensor on the model's device."""
+        return torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
 
 
 def cache_root() -> Path:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from exactspec.backends.base import Backend
+from exactspec.backends.base import Backend, forward_one, new_sequence_id
 from exactspec.bench.methods import Method
 from exactspec.bench.questions import Question
 from exactspec.progress import LoggedProgress
@@ -92,16 +92,20 @@ def measure_forward_cost(target: Backend, context_length: int, max_tokens: int,
     ``context_length`` tokens: the cost model behind the theoretical speedup bound."""
     vocab = min(target.vocab_size, 1000)
     context = [(7 * i) % vocab for i in range(max(context_length, 1))]
-    target.prefill(context)
+    sequence = new_sequence_id()
     cost = {}
-    for n in range(1, max_tokens + 1):
-        times = []
-        for _ in range(trials):
-            start = time.perf_counter()
-            target.forward(context[:n])
-            times.append(time.perf_counter() - start)
-            target.rollback(n)
-        cost[n] = statistics.median(times)
+    try:
+        target.prefill(sequence, context)
+        for n in range(1, max_tokens + 1):
+            times = []
+            for _ in range(trials):
+                start = time.perf_counter()
+                forward_one(target, sequence, context[:n])
+                times.append(time.perf_counter() - start)
+                target.rollback(sequence, n)
+            cost[n] = statistics.median(times)
+    finally:
+        target.release(sequence)
     return cost
 
 
@@ -109,12 +113,10 @@ def measure_host_seconds(target: Backend, trials: int = 30) -> float:
     """Median seconds of a plain greedy cycle's host-side work (logits processing, argmax,
     stop check) on random logits, as the engine runs it (one thread): the calibration the
     report compares the measured overhead with, to flag a run disturbed by other work."""
-    from exactspec.engine import SpeculativeGenerator
     from exactspec.logits_pipeline import LogitsPipeline
-    from exactspec.proposers.base import EMPTY_PROPOSAL
     from exactspec.threads import torch_threads
+    from exactspec.verification import verify
 
-    generator = SpeculativeGenerator(target, None)
     params = SamplingParams(max_new_tokens=2)
     tokens = [1, 2, 3]
     pipeline = LogitsPipeline(params, tokens, target.vocab_size, target.eos_token_ids, [],
@@ -124,7 +126,7 @@ def measure_host_seconds(target: Backend, trials: int = 30) -> float:
     with torch_threads(1):
         for _ in range(trials):
             start = time.perf_counter()
-            generator._verify(tokens, EMPTY_PROPOSAL, logits, pipeline, None)
+            verify(tokens, [], None, logits, pipeline, None)
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 

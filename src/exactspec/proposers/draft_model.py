@@ -21,7 +21,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from exactspec.backends.base import Backend, UnsupportedModelError
+from exactspec.backends.base import Backend, UnsupportedModelError, forward_one, new_sequence_id
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
 from exactspec.logits_pipeline import LogitsPipeline, check_finite, greedy_tokens
 from exactspec.sampling import sample_from_probs
@@ -61,7 +61,8 @@ class DraftModelProposer(Proposer):
             raise UnsupportedModelError(
                 f"the tokenizer has {self.num_real_tokens} tokens but the draft's logits have "
                 f"{draft.vocab_size} and the target's {target.vocab_size}")
-        self._cached: list[int] = []  # the tokens in the draft's KV cache
+        self.sequence_id = new_sequence_id()  # the draft's sequence this drafter uses
+        self._cached: list[int] = []  # the tokens in its KV cache
 
     def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
                 rng: torch.Generator, min_confidence: float = 0.0) -> Proposal:
@@ -73,7 +74,8 @@ class DraftModelProposer(Proposer):
         drafted: list[int] = []
         probs: list[torch.Tensor] = []
         for _ in range(k):
-            logits = self._to_target_vocab(self.draft.forward(pending, num_logits=1))  # [1, V]
+            logits = self._to_target_vocab(forward_one(self.draft, self.sequence_id, pending,
+                                                       num_logits=1))  # [1, V]
             self._cached.extend(pending)
             processed = pipeline.process(logits, [*token_ids, *drafted])  # same history rules
             if min_confidence and float(processed.softmax(-1).max()) < min_confidence:
@@ -89,7 +91,7 @@ class DraftModelProposer(Proposer):
         return Proposal(drafted, torch.stack(probs) if probs else None)
 
     def reset(self, reproducible: bool = False, scope: Hashable = None) -> None:
-        self.draft.prefill([])
+        self.draft.release(self.sequence_id)
         self._cached = []
 
     def _sync_cache(self, token_ids: Sequence[int]) -> list[int]:
@@ -97,14 +99,15 @@ class DraftModelProposer(Proposer):
         least the last token out of it), or prefill it when it is empty; return the tokens
         still to feed."""
         if not self._cached:
-            self.draft.prefill(token_ids[:-1])
+            self.draft.release(self.sequence_id)
+            self.draft.prefill(self.sequence_id, token_ids[:-1])
             self._cached = list(token_ids[:-1])
             return list(token_ids[-1:])
         common = 0
         limit = min(len(self._cached), len(token_ids) - 1)
         while common < limit and self._cached[common] == token_ids[common]:
             common += 1
-        self.draft.rollback(len(self._cached) - common)
+        self.draft.rollback(self.sequence_id, len(self._cached) - common)
         del self._cached[common:]
         return list(token_ids[common:])
 
