@@ -177,7 +177,8 @@ def test_n_samples_share_the_prefill_and_are_each_exact():
     target = tiny_backend(15)
     prefills = []
     original = target.prefill
-    target.prefill = lambda ids: (prefills.append(len(ids)), original(ids))[1]
+    target.prefill = lambda sequence_id, ids: (prefills.append(len(ids)),
+                                               original(sequence_id, ids))[1]
     generator = SpeculativeGenerator(target, PromptLookupProposer(1, 3), 4)
     greedy = generator.generate_samples(PROMPT, SamplingParams(max_new_tokens=15), n=3)
     assert len(prefills) == 1

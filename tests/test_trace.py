@@ -36,9 +36,10 @@ class Recorder:
         self.proposals = []
         forward, propose = generator.target.forward, generator.proposer.propose
 
-        def recorded_forward(token_ids, num_logits=None):
-            self.logits.append(forward(token_ids, num_logits).clone())
-            return self.logits[-1]
+        def recorded_forward(rows, num_logits=None):
+            (logits,) = forward(rows, num_logits)  # one sequence
+            self.logits.append(logits.clone())
+            return [self.logits[-1]]
 
         def recorded_propose(*args, **kwargs):
             self.proposals.append(propose(*args, **kwargs))

@@ -225,6 +225,7 @@ class BatchedGenerator:
         self._check(generator)
         request = (prompt if isinstance(prompt, Request)
                    else prepare_request(self.target, prompt, params, n=n, chat=chat))
+        start = time.perf_counter() if request is prompt else request.start  # from submission
         proposer = generator.proposer
         if proposer is not None and proposer.batchable:
             proposer = copy.copy(proposer)  # see Proposer.batchable; reset when it starts
@@ -235,7 +236,7 @@ class BatchedGenerator:
             prompt_token_ids=request.prompt_token_ids, pipeline=request.pipeline,
             rng=request.rng if rng is None else rng, proposer=proposer, policy=policy,
             timed=request.timed, batch_chosen=policy.follows_batch and request.timed,
-            num_samples=request.n, on_commit=on_commit, start=request.start, scope=scope)
+            num_samples=request.n, on_commit=on_commit, start=start, scope=scope)
         self._waiting.append(row)
         return row.request_id
 
