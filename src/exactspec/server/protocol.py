@@ -22,7 +22,7 @@ from exactspec.engine import GenerationResult, TokenLogprob
 from exactspec.metrics import GenerationStats
 from exactspec.sampling import SamplingParams
 from exactspec.speculation_length import POLICIES
-from exactspec.trace.record import token_pieces
+from exactspec.text import token_pieces
 
 MAX_N = 16
 """Most choices one request may ask for (``n``)."""
@@ -295,7 +295,7 @@ def usage(results: list[GenerationResult], prompt_lengths: list[int]) -> dict[st
 def completion_logprobs(logprobs: list[TokenLogprob], decode) -> dict:
     """The completions API's ``logprobs`` object: tokens, token_logprobs, top_logprobs
     (token text → logprob), text_offset. A chosen token's text is its share of the output
-    (:func:`~exactspec.trace.record.token_pieces`: a character split over several tokens
+    (:func:`~exactspec.text.token_pieces`: a character split over several tokens
     goes whole to the token that completes it), so the tokens join to the text."""
     tokens = token_pieces([lp.token_id for lp in logprobs], decode)
     offsets, offset = [], 0
