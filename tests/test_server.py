@@ -21,7 +21,7 @@ from exactspec.cli import main
 from exactspec import GenerationResult, PromptLookupProposer, SamplingParams, SpeculativeGenerator
 from exactspec.proposers.base import Proposer
 from exactspec.server import SpeculationSettings, create_app
-from exactspec.server.app import KEEPALIVE_SECONDS
+from exactspec.server.streaming import KEEPALIVE_SECONDS
 
 MODEL = "tiny"
 KEY = "secret-key"
@@ -365,9 +365,13 @@ def test_prompt_longer_than_the_context_is_400(client):
     with pytest.raises(openai.BadRequestError, match="context holds 256") as raised:
         client.completions.create(model=MODEL, prompt="ab" * 200, max_tokens=4)
     assert raised.value.body["param"] == "prompt"
-    with pytest.raises(openai.BadRequestError, match="context holds 256"):
+    with pytest.raises(openai.BadRequestError, match="context holds 256") as raised:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user",
                                                                "content": "ab" * 200}])
+    assert raised.value.body["param"] == "messages"  # the engine's "prompt", as chat names it
+    with pytest.raises(openai.BadRequestError, match="empty") as raised:
+        client.completions.create(model=MODEL, prompt="", max_tokens=4)
+    assert raised.value.body["param"] == "prompt"
 
 
 def test_max_tokens_beyond_the_context_is_400_naming_what_fits(client):
@@ -386,7 +390,7 @@ def test_max_tokens_beyond_the_context_is_400_naming_what_fits(client):
 
 def test_stop_reason_is_vllms_the_stop_string_or_stop_token_id_never_eos():
     from exactspec.metrics import GenerationStats
-    from exactspec.server.app import stop_reason
+    from exactspec.server.protocol import stop_reason
 
     def result(reason):
         return GenerationResult("", [1, 2], "stop", reason, [0], GenerationStats())
@@ -747,7 +751,7 @@ def test_load_test_script_passes_and_catches_a_broken_stream(server, tmp_path, m
     import json
     import os
 
-    from exactspec.server import app
+    from exactspec.server import streaming
 
     script = load_test_script()
     args = ["--url", server, "--api-key", KEY, "--clients", "3", "--seconds", "2",
@@ -759,8 +763,9 @@ def test_load_test_script_passes_and_catches_a_broken_stream(server, tmp_path, m
     assert report["completion_tokens"] == 12 * report["requests"]
     capsys.readouterr()
     # control: a stream that loses a character must fail the test
-    delta = app.StreamedChoice.delta
-    monkeypatch.setattr(app.StreamedChoice, "delta", lambda self, ids: delta(self, ids)[1:])
+    delta = streaming.StreamedChoice.delta
+    monkeypatch.setattr(streaming.StreamedChoice, "delta",
+                        lambda self, ids: delta(self, ids)[1:])
     assert script.main(args) == 1
     assert '"mismatches": 0' not in capsys.readouterr().out
     with pytest.raises(SystemExit, match="not a loopback"):

@@ -18,10 +18,10 @@ import torch
 
 from conftest import perturbed_backend, tiny_backend
 from exactspec import DraftModelProposer, PromptLookupProposer, SamplingParams, SpeculativeGenerator
+from exactspec.cycle_trace import CycleTrace, DraftVerdict, token_kinds
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.sampling import make_rng
 from exactspec.trace.page import write_trace
-from exactspec.trace.record import CycleTrace, DraftVerdict, token_kinds
 from exactspec.trace.terminal import marked_text
 from exactspec.verification import rejection_sample
 
@@ -245,7 +245,7 @@ def test_plain_markers_without_colour():
 
 
 def test_tokens_without_text_and_split_characters_are_marked_apart():
-    from exactspec.trace.record import NO_TEXT, PARTIAL, shown_pieces
+    from exactspec.trace.view import NO_TEXT, PARTIAL, shown_pieces
 
     table = {0: b"\xc3", 1: b"\xa9", 2: b"x", 3: b""}  # "é" split in two; 3: EOS
     decode = lambda ids: b"".join(table[t] for t in ids).decode("utf-8", "replace")

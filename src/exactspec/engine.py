@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 
 from exactspec.backends.base import Backend, UnsupportedModelError, forward_one, new_sequence_id
+from exactspec.cycle_trace import CycleTrace, trace_cycle
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.metrics import GenerationStats
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposer
@@ -31,9 +32,8 @@ from exactspec.request import Prompt, Request, prepare_request
 from exactspec.sampling import SamplingParams
 from exactspec.speculation_length import (DEFAULT_POLICY, Choice, SpeculationLengthPolicy,
                                           make_policy)
-from exactspec.stopping import StopChecker
 from exactspec.threads import torch_threads
-from exactspec.trace.record import CycleTrace, trace_cycle
+from exactspec.text import StopChecker
 from exactspec.verification import TokenLogprob, rejection_sample, verify
 
 FinishReason = Literal["stop", "length"]
@@ -59,8 +59,10 @@ class GenerationResult:
             recovered and bonus alike), when ``SamplingParams.logprobs`` is set; else None.
         prompt_token_ids: the prompt as the model saw it (chat template applied).
         stats: counts and timings, see :class:`~exactspec.metrics.GenerationStats`.
-        trace: one :class:`~exactspec.trace.record.CycleTrace` per cycle when generation
+        trace: one :class:`~exactspec.cycle_trace.CycleTrace` per cycle when generation
             was asked for a trace (``trace=True``); else None.
+        stop_offset: where the stop string that ended generation begins in ``text``
+            (characters; ``text[:stop_offset]`` is the text before it), else None.
     """
 
     text: str
@@ -71,6 +73,7 @@ class GenerationResult:
     stats: GenerationStats
     logprobs: list[TokenLogprob] | None = None
     trace: list[CycleTrace] | None = None
+    stop_offset: int | None = None
 
     @property
     def usage(self) -> dict[str, int]:
@@ -228,7 +231,7 @@ class SampleDecoding:
             text=self.generator.target.tokenizer.decode(output), token_ids=output,
             finish_reason=self.finish_reason, stop_reason=self.stopper.stop_reason,
             prompt_token_ids=self.tokens[:self.num_prompt_tokens], stats=self.stats,
-            logprobs=self.logprobs, trace=self.trace)
+            logprobs=self.logprobs, trace=self.trace, stop_offset=self.stopper.stop_offset)
 
 
 class SpeculativeGenerator:

@@ -135,29 +135,53 @@ def rejection_sample(
     accepted = (q_drafted > 0) & (uniforms * q_drafted < p_drafted)  # [batch, k]
     num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
 
-    # The distribution of the final token: p at the first rejected (or bonus) position,
-    # minus q there when it was a rejection, clamped at 0.
-    rows = torch.arange(batch, device=device)
-    final_probs = target_probs[rows, num_accepted].double()  # [batch, vocab]
-    rejected = num_accepted < k  # [batch]
-    if k > 0:
-        at = num_accepted.clamp(max=k - 1)
-        if draft_probs is None:
-            q_final = torch.zeros_like(final_probs)
-            q_final[rows, draft_token_ids[rows, at]] = 1.0
-        else:
-            q_final = draft_probs[rows, at].double()
-        residual = (final_probs - q_final).clamp(min=0)
-        has_mass = residual.sum(dim=-1, keepdim=True) > 0
-        use_residual = rejected.unsqueeze(-1) & has_mass
-        final_probs = torch.where(use_residual, residual, final_probs)
+    final_probs = final_distribution(draft_token_ids, draft_probs, target_probs, num_accepted)
     final_tokens = sample_from_probs(final_probs, rng)  # [batch]
+    rows = torch.arange(batch, device=device)
 
     drafted_padded = torch.cat([draft_token_ids, draft_token_ids.new_zeros(batch, 1)], dim=-1)
     output = torch.where(positions < num_accepted.unsqueeze(-1), drafted_padded,
                          torch.full_like(drafted_padded, PADDING_TOKEN_ID))
     output[rows, num_accepted] = final_tokens
     return VerificationResult(output, num_accepted, uniforms)
+
+
+def final_distribution(
+    draft_token_ids: torch.Tensor,  # [batch, k] int64
+    draft_probs: torch.Tensor | None,  # [batch, k, vocab] or None (point-mass drafter)
+    target_probs: torch.Tensor,  # [batch, k+1, vocab]
+    num_accepted: torch.Tensor,  # [batch] int64
+) -> torch.Tensor:
+    """The distribution each row's final token is drawn from: after a rejection at position
+    j = ``num_accepted`` (< k) the residual max(0, p_j − q_j), or p_j itself where the
+    residual has no mass (p == q in floating point); after full acceptance p_{k+1} (the
+    bonus token). Leviathan et al. 2022, Algorithm 1.
+
+    Args:
+        draft_token_ids: ``[batch, k]`` the drafted token ids.
+        draft_probs: ``[batch, k, vocab]`` q, or None for a point-mass drafter (q one-hot
+            on the drafted token: the residual is p without that token).
+        target_probs: ``[batch, k+1, vocab]`` p at the k drafted positions and the bonus one.
+        num_accepted: ``[batch]`` accepted drafts per row, in 0..k.
+    Returns:
+        ``[batch, vocab]`` float64 non-negative weights, not normalised (each row has mass
+        when p does; :func:`~exactspec.sampling.sample_from_probs` draws from it as it is).
+    """
+    batch, k = draft_token_ids.shape
+    rows = torch.arange(batch, device=target_probs.device)
+    final_probs = target_probs[rows, num_accepted].double()  # [batch, vocab]
+    if k == 0:
+        return final_probs
+    at = num_accepted.clamp(max=k - 1)
+    if draft_probs is None:
+        q_final = torch.zeros_like(final_probs)
+        q_final[rows, draft_token_ids[rows, at]] = 1.0
+    else:
+        q_final = draft_probs[rows, at].double()
+    residual = (final_probs - q_final).clamp(min=0)
+    has_mass = residual.sum(dim=-1, keepdim=True) > 0
+    use_residual = (num_accepted < k).unsqueeze(-1) & has_mass
+    return torch.where(use_residual, residual, final_probs)
 
 
 def greedy_verify(

@@ -1,8 +1,10 @@
 """``exactspec serve``: an OpenAI-compatible HTTP server over the speculative engine.
 
-:mod:`~exactspec.server.protocol` (request and response bodies), :mod:`~exactspec.server.worker`
-(the engine thread and its queue), :mod:`~exactspec.server.metrics` (Prometheus) and
-:mod:`~exactspec.server.app` (the FastAPI application, :func:`create_app`).
+:mod:`~exactspec.server.protocol` (request and response bodies, translated to and from the
+engine's), :mod:`~exactspec.server.worker` (the engine thread and its queue),
+:mod:`~exactspec.server.streaming` (a job's events as a response or server-sent events),
+:mod:`~exactspec.server.metrics` (Prometheus) and :mod:`~exactspec.server.app` (the FastAPI
+application, :func:`create_app`).
 """
 
 from exactspec.server.app import create_app

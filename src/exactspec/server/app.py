@@ -1,24 +1,28 @@
 """The HTTP application: OpenAI's completions, chat completions and models endpoints, health
 and Prometheus metrics, on FastAPI.
 
-Request flow: the body is validated (:mod:`exactspec.server.protocol`; a bad field → 400
-naming it), the prompt tokenised and checked against the context, a :class:`Job` queued on
-the :class:`EngineWorker` (a full queue → 503 at once), then its events become either one
-JSON response or server-sent events in OpenAI's chunk format ending with ``data: [DONE]``.
-A client that disconnects cancels its job. Streamed text is held back while it could still
-be the start of a stop string, so streamed and non-streamed text are equal.
+Request flow: the body is validated by its model (:mod:`exactspec.server.protocol`; a bad
+field → 400 naming it) and the API's own rules (:meth:`SamplingRequest.check
+<exactspec.server.protocol.SamplingRequest.check>`); then, off the event loop, its prompts
+are tokenised and each prepared by the engine (:func:`~exactspec.request.prepare_request`,
+whose :class:`~exactspec.request.RequestError` becomes a 400 naming the API's field); a
+:class:`~exactspec.server.worker.Job` is queued on the
+:class:`~exactspec.server.worker.EngineWorker` (a full queue → 503 at once), and its events
+become either one JSON response or server-sent events
+(:mod:`~exactspec.server.streaming`). A client that disconnects cancels its job.
+
+The endpoints are module-level functions on one router; what they serve from lives in a
+:class:`Serving` on ``app.state.serving``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import secrets
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -27,25 +31,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exactspec.backends.base import Backend
 from exactspec.batching import DEFAULT_MAX_BATCH_SIZE
-from exactspec.engine import GenerationResult
-from exactspec.logits_pipeline import outside_vocabulary
 from exactspec.proposers.base import Proposer
-from exactspec.proposers.suffix import SuffixProposer
-from exactspec.sampling import SamplingParams
+from exactspec.request import Request as EngineRequest
+from exactspec.request import RequestError, prepare_request, prompt_tokens
 from exactspec.server.metrics import ServerMetrics
-from exactspec.server.protocol import (COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest,
-                                       CompletionRequest,
-                                       SamplingRequest, ServerError, Speculation, chat_logprobs,
-                                       completion_logprobs, created, new_id,
-                                       speculation_figures, usage)
-from exactspec.server.worker import (Cancelled, EngineWorker, Job, QueueFullError,
-                                     SpeculationSettings)
+from exactspec.server.protocol import (ChatCompletionRequest, CompletionRequest,
+                                       SamplingRequest, ServerError, Speculation, created,
+                                       new_id, speculation_figures, usage)
+from exactspec.server.streaming import results, stream
+from exactspec.server.worker import EngineWorker, Job, QueueFullError, SpeculationSettings
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 """Largest request body accepted (bytes); larger ones get 413."""
-KEEPALIVE_SECONDS = 1.0
-"""While a streamed request waits, an SSE comment this often (it also notices a client
-that went away)."""
 
 
 def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
@@ -66,6 +63,10 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
         max_request_bytes: largest request body (beyond it: 413).
         max_batch_size: most prompts decoded together, in one target forward per cycle
             (:class:`~exactspec.batching.BatchedGenerator`).
+        allow_batch_variance: as :class:`~exactspec.engine.SpeculativeGenerator`.
+    Returns:
+        the FastAPI application; ``app.state.worker`` is its
+        :class:`~exactspec.server.worker.EngineWorker`.
     Raises:
         ValueError: if the default policy cannot run with ``proposer``, or a key is empty.
     """
@@ -73,7 +74,7 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
     if any(not key for key in api_keys):
         raise ValueError("an API key is empty: give a non-empty string")
     metrics = ServerMetrics(model_name)
-    if isinstance(proposer, SuffixProposer) and proposer.corpus is not None:
+    if proposer is not None and proposer.corpus is not None:
         metrics.watch_corpus(proposer.corpus)
     worker = EngineWorker(target, proposer, speculation, metrics, max_queue=max_queue,
                           max_batch_size=max_batch_size,
@@ -89,360 +90,204 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
                   lifespan=lifespan, docs_url="/docs" if docs else None,
                   redoc_url=None, openapi_url="/openapi.json" if docs else None)
     app.state.worker = worker
+    app.state.serving = Serving(target, worker, metrics, model_name, api_keys)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
-    bearer = HTTPBearer(auto_error=False)
+    app.add_exception_handler(ServerError, server_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.include_router(router)
+    return app
 
-    async def authorised(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
-                         ) -> int | None:
-        """The index of the request's API key among the server's (None: no key needed)."""
-        if not api_keys:
-            return None
-        given = b"" if credentials is None else credentials.credentials.encode()
-        matches = [secrets.compare_digest(given, key.encode()) for key in api_keys]  # each
-        if credentials is None or not any(matches):
-            raise ServerError(401, "a valid API key is required: send the header "
-                                   "'Authorization: Bearer <key>'",
-                              headers={"WWW-Authenticate": "Bearer"})
-        return matches.index(True)
 
-    @app.exception_handler(ServerError)
-    async def server_error(request: Request, error: ServerError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+class Serving:
+    """What the endpoints serve from: the target, its worker and metrics, the model's name
+    in the API and the API keys; and the steps of a generation request."""
 
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0]
-        if first.get("type") == "json_invalid":
-            return JSONResponse(ServerError(400, "the request body is not valid JSON: "
-                                                 f"{first.get('msg')} at character "
-                                                 f"{first.get('loc', ('', '?'))[-1]}").body(),
-                                status_code=400)
-        path = [str(part) for part in first.get("loc", ()) if part != "body"]
-        # a union's branch names (str, list[int], ...) are pydantic's, not the field's
-        path = [part for part in path
-                if part not in ("str", "int") and not part.startswith(("list[", "dict["))]
-        message = first.get("msg", "invalid value").removeprefix("Value error, ")
-        return JSONResponse(ServerError(400, f"{'.'.join(path) or 'body'}: {message}",
-                                        ".".join(path) or None).body(), status_code=400)
+    def __init__(self, target: Backend, worker: EngineWorker, metrics: ServerMetrics,
+                 model_name: str, api_keys: list[str]) -> None:
+        self.target, self.worker, self.metrics = target, worker, metrics
+        self.model_name, self.api_keys = model_name, api_keys
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(ServerError(error.status_code, str(error.detail)).body(),
-                            status_code=error.status_code)
-
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": created(),
-                "owned_by": "exactspec", "max_model_len": target.max_context_length}
-
-    @app.get("/v1/models", dependencies=[Depends(authorised)])
-    async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{name:path}", dependencies=[Depends(authorised)])
-    async def model(name: str) -> dict:
-        check_model(name)
-        return model_card()
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request,
-                          key: int | None = Depends(authorised)):
-        check_model(body.model)
-        prompts = [tokenise(prompt) for prompt in body.prompts()]
-        if body.stream and body.logprobs is not None:
-            raise ServerError(400, "logprobs with stream is not supported yet: ask for them "
-                                   "without streaming", "logprobs")
-        check_room(prompts, body.max_tokens, "max_tokens")
-        params = body.sampling_params(body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                      body.logprobs)
-
-        def choice(index: int, result: GenerationResult, text: str) -> dict:
-            return {"index": index, "text": text, "finish_reason": result.finish_reason,
-                    "stop_reason": stop_reason(result, params),
-                    "logprobs": None if result.logprobs is None else completion_logprobs(
-                        result.logprobs, target.tokenizer.decode)}
-
-        return await respond(request, body, key, prompts, params, "text_completion", "cmpl",
-                             choice)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request,
-                               key: int | None = Depends(authorised)):
-        check_model(body.model)
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                    for m in body.messages]
-        try:
-            prompt = target.tokenizer.apply_chat_template(messages)
-        except ValueError as error:
-            raise ServerError(400, f"messages: {error}", "messages") from None
-        check_length(prompt, "messages")
-        if body.stream and body.logprobs:
-            raise ServerError(400, "logprobs with stream is not supported yet: ask for them "
-                                   "without streaming", "logprobs")
-        if body.top_logprobs is not None and not body.logprobs:
-            raise ServerError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        check_room([prompt], body.max_completion_tokens or body.max_tokens,
-                   "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
-        room = (target.max_context_length - len(prompt) if target.max_context_length
-                else None)
-        max_tokens = body.max_completion_tokens or body.max_tokens or max(room or 2048, 1)
-        params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs
-                                      else None)
-
-        def choice(index: int, result: GenerationResult, text: str) -> dict:
-            return {"index": index, "message": {"role": "assistant", "content": text},
-                    "finish_reason": result.finish_reason,
-                    "stop_reason": stop_reason(result, params),
-                    "logprobs": None if result.logprobs is None else chat_logprobs(
-                        result.logprobs, target.tokenizer.decode)}
-
-        return await respond(request, body, key, [prompt], params, "chat.completion",
-                             "chatcmpl", choice)
-
-    def check_model(name: str) -> None:
-        if name != model_name:
+    def check_model(self, name: str) -> None:
+        """Raises: ServerError 404 unless ``name`` is the served model's."""
+        if name != self.model_name:
             raise ServerError(404, f"model {name!r} does not exist: this server serves "
-                                   f"{model_name!r}", "model")
+                                   f"{self.model_name!r}", "model")
 
-    def check_length(prompt: list[int], field: str) -> None:
-        limit = target.max_context_length
-        if not prompt:
-            raise ServerError(400, f"{field} is empty: give at least one token", field)
-        if limit is not None and len(prompt) >= limit:
-            raise ServerError(400, f"{field} has {len(prompt)} tokens; the context holds "
-                                   f"{limit} (max_model_len), so at most {limit - 1} leave "
-                                   "room for a generated token", field)
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": created(),
+                "owned_by": "exactspec", "max_model_len": self.target.max_context_length}
 
-    def check_room(prompts: list[list[int]], max_tokens: int | None, field: str) -> None:
-        """As vLLM: prompt + the asked ``max_tokens`` must fit the context."""
-        limit = target.max_context_length
-        longest = max(len(prompt) for prompt in prompts)
-        if limit is not None and max_tokens is not None and longest + max_tokens > limit:
-            raise ServerError(400, f"{field} = {max_tokens} is too large: the context holds "
-                                   f"{limit} tokens (max_model_len) and the prompt has {longest}, "
-                                   f"so at most {limit - longest} can be generated", field)
+    async def respond(self, body: SamplingRequest, request: Request, key: int | None):
+        """Serve a completions or chat request: check, prepare, queue, answer (one JSON body,
+        or a stream when ``body.stream``).
 
-    def tokenise(prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = target.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < target.vocab_size]
-            if bad:
-                raise ServerError(400, f"prompt token ids {bad[:5]} are outside the vocabulary "
-                                       f"[0, {target.vocab_size})", "prompt")
-        check_length(ids, "prompt")
-        return ids
+        Raises:
+            ServerError: 400 for a request refused (by the API's rules or the engine), 404
+                for another model, 503 when the queue is full.
+        """
+        self.check_model(body.model)
+        body.check()
+        prepared = await asyncio.to_thread(self.prepare, body)
+        job = Job(prepared, self.speculation(body.speculation), asyncio.get_running_loop(),
+                  scope=self.scope(key, body.cache_salt))
+        try:
+            self.worker.submit(job)
+        except QueueFullError as error:
+            raise ServerError(503, str(error), headers={"Retry-After": "1"}) from None
+        header = {"id": new_id(body.id_prefix), "object": body.response_object,
+                  "created": created(), "model": self.model_name}
+        decode = self.target.tokenizer.decode
+        if body.stream:
+            return StreamingResponse(stream(job, header, body, decode),
+                                     media_type="text/event-stream")
+        ordered = await results(job, request)
+        return {**header, "choices": [body.choice(i, result, job.params, decode)
+                                      for i, result in enumerate(ordered)],
+                "usage": usage(ordered, job.prompt_lengths),
+                "speculation": speculation_figures([result.stats for result in ordered])}
 
-    def scope(key: int | None, salt: str | None) -> tuple[int | None, str | None] | None:
-        """Whose earlier outputs a request may draft from: its key where several are
-        configured, and its ``cache_salt``; None (the library's default scope) for
-        neither."""
-        key = key if len(api_keys) > 1 else None
-        return None if key is None and salt is None else (key, salt)
+    def prepare(self, body: SamplingRequest) -> list[EngineRequest]:
+        """The body's prompts as requests ready to decode, one per prompt (tokenising takes
+        time: run it off the event loop).
 
-    def settings(request: Speculation | None) -> SpeculationSettings:
+        Raises:
+            ServerError: 400 naming the API's field, for what the engine refuses (the
+                prompt, token ids outside the vocabulary, ...) or the body's parameters
+                (:meth:`SamplingRequest.sampling_params
+                <exactspec.server.protocol.SamplingRequest.sampling_params>`).
+        """
+        try:
+            prompts = [prompt_tokens(self.target, prompt) for prompt in body.prompts()]
+            params = body.sampling_params([len(p) for p in prompts],
+                                          self.target.max_context_length)
+            return [prepare_request(self.target, prompt, params, n=body.n)
+                    for prompt in prompts]
+        except RequestError as error:
+            raise body.request_error(error) from None
+
+    def speculation(self, request: Speculation | None) -> SpeculationSettings:
+        """A request's speculation settings over the server's defaults.
+
+        Raises:
+            ServerError: 400 for speculation asked of a server without a drafter, or a
+                policy the drafter cannot run.
+        """
         request = request or Speculation()
-        default = worker.default_speculation
+        default = self.worker.default_speculation
+        has_drafter = self.worker.proposer is not None
         k = (default.num_speculative_tokens if request.num_speculative_tokens is None
              else request.num_speculative_tokens)
         if request.enabled is False:
             k = 0
-        elif proposer is None and (request.enabled or request.num_speculative_tokens):
+        elif not has_drafter and (request.enabled or request.num_speculative_tokens):
             raise ServerError(400, "this server runs without a drafter (started with "
                                    "--proposer none): speculation cannot be enabled",
                               "speculation")
-        chosen = SpeculationSettings(k if proposer is not None else 0,
-                                     request.policy or default.policy)
+        chosen = SpeculationSettings(k if has_drafter else 0, request.policy or default.policy)
         try:
-            worker.generator(chosen)
+            self.worker.generator(chosen)
         except ValueError as error:
             raise ServerError(400, f"speculation: {error}", "speculation.policy") from None
         return chosen
 
-    def check_token_ids(params) -> None:
-        """Token ids named by the request lie in the vocabulary (else 400 before queueing)."""
-        if (found := outside_vocabulary(params, target.vocab_size)) is not None:
-            field, bad = found
-            raise ServerError(400, f"{field}: token ids {bad[:5]} are outside the "
-                                   f"vocabulary [0, {target.vocab_size})", field)
-
-    async def respond(request: Request, body: SamplingRequest, key: int | None,
-                      prompts: list[list[int]], params, kind: str, prefix: str,
-                      choice: Callable[[int, GenerationResult, str], dict]):
-        check_token_ids(params)
-        job = Job(prompts, params, body.n, settings(body.speculation),
-                  asyncio.get_running_loop(), scope=scope(key, body.cache_salt))
-        try:
-            worker.submit(job)
-        except QueueFullError as error:
-            raise ServerError(503, str(error), headers={"Retry-After": "1"}) from None
-        header = {"id": new_id(prefix), "object": kind, "created": created(),
-                  "model": model_name}
-        decode = target.tokenizer.decode
-        if body.stream:
-            return StreamingResponse(stream(job, header, body, prompts, decode),
-                                     media_type="text/event-stream")
-        results: dict[int, GenerationResult] = {}
-        async for event, index, value in events(job, request):
-            if event == "result":
-                results[index] = value
-        ordered = [results[i] for i in sorted(results)]
-        return {**header, "choices": [choice(i, r, final_text(r, decode))
-                                      for i, r in enumerate(ordered)],
-                "usage": usage(ordered, [len(p) for p in prompts]),
-                "speculation": speculation_figures([r.stats for r in ordered])}
-
-    return app
+    def scope(self, key: int | None, salt: str | None) -> tuple[int | None, str | None] | None:
+        """Whose earlier outputs a request may draft from: its key where several are
+        configured, and its ``cache_salt``; None (the library's default scope) for
+        neither."""
+        key = key if len(self.api_keys) > 1 else None
+        return None if key is None and salt is None else (key, salt)
 
 
-async def events(job: Job, request: Request | None = None,
-                 keepalive: bool = False) -> AsyncIterator[tuple[str, int | None, Any]]:
-    """A job's events until its end; cancels the job if the client goes away (checked every
-    :data:`KEEPALIVE_SECONDS`, when ``request`` is given) or the consumer stops. With
-    ``keepalive`` a ``("keepalive", None, None)`` event comes at each such interval.
+def serving(request: Request) -> Serving:
+    return request.app.state.serving
+
+
+BEARER = HTTPBearer(auto_error=False)
+
+
+async def authorised(request: Request,
+                     credentials: HTTPAuthorizationCredentials | None = Depends(BEARER)
+                     ) -> int | None:
+    """The index of the request's API key among the server's (None: no key needed).
 
     Raises:
-        ServerError: 400 for a generation refused as invalid (e.g. a token id outside the
-            vocabulary), 500 for any other failure.
+        ServerError: 401 without a valid key.
     """
-    loop = asyncio.get_running_loop()
-    checked = loop.time()
-    try:
-        while True:
-            try:
-                event = await asyncio.wait_for(job.events.get(), KEEPALIVE_SECONDS)
-            except TimeoutError:
-                event = None
-            if loop.time() - checked >= KEEPALIVE_SECONDS:
-                checked = loop.time()
-                if request is not None and await request.is_disconnected():
-                    return
-                if keepalive and event is None:
-                    yield "keepalive", None, None
-            if event is None:
-                continue
-            kind, _, value = event
-            if kind == "end":
-                return
-            if kind == "error":
-                if isinstance(value, Cancelled):
-                    raise ServerError(503, str(value))
-                raise ServerError(400 if isinstance(value, ValueError) else 500,
-                                  f"generation failed: {value}")
-            yield event
-    finally:
-        job.cancelled.set()  # a no-op once the job ended
-
-
-def stop_reason(result: GenerationResult, params: SamplingParams) -> int | str | None:
-    """vLLM's ``stop_reason``: the stop string or the ``stop_token_ids`` entry that ended the
-    choice, None otherwise (EOS, length)."""
-    if isinstance(result.stop_reason, int) and result.stop_reason not in params.stop_token_ids:
+    api_keys = serving(request).api_keys
+    if not api_keys:
         return None
-    return result.stop_reason
+    given = b"" if credentials is None else credentials.credentials.encode()
+    matches = [secrets.compare_digest(given, key.encode()) for key in api_keys]  # each
+    if credentials is None or not any(matches):
+        raise ServerError(401, "a valid API key is required: send the header "
+                               "'Authorization: Bearer <key>'",
+                          headers={"WWW-Authenticate": "Bearer"})
+    return matches.index(True)
 
 
-def final_text(result: GenerationResult, decode: Callable[[list[int]], str]) -> str:
-    """The choice's text as OpenAI returns it: without the stop string that ended it (and
-    anything its last token spelled after it)."""
-    text = result.text
-    if isinstance(result.stop_reason, str):
-        before = len(decode(result.token_ids[:-1]).rstrip("\ufffd"))
-        text = text[:text.find(result.stop_reason,
-                               max(0, before - len(result.stop_reason) + 1))]
-    return text
+router = APIRouter()
 
 
-class StreamedChoice:
-    """One choice's streamed text: the decoded tokens so far, less what is or could still
-    become a stop string (text is sent only up to the first occurrence of one, and never
-    the last ``len(stop) - 1`` characters), and less an incomplete UTF-8 character. The
-    rest comes with the result (:meth:`rest`), cut as the non-streamed text is."""
-
-    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str]) -> None:
-        self.decode, self.stop = decode, stop
-        self.hold_back = max((len(s) for s in stop), default=1) - 1
-        self.token_ids: list[int] = []
-        self.sent = 0
-
-    def delta(self, token_ids: list[int]) -> str:
-        self.token_ids += token_ids
-        text = self.decode(self.token_ids).rstrip("\ufffd")
-        ready = len(text) - self.hold_back
-        for stop in self.stop:
-            if (found := text.find(stop, max(0, self.sent - len(stop) + 1))) >= 0:
-                ready = min(ready, found)
-        ready = max(self.sent, ready)
-        piece, self.sent = text[self.sent:ready], ready
-        return piece
-
-    def rest(self, result: GenerationResult) -> str:
-        piece = final_text(result, self.decode)[self.sent:]
-        self.sent += len(piece)
-        return piece
+@router.get("/health")
+async def health() -> dict:
+    return {"status": "ok"}
 
 
-async def stream(job: Job, header: dict, body: SamplingRequest, prompts: list[list[int]],
-                 decode: Callable[[list[int]], str]) -> AsyncIterator[str]:
-    """Server-sent events for ``job``: a chunk per cycle and choice, a last chunk per choice
-    with its finish reason, then (with ``stream_options.include_usage``) usage in a chunk
-    with no choices, then ``data: [DONE]``. The request's speculative figures ride on the
-    last chunk before ``[DONE]``."""
-    chat = header["object"] == "chat.completion"
-    header = header | {"object": "chat.completion.chunk" if chat else "text_completion"}
-    choices = [StreamedChoice(decode, job.params.stop) for _ in range(len(prompts) * body.n)]
-    results: dict[int, GenerationResult] = {}
-
-    def figures() -> dict:
-        return speculation_figures([results[i].stats for i in sorted(results)])
-
-    def chunk(index: int, text: str, finish: GenerationResult | None = None,
-              first: bool = False) -> str:
-        if chat:
-            delta = ({"role": "assistant", "content": ""} if first else
-                     {"content": text} if text or finish is None else {})
-            data = {"index": index, "delta": delta, "logprobs": None}
-        else:
-            data = {"index": index, "text": text, "logprobs": None}
-        data |= {"finish_reason": finish and finish.finish_reason,
-                 "stop_reason": finish and stop_reason(finish, job.params)}
-        last = finish is not None and len(results) == len(choices) and not body.include_usage
-        return sse(header | {"choices": [data]} | ({"speculation": figures()} if last else {}))
-
-    try:
-        if chat:
-            for index in range(len(choices)):
-                yield chunk(index, "", first=True)
-        async for event, index, value in events(job, keepalive=True):
-            if event == "keepalive":
-                yield ": keep-alive\n\n"
-            elif event == "tokens":
-                if text := choices[index].delta(value):
-                    yield chunk(index, text)
-            else:  # result
-                results[index] = value
-                yield chunk(index, choices[index].rest(value), finish=value)
-        if body.include_usage:  # OpenAI's usage chunk: no choices
-            yield sse(header | {"choices": [], "speculation": figures(),
-                                "usage": usage([results[i] for i in sorted(results)],
-                                               [len(p) for p in prompts])})
-    except ServerError as error:
-        yield sse(error.body())
-    finally:
-        job.cancelled.set()  # the client went away (a no-op once the job ended)
-    yield "data: [DONE]\n\n"
+@router.get("/metrics")
+async def prometheus_metrics(request: Request) -> Response:
+    return Response(generate_latest(serving(request).metrics.registry),
+                    media_type=CONTENT_TYPE_LATEST)
 
 
-def sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+@router.get("/v1/models", dependencies=[Depends(authorised)])
+async def models(request: Request) -> dict:
+    return {"object": "list", "data": [serving(request).model_card()]}
+
+
+@router.get("/v1/models/{name:path}", dependencies=[Depends(authorised)])
+async def model(name: str, request: Request) -> dict:
+    serving(request).check_model(name)
+    return serving(request).model_card()
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request,
+                      key: int | None = Depends(authorised)):
+    return await serving(request).respond(body, request, key)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request,
+                           key: int | None = Depends(authorised)):
+    return await serving(request).respond(body, request, key)
+
+
+async def server_error(request: Request, error: ServerError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    """A body its model refuses, as OpenAI's 400 naming the field (``param``: its dotted
+    path, e.g. ``messages.0.role``)."""
+    first = error.errors()[0]
+    if first.get("type") == "json_invalid":
+        return JSONResponse(ServerError(400, "the request body is not valid JSON: "
+                                             f"{first.get('msg')} at character "
+                                             f"{first.get('loc', ('', '?'))[-1]}").body(),
+                            status_code=400)
+    path = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # a union's branch names (str, list[int], ...) are pydantic's, not the field's
+    path = [part for part in path
+            if part not in ("str", "int") and not part.startswith(("list[", "dict["))]
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")
+    return JSONResponse(ServerError(400, f"{'.'.join(path) or 'body'}: {message}",
+                                    ".".join(path) or None).body(), status_code=400)
+
+
+async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    return JSONResponse(ServerError(error.status_code, str(error.detail)).body(),
+                        status_code=error.status_code)
 
 
 class BodySizeLimit:

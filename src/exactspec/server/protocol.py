@@ -1,6 +1,13 @@
 """The OpenAI API's request and response bodies, and their translation to and from
-exactspec's :class:`~exactspec.sampling.SamplingParams` and
-:class:`~exactspec.engine.GenerationResult`.
+exactspec's: a body becomes its prompts, :class:`~exactspec.sampling.SamplingParams` and
+``n`` (:meth:`SamplingRequest.prompts`, :meth:`SamplingRequest.sampling_params`); the
+engine's :class:`~exactspec.request.RequestError` becomes OpenAI's 400 body naming the API's
+field (:meth:`SamplingRequest.request_error`); a :class:`~exactspec.engine.GenerationResult`
+becomes a choice (:meth:`SamplingRequest.choice`, :meth:`SamplingRequest.chunk_choice`).
+
+The engine checks what it serves (prompt, vocabulary, context, ``n``, token ids); what is
+checked here is the API's own policy: fields that exclude each other, this server's limits,
+and (as vLLM) a prompt plus the asked ``max_tokens`` fitting the context.
 
 Field names and meanings follow the OpenAI API reference (``/v1/completions``,
 ``/v1/chat/completions``) and vLLM's extra sampling parameters (``top_k``, ``min_p``,
@@ -14,15 +21,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from exactspec.engine import GenerationResult, TokenLogprob
 from exactspec.metrics import GenerationStats
+from exactspec.request import Prompt, RequestError
 from exactspec.sampling import SamplingParams
 from exactspec.speculation_length import POLICIES
-from exactspec.trace.record import token_pieces
+from exactspec.text import token_pieces
 
 MAX_N = 16
 """Most choices one request may ask for (``n``)."""
@@ -32,6 +41,10 @@ MAX_NUM_SPECULATIVE_TOKENS = 16
 """Largest per-request ``speculation.num_speculative_tokens``."""
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for ``/v1/completions`` (chat defaults to the context)."""
+CHAT_DEFAULT_MAX_TOKENS = 2048
+"""Chat's ``max_completion_tokens`` when neither it nor the context length is known."""
+Decode = Callable[[list[int]], str]
+"""A tokenizer's decode: token ids → text."""
 
 
 class ServerError(Exception):
@@ -80,7 +93,20 @@ class StreamOptions(BaseModel):
 
 
 class SamplingRequest(BaseModel):
-    """The fields both endpoints share (OpenAI's names, then vLLM's extra ones)."""
+    """The fields both endpoints share (OpenAI's names, then vLLM's extra ones), and what
+    each endpoint's subclass says of itself: its prompts, its ``max_tokens`` and
+    ``logprobs`` fields, the shape of its choices."""
+
+    response_object: ClassVar[str]
+    """The response's ``object`` (streamed: :attr:`chunk_object`)."""
+    chunk_object: ClassVar[str]
+    id_prefix: ClassVar[str]
+    """The response ``id``'s prefix."""
+    opening_chunk: ClassVar[bool] = False
+    """Whether a stream opens with a chunk per choice before any text (chat: the role)."""
+    engine_fields: ClassVar[Mapping[str, str]] = {}
+    """The API's names for the fields the engine names (:attr:`RequestError.field
+    <exactspec.request.RequestError.field>`) where they differ."""
 
     model_config = ConfigDict(extra="forbid")
     model: str
@@ -110,22 +136,64 @@ class SamplingRequest(BaseModel):
     # suffix drafter's corpus learnt from earlier outputs
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The request as :class:`SamplingParams` (temperature defaults to 1 as in OpenAI's
-        API; ``top_k`` -1 or 0 disables it, as in vLLM).
+    def prompts(self) -> list[Prompt]:
+        """The prompts, one per choice set, as the engine takes them (text, token ids, or
+        chat messages)."""
+        raise NotImplementedError
+
+    def asked_max_tokens(self) -> tuple[int | None, str]:
+        """The most tokens the request asks for (None: not said) and its field's name."""
+        raise NotImplementedError
+
+    def default_max_tokens(self, room: int | None) -> int:
+        """``max_tokens`` when the request does not say, for ``room`` tokens left in the
+        context after the longest prompt (None: no limit known)."""
+        raise NotImplementedError
+
+    def asked_logprobs(self) -> int | None:
+        """Top alternatives asked per token (0: the chosen token's logprob alone), or None."""
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """The API's rules between fields, checked before anything is tokenised.
 
         Raises:
-            ServerError: 400 naming the OpenAI field whose value SamplingParams refuses.
+            ServerError: 400 naming the field at fault.
         """
+        if self.stream_options is not None and not self.stream:
+            raise ServerError(400, "stream_options is only allowed with stream: true",
+                              "stream_options")
+        if self.stream and self.asked_logprobs() is not None:
+            raise ServerError(400, "logprobs with stream is not supported yet: ask for them "
+                                   "without streaming", "logprobs")
+
+    def sampling_params(self, prompt_lengths: Sequence[int], context: int | None
+                        ) -> SamplingParams:
+        """The request as :class:`SamplingParams` for prompts of ``prompt_lengths`` tokens
+        in a context of ``context`` tokens (None: unbounded). Temperature defaults to 1 as
+        in OpenAI's API; ``top_k`` -1 or 0 disables it, as in vLLM; a negative ``seed``
+        (OpenAI takes any int64) maps to ``seed + 2**63``.
+
+        Raises:
+            ServerError: 400 naming the field: an asked ``max_tokens`` that does not fit
+                the context after the longest prompt (as vLLM), or a value SamplingParams
+                refuses (named as OpenAI names it).
+        """
+        asked, field = self.asked_max_tokens()
+        longest = max(prompt_lengths)
+        if context is not None and asked is not None and longest + asked > context:
+            raise ServerError(400, f"{field} = {asked} is too large: the context holds "
+                                   f"{context} tokens (max_model_len) and the prompt has "
+                                   f"{longest}, so at most {context - longest} can be "
+                                   "generated", field)
+        max_tokens = asked or self.default_max_tokens(None if context is None
+                                                      else context - longest)
         try:
             logit_bias = {int(token): bias for token, bias in (self.logit_bias or {}).items()}
         except ValueError:
             raise ServerError(400, f"logit_bias keys must be token ids, got "
                                    f"{list(self.logit_bias)[:5]}", "logit_bias") from None
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if self.stream_options is not None and not self.stream:
-            raise ServerError(400, "stream_options is only allowed with stream: true",
-                              "stream_options")
         seed = self.seed
         if seed is not None and -2**63 <= seed < 0:  # OpenAI takes any int64
             seed += 2**63
@@ -140,13 +208,30 @@ class SamplingRequest(BaseModel):
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, logit_bias=logit_bias,
                 bad_words=tuple(self.bad_words or ()),
-                banned_token_ids=tuple(self.banned_token_ids or ()), logprobs=logprobs)
+                banned_token_ids=tuple(self.banned_token_ids or ()),
+                logprobs=self.asked_logprobs())
         except ValueError as error:
             field = str(error).removeprefix("SamplingParams.").split(" ", 1)[0]
             message = str(error).removeprefix("SamplingParams.")
             for ours, theirs in OPENAI_NAMES.items():
                 message = message.replace(ours, theirs)
             raise ServerError(400, message, OPENAI_NAMES.get(field, field)) from None
+
+    def request_error(self, error: RequestError) -> ServerError:
+        """The engine's refusal of this request as OpenAI's 400, naming the API's field."""
+        return ServerError(400, str(error), self.engine_fields.get(error.field, error.field))
+
+    def choice(self, index: int, result: GenerationResult, params: SamplingParams,
+               decode: Decode) -> dict:
+        """One finished choice of the response (``params``: the request's, as
+        :meth:`sampling_params` made them)."""
+        raise NotImplementedError
+
+    def chunk_choice(self, index: int, text: str, params: SamplingParams,
+                     result: GenerationResult | None = None, first: bool = False) -> dict:
+        """One choice of a streamed chunk: ``text`` more, and with the choice's ``result``
+        its finish (``first``: the opening chunk, chat's role)."""
+        raise NotImplementedError
 
     @property
     def include_usage(self) -> bool:
@@ -169,6 +254,9 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     best_of: int | None = None
 
+    response_object = chunk_object = "text_completion"
+    id_prefix = "cmpl"
+
     @field_validator("echo", "suffix", "best_of")
     @classmethod
     def _unsupported(cls, value, info):
@@ -176,14 +264,37 @@ class CompletionRequest(SamplingRequest):
             raise ValueError(f"{info.field_name} is not supported by exactspec")
         return value
 
-    def prompts(self) -> list[str | list[int]]:
-        """The prompts, one per choice set."""
-        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
-            return [self.prompt]
-        if not 1 <= len(self.prompt) <= MAX_PROMPTS:
+    def _single(self) -> bool:
+        return isinstance(self.prompt, str) or bool(self.prompt and isinstance(self.prompt[0], int))
+
+    def check(self) -> None:
+        """As :meth:`SamplingRequest.check`, and 1 to :data:`MAX_PROMPTS` prompts."""
+        if not self._single() and not 1 <= len(self.prompt) <= MAX_PROMPTS:
             raise ServerError(400, f"prompt holds {len(self.prompt)} prompts; give 1 to "
                                    f"{MAX_PROMPTS}", "prompt")
-        return list(self.prompt)
+        super().check()
+
+    def prompts(self) -> list[str | list[int]]:
+        return [self.prompt] if self._single() else list(self.prompt)
+
+    def asked_max_tokens(self) -> tuple[int | None, str]:
+        return self.max_tokens, "max_tokens"
+
+    def default_max_tokens(self, room: int | None) -> int:
+        return COMPLETIONS_DEFAULT_MAX_TOKENS
+
+    def asked_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def choice(self, index: int, result: GenerationResult, params: SamplingParams,
+               decode: Decode) -> dict:
+        return {"index": index, "text": final_text(result)} | finish(result, params) | {
+            "logprobs": None if result.logprobs is None
+            else completion_logprobs(result.logprobs, decode)}
+
+    def chunk_choice(self, index: int, text: str, params: SamplingParams,
+                     result: GenerationResult | None = None, first: bool = False) -> dict:
+        return {"index": index, "text": text, "logprobs": None} | finish(result, params)
 
 
 class ChatMessage(BaseModel):
@@ -237,6 +348,11 @@ class ChatCompletionRequest(SamplingRequest):
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
 
+    response_object, chunk_object = "chat.completion", "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+    opening_chunk = True
+    engine_fields = {"prompt": "messages"}
+
     @field_validator("tools")
     @classmethod
     def _no_tools(cls, tools):
@@ -259,9 +375,65 @@ class ChatCompletionRequest(SamplingRequest):
                              "supported: only {\"type\": \"text\"}")
         return response_format
 
+    def check(self) -> None:
+        """As :meth:`SamplingRequest.check`, and ``top_logprobs`` only with ``logprobs``."""
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ServerError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+
+    def prompts(self) -> list[list[dict[str, str]]]:
+        """The one prompt: the messages (``developer`` as ``system``), for the chat
+        template."""
+        return [[{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                 for m in self.messages]]
+
+    def asked_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def default_max_tokens(self, room: int | None) -> int:
+        """The rest of the context (:data:`CHAT_DEFAULT_MAX_TOKENS` when unknown)."""
+        return max(room or CHAT_DEFAULT_MAX_TOKENS, 1)
+
+    def asked_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def choice(self, index: int, result: GenerationResult, params: SamplingParams,
+               decode: Decode) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": final_text(result)}
+                } | finish(result, params) | {"logprobs": None if result.logprobs is None
+                                      else chat_logprobs(result.logprobs, decode)}
+
+    def chunk_choice(self, index: int, text: str, params: SamplingParams,
+                     result: GenerationResult | None = None, first: bool = False) -> dict:
+        delta = ({"role": "assistant", "content": ""} if first else
+                 {"content": text} if text or result is None else {})
+        return {"index": index, "delta": delta, "logprobs": None} | finish(result, params)
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def final_text(result: GenerationResult) -> str:
+    """The choice's text as OpenAI returns it: without the stop string that ended it (and
+    anything its last token spelled after it): ``result.text[:result.stop_offset]``."""
+    return result.text if result.stop_offset is None else result.text[:result.stop_offset]
+
+
+def stop_reason(result: GenerationResult, params: SamplingParams) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop string or the ``stop_token_ids`` entry that ended the
+    choice, None otherwise (EOS, length)."""
+    if isinstance(result.stop_reason, int) and result.stop_reason not in params.stop_token_ids:
+        return None
+    return result.stop_reason
+
+
+def finish(result: GenerationResult | None, params: SamplingParams) -> dict[str, Any]:
+    """A choice's ``finish_reason`` and ``stop_reason`` (both None while it runs)."""
+    return {"finish_reason": result and result.finish_reason,
+            "stop_reason": result and stop_reason(result, params)}
 
 
 def speculation_figures(stats: list[GenerationStats]) -> dict[str, Any]:
@@ -295,7 +467,7 @@ def usage(results: list[GenerationResult], prompt_lengths: list[int]) -> dict[st
 def completion_logprobs(logprobs: list[TokenLogprob], decode) -> dict:
     """The completions API's ``logprobs`` object: tokens, token_logprobs, top_logprobs
     (token text → logprob), text_offset. A chosen token's text is its share of the output
-    (:func:`~exactspec.trace.record.token_pieces`: a character split over several tokens
+    (:func:`~exactspec.text.token_pieces`: a character split over several tokens
     goes whole to the token that completes it), so the tokens join to the text."""
     tokens = token_pieces([lp.token_id for lp in logprobs], decode)
     offsets, offset = [], 0

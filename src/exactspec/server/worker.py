@@ -3,8 +3,9 @@
 A single worker thread owns the target and a
 :class:`~exactspec.batching.BatchedGenerator`: jobs join the batch first come, first served
 while it has room (continuous batching: between any two cycles), and every cycle advances
-all of them in one target forward. HTTP handlers (asyncio) submit a :class:`Job` and read
-its events from an ``asyncio.Queue`` that the worker fills through
+all of them in one target forward. HTTP handlers (asyncio) submit a :class:`Job` of
+requests already prepared (:func:`~exactspec.request.prepare_request`: checked before they
+queue) and read its events from an ``asyncio.Queue`` that the worker fills through
 ``loop.call_soon_threadsafe``; jobs wait in a bounded queue while the batch is full, and a
 full queue is refused at once (the caller answers 503). Cancelling a job (its client went
 away) drops its rows before the next cycle.
@@ -25,6 +26,7 @@ from exactspec.backends.base import Backend
 from exactspec.batching import DEFAULT_MAX_BATCH_SIZE, BatchedGenerator
 from exactspec.engine import GenerationResult, SpeculativeGenerator
 from exactspec.proposers.base import Proposer
+from exactspec.request import Request
 from exactspec.sampling import SamplingParams
 from exactspec.server.metrics import ServerMetrics
 
@@ -49,17 +51,16 @@ class SpeculationSettings:
 
 @dataclass
 class Job:
-    """One request's generations: every prompt × ``n`` choices, in order.
+    """One HTTP request's generations: every prompt × ``n`` choices, in order.
 
-    Events put on ``events`` (read them with ``await events.get()``):
-    ``("tokens", choice, token_ids)`` after each cycle, ``("result", choice,
-    GenerationResult)`` when a choice is complete, ``("error", None, exception)``, and
-    ``("end", None, None)`` last, always.
+    ``requests`` holds one prepared :class:`~exactspec.request.Request` per prompt, all
+    with the same sampling parameters and ``n``. Events put on ``events`` (read them with
+    ``await events.get()``): ``("tokens", choice, token_ids)`` after each cycle,
+    ``("result", choice, GenerationResult)`` when a choice is complete, ``("error", None,
+    exception)``, and ``("end", None, None)`` last, always.
     """
 
-    prompts: Sequence[list[int]]
-    params: SamplingParams
-    n: int
+    requests: Sequence[Request]
     speculation: SpeculationSettings
     loop: asyncio.AbstractEventLoop
     scope: Hashable = None  # whose earlier outputs it may draft from (Proposer.reset)
@@ -68,6 +69,24 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     first_token: float | None = None  # when its first token was emitted (perf_counter)
     results: list[GenerationResult] = field(default_factory=list)  # its finished choices
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.requests[0].params
+
+    @property
+    def n(self) -> int:
+        """Choices per prompt."""
+        return self.requests[0].n
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.requests) * self.n
+
+    @property
+    def prompt_lengths(self) -> list[int]:
+        """Tokens of each prompt (chat template applied)."""
+        return [len(request.prompt_token_ids) for request in self.requests]
 
     def put(self, kind: str, choice: int | None, value: Any) -> None:
         """Hand an event to the request's handler (thread-safe)."""
@@ -189,23 +208,22 @@ class EngineWorker:
         return self.batched.num_active + self.batched.num_waiting < self.batched.max_batch_size
 
     def _start(self, job: Job) -> None:
-        """Submit every prompt of ``job`` as one row of ``n`` samples."""
+        """Submit every request of ``job`` (a prompt) as one row of ``n`` samples."""
         if job.cancelled.is_set():
             self.metrics.aborted.inc()
             job.put("end", None, None)
             return
         generator = self.generator(job.speculation)
         self._outstanding[id(job)] = 0
-        for p, prompt in enumerate(job.prompts):
+        for p, request in enumerate(job.requests):
             def on_commit(sample: int, token_ids: list[int], base: int = p * job.n) -> None:
                 if job.first_token is None:
                     job.first_token = time.perf_counter()
                 job.put("tokens", base + sample, token_ids)
 
             try:
-                request_id = self.batched.submit(prompt, job.params, n=job.n,
-                                                 on_commit=on_commit, generator=generator,
-                                                 scope=job.scope)
+                request_id = self.batched.submit(request, on_commit=on_commit,
+                                                 generator=generator, scope=job.scope)
             except Exception as error:
                 self._fail(job, error)
                 return
@@ -228,7 +246,7 @@ class EngineWorker:
         if not self._outstanding[id(job)]:
             del self._outstanding[id(job)]
             now = time.perf_counter()
-            self.metrics.record(job.results, sum(map(len, job.prompts)),
+            self.metrics.record(job.results, sum(job.prompt_lengths),
                                 (job.first_token or now) - job.arrival, now - job.arrival)
             job.put("end", None, None)
 

@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from rich.console import Console
 from rich.text import Text
 
-from exactspec.trace.record import NO_TEXT, PARTIAL, CycleTrace, TokenKind, at_boundary, shown_pieces
+from exactspec.cycle_trace import CycleTrace, TokenKind
+from exactspec.trace.view import NO_TEXT, PARTIAL, at_boundary, shown_pieces
 
 STYLES: dict[TokenKind, str] = {"accepted": "green", "recovered": "bold yellow",
                                 "bonus": "cyan", "plain": ""}

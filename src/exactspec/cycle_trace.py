@@ -1,8 +1,9 @@
-"""What one cycle did, token by token: the trace behind ``generate --show`` and ``--trace``.
+"""What one cycle did, token by token: the record behind ``generate --show`` and ``--trace``.
 
-Recorded only when asked (``SpeculativeGenerator.generate(..., trace=True)``): the engine
-then hands each cycle's proposal, processed logits and verdict to :func:`trace_cycle`;
-otherwise nothing here runs. The figures are the verifier's own (docs/design.md glossary;
+The engine writes it (this module sits below the engine); :mod:`exactspec.trace` shows it
+(above the engine). Recorded only when asked (``SpeculativeGenerator.generate(...,
+trace=True)``): the engine then hands each cycle's proposal, processed logits and verdict
+to :func:`trace_cycle`; otherwise nothing here runs. The figures are the verifier's own (docs/design.md glossary;
 Leviathan et al. 2022, Algorithm 1): for drafted token x_i, p = the target's processed
 probability p_i(x_i), q = the draft's q_i(x_i) (1 for point-mass drafters such as n-gram
 lookup), acceptance probability min(1, p/q), the uniform u the verifier drew (accepted iff
@@ -12,21 +13,17 @@ was drawn from. Greedy cycles record the target's argmax at each position instea
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import torch
 
 from exactspec.logits_pipeline import greedy_tokens
+from exactspec.verification import final_distribution
 
 TokenKind = Literal["accepted", "recovered", "bonus", "plain"]
 """How a committed token came about: an accepted draft; the replacement after the first
 rejection; the extra token after every draft was accepted; a cycle with no drafts."""
-NO_TEXT = "∅"
-"""Shown for a token without text of its own (EOS and other special tokens)."""
-PARTIAL = "·"
-"""Shown for a token that holds only the start of a character the next token completes."""
 TOP_TOKENS = 5
 """How many of the residual's (or the final distribution's) most likely tokens are kept."""
 
@@ -133,14 +130,10 @@ def trace_cycle(index: int, position: int, chosen_k: int, draft_token_ids: list[
             drafts.append(DraftVerdict(token, p_i, q_i, min(1.0, p_i / q_i) if q_i > 0 else 0.0,
                                        None if uniforms is None else float(uniforms[i]), None,
                                        verdicts[i]))
-        final = p[num_accepted].double()
-        if num_accepted < k:
-            if draft_probs is None:  # q is one-hot on the drafted token
-                residual = final.clone()
-                residual[draft_token_ids[num_accepted]] = 0.0
-            else:
-                residual = (final - draft_probs[num_accepted].double()).clamp(min=0)
-            final = residual if residual.sum() > 0 else final
+        final = final_distribution(
+            torch.tensor([draft_token_ids], dtype=torch.long, device=p.device).view(1, k),
+            None if draft_probs is None else draft_probs.unsqueeze(0), p.unsqueeze(0),
+            torch.tensor([num_accepted], device=p.device))[0]
         final_top = _top(final / final.sum())
     return CycleTrace(index, position, chosen_k, drafts, list(zip(committed, kinds)),
                       final_top, greedy)
@@ -149,34 +142,3 @@ def trace_cycle(index: int, position: int, chosen_k: int, draft_token_ids: list[
 def _top(probs: torch.Tensor) -> list[tuple[int, float]]:
     values, ids = probs.topk(min(TOP_TOKENS, probs.shape[-1]))
     return [(int(t), float(v)) for t, v in zip(ids, values) if v > 0]
-
-
-def token_pieces(token_ids: Sequence[int], decode: Callable[[list[int]], str]) -> list[str]:
-    """Each token's share of ``decode(token_ids)``: the text it adds to the tokens before it
-    (so characters split over several tokens come out whole, with the token completing
-    them)."""
-    pieces, previous = [], ""
-    for i in range(1, len(token_ids) + 1):
-        text = decode(list(token_ids[:i]))
-        if text.endswith("\ufffd"):  # an incomplete character: wait for the next token
-            pieces.append("")
-            continue
-        pieces.append(text[len(previous):])
-        previous = text
-    if pieces and previous != decode(list(token_ids)):
-        pieces[-1] += decode(list(token_ids))[len(previous):]
-    return pieces
-
-
-def shown_pieces(token_ids: Sequence[int], decode: Callable[[list[int]], str]) -> list[str]:
-    """:func:`token_pieces` for display: a token with no share of the text shows as
-    :data:`NO_TEXT` when it has no text at all (a special token) and as :data:`PARTIAL`
-    when it starts a character that a later token completes."""
-    return [piece or (NO_TEXT if decode([token]) == "" else PARTIAL)
-            for token, piece in zip(token_ids, token_pieces(token_ids, decode))]
-
-
-def at_boundary(trace: Sequence[CycleTrace], index: int) -> bool:
-    """Whether a cycle boundary mark goes before cycle ``index``: where that cycle or the
-    one before drafted (consecutive plain steps, one token each, are not separated)."""
-    return index > 0 and bool(trace[index].drafts or trace[index - 1].drafts)
