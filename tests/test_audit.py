@@ -11,8 +11,8 @@ from scipy import stats
 from exactspec import (DraftModelProposer, EarlyExitProposer, PromptLookupProposer, SuffixProposer,
                        SamplingParams, SpeculativeGenerator)
 from exactspec.audit import (BROKEN_VERIFIERS, AuditResult, BrokenGenerator, ExactspecEngine,
-                             PeerEngine, audit_distribution, check_greedy, next_token_probs,
-                             verdict, write_audit_report)
+                             audit_distribution, check_greedy, next_token_probs, verdict,
+                             write_audit_report)
 from exactspec.audit.stats import detectable_tv, fit_tree, holm, node_fit, sample_tree
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.peers import TransformersPeer
@@ -314,7 +314,7 @@ def test_transformers_sampling_agrees_with_the_reference_and_a_wrong_one_is_caug
     """An independent implementation (transformers' own sampling) passes against the exact
     reference; the same with another temperature fails."""
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_new_tokens=2)
-    engine = PeerEngine(TransformersPeer(target), "hf")
+    engine = TransformersPeer(target)
     assert not audit_distribution(target, engine, prompts[:1], params, 800, ALPHA).rejected
 
     class WrongTemperature(FakeEngine):  # transformers sampling at 1.1 where 0.8 was asked for

@@ -9,10 +9,39 @@ import pytest
 from exactspec import SamplingParams
 from exactspec.bench import (GROUPS, BenchResults, Record, load_questions, parse_method,
                              run_bench, summarize, write_report)
-from exactspec.bench.methods import Method, Outcome, parse_method_spec
+from exactspec.bench.methods import Method, parse_method_spec
 from exactspec.bench.report import instabilities
 
 from conftest import tiny_backend
+
+
+class Rewired:
+    """An engine like ``engine`` but for its ``generate``, which is
+    ``generate(engine, prompts, params, at_once)``."""
+
+    drafted = accepted = drafted_per_position = accepted_per_position = None
+
+    def __init__(self, engine, generate):
+        self.engine, self.rewired = engine, generate
+        self.name, self.corpus = engine.name, engine.corpus
+
+    def generate(self, prompts, params, *, at_once=False):
+        return self.rewired(self.engine, prompts, params, at_once)
+
+    def sample(self, prompt_ids, params, num_samples):
+        return self.engine.sample(prompt_ids, params, num_samples)
+
+
+def changing_last_token(changed):
+    """A ``generate`` for :class:`Rewired` that changes the last token of the outputs
+    ``changed(num_prompts, at_once)`` names (indices): a method that is not exact."""
+    def generate(engine, prompts, params, at_once):
+        generations = engine.generate(prompts, params, at_once=at_once)
+        for i in changed(len(prompts), at_once):
+            token_ids = generations[i].token_ids
+            generations[i].token_ids = token_ids[:-1] + [(token_ids[-1] + 1) % 64]
+        return generations
+    return generate
 
 QUESTIONS = [
     {"question_id": 1, "category": "writing", "turns": ["abc abc abd abc"]},
@@ -78,14 +107,9 @@ def test_bench_end_to_end_flags_mismatches_and_writes_report(questions_file, tmp
     methods = [parse_method(spec, target, lambda name: tiny_backend(model=target.model))
                for spec in ("plain", "prompt-lookup:k=3:ngram=1-2", "draft:same:k=2", "hf-plain",
                             "hf-prompt-lookup:k=4")]
-    plain = methods[0]
-
-    def broken_run(prompt_ids, params, question_id=None):  # a method that changes the output
-        outcome = plain.run(prompt_ids, params)
-        return Outcome(outcome.token_ids[:-1] + [(outcome.token_ids[-1] + 1) % 64],
-                       outcome.seconds, outcome.stats)
-
-    methods.append(Method("broken", "prompt-lookup", 3, broken_run))
+    plain = methods[0]  # and a method that changes the output:
+    broken = Rewired(plain.engine, changing_last_token(lambda n, at_once: range(n)))
+    methods.append(Method("broken", "prompt-lookup", 3, broken))
     results = run_bench(target, load_questions(questions_file), methods,
                         params=SamplingParams(max_new_tokens=12), repetitions=2, chat=False,
                         config={"test": True}, show_progress=False)
@@ -216,14 +240,13 @@ def interrupted_after(calls: int, methods: list[Method]) -> list[Method]:
     + 1 on."""
     made = []
 
-    def wrap(method):
-        def run(prompt_ids, params, question_id=None):
-            made.append(method.name)
-            if len(made) > calls:
-                raise KeyboardInterrupt
-            return method.run(prompt_ids, params, question_id)
-        return Method(method.name, method.kind, method.k, run)
-    return [wrap(method) for method in methods]
+    def generate(engine, prompts, params, at_once):
+        made.append(engine.name)
+        if len(made) > calls:
+            raise KeyboardInterrupt
+        return engine.generate(prompts, params, at_once=at_once)
+    return [Method(method.name, method.kind, method.k, Rewired(method.engine, generate))
+            for method in methods]
 
 
 def test_ctrl_c_keeps_the_questions_finished_marked_incomplete(questions_file, tmp_path):
@@ -284,15 +307,10 @@ def test_concurrency_bench_batches_waves_and_flags_mismatches(questions_file, tm
     methods = [parse_method(spec, target, load) for spec in
                ("plain", "prompt-lookup:k=3:ngram=1-2:policy=auto", "suffix:k=4:corpus=500",
                 "draft:same:k=2", "hf-plain", "hf-prompt-lookup:k=3")]
-    plain = methods[0]
-
-    def broken_wave(prompts, params):
-        outcome = plain.wave(prompts, params)
-        if len(prompts) == 2:
-            outcome.outputs[1] = outcome.outputs[1][:-1] + [(outcome.outputs[1][-1] + 1) % 64]
-        return outcome
-
-    methods.append(Method("broken", "prompt-lookup", 3, plain.run, broken_wave))
+    plain = methods[0]  # and a method that changes one token of the second request at c = 2:
+    broken = Rewired(plain.engine, changing_last_token(
+        lambda n, at_once: [1] if at_once and n == 2 else []))
+    methods.append(Method("broken", "prompt-lookup", 3, broken))
     params = SamplingParams(max_new_tokens=10)
     results = run_concurrency_bench(target, load_questions(questions_file), methods, [4, 2, 1],
                                     params=params, repetitions=1, chat=False,
@@ -332,7 +350,8 @@ def test_hf_plain_decodes_a_wave_as_one_padded_batch_equal_to_one_by_one():
     peer = TransformersPeer(target)
     prompts = [[1, 2, 3, 4, 1, 2], [7, 8], [9, 9, 9, 1]]
     params = SamplingParams(max_new_tokens=12)
-    outputs, latencies = peer.sample_wave(prompts, params)
+    generations = peer.generate(prompts, params, at_once=True)
+    outputs, latencies = [g.token_ids for g in generations], [g.latency for g in generations]
     assert outputs == [list(peer.sample(p, params, 1)[0]) for p in prompts]
     assert len(set(latencies)) == 1
     assert all(5 not in output[:-1] for output in outputs)  # cut after the first EOS

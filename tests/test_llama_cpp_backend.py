@@ -178,14 +178,14 @@ def test_llama_cpp_python_sampling_with_its_prompt_lookup_agrees_with_the_refere
     applies before the temperature are refused."""
     import dataclasses
 
-    from exactspec.audit import PeerEngine, audit_distribution, check_greedy
+    from exactspec.audit import audit_distribution, check_greedy
     from exactspec.peers import LlamaCppPeer
     from conftest import BackendFactory
     from test_audit import lookup_friendly_prompt
 
     target = BackendFactory("llama_cpp", tmp_path)(0)
     prompt = lookup_friendly_prompt(target, 1, [2, 3, 4])
-    engine = PeerEngine(LlamaCppPeer(target, 4), "llama-cpp-python")
+    engine = LlamaCppPeer(target, 4)
     params = SamplingParams(temperature=0.8, seed=3, max_new_tokens=2)
     assert not audit_distribution(target, engine, [prompt], params, 800, 0.01).rejected
     assert all(c.identical for c in check_greedy(target, engine, [prompt], 12))

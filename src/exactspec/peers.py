@@ -11,22 +11,22 @@ A peer is named by a drafter spec with its prefix (``hf-prompt-lookup:k=10``; th
 in :mod:`exactspec.proposers.spec`) and made by :func:`make_peer`. Both search n-grams of
 at most 2 tokens, their own default: a spec's ``ngram=`` is not passed on.
 
-Each peer translates the :class:`~exactspec.sampling.SamplingParams` fields it lists in
-``translates`` and refuses a call that sets any other field; ``comparable`` lists the
-fields with which its sampling distribution is by definition the one exactspec samples
-from (the audit refuses the others).
+Each peer is an :class:`~exactspec.engines.Engine`. It translates the
+:class:`~exactspec.sampling.SamplingParams` fields it lists in ``translates`` and refuses a
+call that sets any other field; ``comparable`` lists the fields with which its sampling
+distribution is by definition the one exactspec samples from (:meth:`Peer.sample`, what the
+audit draws, refuses the others).
 """
 
 from __future__ import annotations
 
 import time
-
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import torch
 
 from exactspec.backends.base import Backend
+from exactspec.engines import Generation, one_after_another
 from exactspec.proposers.spec import DrafterSpec
 from exactspec.sampling import SamplingParams
 
@@ -50,61 +50,81 @@ def set_fields(params: SamplingParams, allowed: Sequence[str]) -> list[str]:
             if field not in allowed and value != getattr(defaults, field)]
 
 
-class Peer(Protocol):
-    """Another engine on the target's model.
+class Peer:
+    """What every peer shares: an :class:`~exactspec.engines.Engine` that checks the
+    sampling parameters and serves requests one after another.
 
     Attributes:
-        label: how messages call it, e.g. ``transformers generate()``.
+        label: how messages call the engine, e.g. ``transformers generate()``.
+        name: how reports call it (default: its label).
         translates: the SamplingParams fields it honours; a call setting others is refused.
         comparable: the fields with which it samples from exactly the distribution exactspec
             does (see ``incomparable_reason`` for why not the others).
+        corpus, drafted, accepted, drafted_per_position, accepted_per_position: None (a
+            peer keeps no corpus and does not report its drafts).
     """
 
     label: str
     translates: tuple[str, ...]
     comparable: tuple[str, ...]
-    incomparable_reason: str
+    incomparable_reason = ""
+    corpus = None
+    drafted = accepted = drafted_per_position = accepted_per_position = None
 
-    def sample(self, prompt_ids: Sequence[int], params: SamplingParams,
-               num_samples: int) -> list[tuple[int, ...]]:
-        """``num_samples`` independent continuations, reproducible for ``params.seed``.
+    def __init__(self) -> None:
+        self.name = self.label
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 at_once: bool = False) -> list[Generation]:
+        """As :meth:`Engine.generate <exactspec.engines.Engine.generate>`: one request at a
+        time, each seeded as if alone; ``seconds`` is the wall time of its decoding.
 
         Raises:
             ValueError: if ``params`` sets a field outside ``translates``.
         """
-        ...
+        self._refuse_untranslated(params)
 
-    def sample_wave(self, prompts: Sequence[Sequence[int]],
-                    params: SamplingParams) -> tuple[list[list[int]], list[float]]:
-        """One continuation of each prompt, all submitted at once (the benchmark's
-        ``--concurrency``): the outputs, and each one's seconds from the start to its last
-        token.
+        def decode(prompt_ids: Sequence[int]) -> Generation:
+            start = time.perf_counter()
+            token_ids = self._samples(prompt_ids, params, 1)[0]
+            seconds = time.perf_counter() - start
+            return Generation(token_ids, seconds, seconds)
+        return one_after_another(decode, prompts)
+
+    def sample(self, prompt_ids: Sequence[int], params: SamplingParams,
+               num_samples: int) -> list[tuple[int, ...]]:
+        """As :meth:`Engine.sample <exactspec.engines.Engine.sample>`.
 
         Raises:
-            ValueError: as :meth:`sample`.
+            ValueError: if ``params`` sets a field outside ``comparable`` (naming the
+                values that would audit it) or outside ``translates``.
         """
-        ...
+        incomparable = [field for field in set_fields(params, self.comparable)
+                        if field in self.translates]
+        if incomparable:
+            defaults = SamplingParams()
+            reset = " ".join(f"--{field.replace('_', '-')} {getattr(defaults, field):g}"
+                             for field in incomparable)
+            raise ValueError(f"{self.label} is audited with {', '.join(self.comparable)} only "
+                             f"(it got {', '.join(incomparable)}): {self.incomparable_reason}; "
+                             f"audit it with {reset}")
+        self._refuse_untranslated(params)
+        return [tuple(token_ids) for token_ids in self._samples(prompt_ids, params, num_samples)]
+
+    def _samples(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 num_samples: int) -> list[list[int]]:
+        """``num_samples`` continuations of ``prompt_ids``, reproducible for ``params.seed``
+        (parameters already checked)."""
+        raise NotImplementedError
+
+    def _refuse_untranslated(self, params: SamplingParams) -> None:
+        untranslated = set_fields(params, self.translates)
+        if untranslated:
+            raise ValueError(f"{self.label} does not translate {', '.join(untranslated)}; it "
+                             f"supports {', '.join(self.translates)}")
 
 
-def one_after_another(decode: Callable[[Sequence[int]], Sequence[int]],
-                      prompts: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[float]]:
-    """A wave (:meth:`Peer.sample_wave`) served one request at a time by ``decode`` (prompt
-    → output): the outputs and each one's seconds from the start to its end."""
-    start, outputs, latencies = time.perf_counter(), [], []
-    for prompt_ids in prompts:
-        outputs.append(list(decode(prompt_ids)))
-        latencies.append(time.perf_counter() - start)
-    return outputs, latencies
-
-
-def _refuse_untranslated(peer: Peer, params: SamplingParams) -> None:
-    untranslated = set_fields(params, peer.translates)
-    if untranslated:
-        raise ValueError(f"{peer.label} does not translate {', '.join(untranslated)}; it "
-                         f"supports {', '.join(peer.translates)}")
-
-
-class TransformersPeer:
+class TransformersPeer(Peer):
     """transformers ``generate()`` on the target's own model object.
 
     Args:
@@ -117,37 +137,35 @@ class TransformersPeer:
 
     label = "transformers generate()"
     translates = comparable = ("temperature", "top_k", "top_p", "min_p", "seed", "max_new_tokens")
-    incomparable_reason = ""
 
     def __init__(self, target: Backend, generate_kwargs: dict | None = None) -> None:
-        from exactspec.backends.transformers_backend import TransformersBackend
-
-        if not isinstance(target, TransformersBackend):
+        if target.name != "transformers":
             raise ValueError(f"{self.label} needs the transformers backend (--backend transformers)")
+        super().__init__()
         self.target, self.generate_kwargs = target, dict(generate_kwargs or {})
 
-    def sample(self, prompt_ids: Sequence[int], params: SamplingParams,
-               num_samples: int) -> list[tuple[int, ...]]:
-        _refuse_untranslated(self, params)
-        if params.seed is not None:
-            torch.manual_seed(params.seed)
-        return [tuple(self._generate(prompt_ids, params)) for _ in range(num_samples)]
-
-    def sample_wave(self, prompts: Sequence[Sequence[int]],
-                    params: SamplingParams) -> tuple[list[list[int]], list[float]]:
-        """Plain ``generate()`` decodes the prompts as one left-padded batch; its assisted
-        modes refuse batches, so they serve one request at a time."""
-        if self.generate_kwargs:
-            return one_after_another(lambda ids: self.sample(ids, params, 1)[0], prompts)
-        _refuse_untranslated(self, params)
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 at_once: bool = False) -> list[Generation]:
+        """As :meth:`Peer.generate`; but plain ``generate()`` decodes requests submitted at
+        once as one left-padded batch (each one's seconds and latency: the batch's). Its
+        assisted modes refuse batches, so they serve one request at a time."""
+        if not at_once or self.generate_kwargs:
+            return super().generate(prompts, params)
+        self._refuse_untranslated(params)
         if params.seed is not None:
             torch.manual_seed(params.seed)
         start = time.perf_counter()
         outputs = self._generate_padded(prompts, params)
-        return outputs, [time.perf_counter() - start] * len(prompts)
+        seconds = time.perf_counter() - start
+        return [Generation(output, seconds, seconds) for output in outputs]
 
-    def _generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        return self._generate_padded([prompt_ids], params)[0]
+    def _samples(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 num_samples: int) -> list[list[int]]:
+        """One ``torch.manual_seed(params.seed)`` (where set), then one ``generate()`` a
+        sample."""
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        return [self._generate_padded([prompt_ids], params)[0] for _ in range(num_samples)]
 
     def _generate_padded(self, prompts: Sequence[Sequence[int]],
                          params: SamplingParams) -> list[list[int]]:
@@ -183,15 +201,13 @@ def transformers_generate_kwargs(drafter: DrafterSpec, k: int,
     Raises:
         ValueError: if the draft model does not load on the transformers backend.
     """
-    from exactspec.backends.transformers_backend import TransformersBackend
-
     if drafter.kind == "prompt-lookup":
         return {"prompt_lookup_num_tokens": k}
     if drafter.kind == "early-exit":
         return {"assistant_early_exit": drafter.layers, "num_assistant_tokens": k}
     if drafter.kind == "draft":
         draft = load_model(drafter.model)
-        if not isinstance(draft, TransformersBackend):
+        if draft.name != "transformers":
             raise ValueError(f"{TransformersPeer.label} needs the draft model {drafter.model!r} "
                              "on the transformers backend (--backend transformers)")
         # the assistant reads its draft length from its own generation config
@@ -200,7 +216,7 @@ def transformers_generate_kwargs(drafter: DrafterSpec, k: int,
     return {}
 
 
-class LlamaCppPeer:
+class LlamaCppPeer(Peer):
     """llama-cpp-python's own ``Llama.generate()`` on the target's GGUF file, with its
     ``LlamaPromptLookupDecoding`` draft (``num_pred_tokens`` = k) or none.
 
@@ -224,10 +240,9 @@ class LlamaCppPeer:
                            "different distribution by definition")
 
     def __init__(self, target: Backend, k: int = 0, *, share: bool = False) -> None:
-        from exactspec.backends.llama_cpp_backend import LlamaCppBackend
-
-        if not isinstance(target, LlamaCppBackend):
+        if target.name != "llama_cpp":
             raise ValueError(f"{self.label} needs the llama_cpp backend (--backend llama_cpp)")
+        super().__init__()
         if k:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -239,19 +254,15 @@ class LlamaCppPeer:
             self.llama = target.llama if share else target.new_llama()
         self.eos = set(target.eos_token_ids)
 
-    def sample(self, prompt_ids: Sequence[int], params: SamplingParams,
-               num_samples: int) -> list[tuple[int, ...]]:
-        _refuse_untranslated(self, params)
+    def _samples(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 num_samples: int) -> list[list[int]]:
+        """Sample i seeded with ``seed × 1000003 + i`` (a ``Llama`` holds one sequence, so
+        requests submitted at once are served one at a time too)."""
         samples = []
         for i in range(num_samples):
             self.llama.set_seed((params.seed or 0) * 1_000_003 + i)
-            samples.append(tuple(self._generate(prompt_ids, params)))
+            samples.append(self._generate(prompt_ids, params))
         return samples
-
-    def sample_wave(self, prompts: Sequence[Sequence[int]],
-                    params: SamplingParams) -> tuple[list[list[int]], list[float]]:
-        """One request at a time (a ``Llama`` holds one sequence)."""
-        return one_after_another(lambda ids: self.sample(ids, params, 1)[0], prompts)
 
     def _generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """From an empty cache, stopped after an EOS token or ``max_new_tokens`` tokens; no

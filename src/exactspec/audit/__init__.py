@@ -1,12 +1,15 @@
 """The exactness audit: does speculative decoding reproduce the target's distribution on a
-real model? See :mod:`exactspec.audit.runner` for the procedure."""
+real model? See :mod:`exactspec.audit.runner` for the procedure. Any
+:class:`~exactspec.engines.Engine` can be audited: exactspec (:class:`ExactspecEngine`, or
+:class:`BatchedEngine` for batched decoding, with any drafter or a broken control) and the
+peers of :mod:`exactspec.peers`."""
 
 from exactspec.audit.broken import BROKEN_VERIFIERS, BrokenGenerator
-from exactspec.audit.engines import BatchedEngine, EngineUnderTest, ExactspecEngine, PeerEngine
 from exactspec.audit.reference import next_token_probs
 from exactspec.audit.report import write_audit_report
 from exactspec.audit.runner import (AuditResult, audit_distribution, check_greedy, fit_prompt,
                                     verdict, verdict_line)
+from exactspec.engines import BatchedEngine, Engine, ExactspecEngine
 
 AUDIT_PROMPTS = (
     "red green blue red green blue red green blue red green",
@@ -18,6 +21,6 @@ AUDIT_PROMPTS = (
 """Default prompts: repetitive enough that prompt lookup drafts from the first token."""
 
 __all__ = ["AUDIT_PROMPTS", "AuditResult", "BROKEN_VERIFIERS", "BrokenGenerator",
-           "BatchedEngine", "EngineUnderTest", "ExactspecEngine", "PeerEngine", "audit_distribution",
+           "BatchedEngine", "Engine", "ExactspecEngine", "audit_distribution",
            "check_greedy", "fit_prompt", "next_token_probs", "verdict", "verdict_line",
            "write_audit_report"]

@@ -23,12 +23,12 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from exactspec.audit.engines import EngineUnderTest
 from exactspec.audit.reference import next_token_probs
 from exactspec.audit.stats import (Impossible, NodeFit, PositionFit, detectable_tv, fit_tree,
                                    holm)
 from exactspec.backends.base import Backend, forward_one, new_sequence_id
 from exactspec.engine import SpeculativeGenerator
+from exactspec.engines import Engine
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.sampling import SamplingParams
 
@@ -117,7 +117,7 @@ class AuditResult:
         return dataclasses.asdict(self)
 
 
-def check_greedy(target: Backend, engine: EngineUnderTest, prompts: Sequence[Sequence[int]],
+def check_greedy(target: Backend, engine: Engine, prompts: Sequence[Sequence[int]],
                  num_tokens: int) -> list[GreedyCheck]:
     """Compare the engine's greedy output with plain decoding on ``target``."""
     plain = SpeculativeGenerator(target, None)
@@ -147,7 +147,7 @@ def check_greedy(target: Backend, engine: EngineUnderTest, prompts: Sequence[Seq
     return checks
 
 
-def audit_distribution(target: Backend, engine: EngineUnderTest, prompts: Sequence[Sequence[int]],
+def audit_distribution(target: Backend, engine: Engine, prompts: Sequence[Sequence[int]],
                        params: SamplingParams, num_samples: int, alpha: float,
                        progress: Progress = lambda n: None, chunk: int = 50) -> EngineTest:
     """Sample ``num_samples`` continuations of ``params.max_new_tokens`` tokens per prompt
@@ -197,7 +197,7 @@ def decide(tests: Sequence[PromptTest], alpha: float) -> float:
     return level
 
 
-def _speculation_counts(engine: EngineUnderTest) -> list:
+def _speculation_counts(engine: Engine) -> list:
     return [copy.copy(getattr(engine, name)) for name in
             ("drafted", "accepted", "drafted_per_position", "accepted_per_position")]
 

@@ -14,33 +14,33 @@ A method is a drafter spec (grammar in :mod:`exactspec.proposers.spec`) with ``:
 
 ``k`` defaults to 4 (10 for a peer's prompt lookup), ``policy`` to constant (fixed k).
 Peers (see :mod:`exactspec.peers`) run on the same model file, prompts and max_new_tokens
-(``hf-*`` on the same model object).
+(``hf-*`` on the same model object). Every method decodes with an
+:class:`~exactspec.engines.Engine`, exactspec's or a peer's, the one the audit tests.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from exactspec.backends.base import Backend
-from exactspec.batching import BatchedGenerator
 from exactspec.engine import SpeculativeGenerator
-from exactspec.peers import (DEFAULT_PROMPT_LOOKUP_K, PEERS, is_peer, make_peer,
-                             one_after_another)
+from exactspec.engines import Engine, ExactspecEngine
+from exactspec.peers import DEFAULT_PROMPT_LOOKUP_K, PEERS, is_peer, make_peer
 from exactspec.proposers.spec import DrafterSpec, build_proposer, parse_drafter
-from exactspec.proposers.suffix import SuffixProposer
 from exactspec.sampling import SamplingParams
 
-__all__ = ["Method", "Outcome", "is_peer", "parse_method", "parse_method_spec"]
+__all__ = ["Method", "Outcome", "WaveOutcome", "is_peer", "parse_method", "parse_method_spec"]
 
 DEFAULT_K = 4
 
 
 @dataclass
 class Outcome:
-    """One generation: tokens, wall seconds, and exactspec's stats (None for peers)."""
+    """One generation: tokens, its seconds (:attr:`Generation.seconds
+    <exactspec.engines.Generation.seconds>`), and exactspec's stats (None for peers)."""
 
     token_ids: list[int]
     seconds: float
@@ -57,51 +57,73 @@ class WaveOutcome(NamedTuple):
     prefill_seconds: float | None = None
 
 
-Wave = Callable[[list[list[int]], SamplingParams], WaveOutcome]
-"""Decode several prompts submitted at once."""
-
-
 @dataclass
 class Method:
-    """A named way to decode; ``run(prompt_ids, params, question_id)`` → :class:`Outcome`
-    (``question_id`` None for a warm-up); ``run_wave(prompts, params)`` decodes several
-    requests submitted at once (:data:`Wave`; batched for exactspec and ``hf-plain``, one
-    after another for the other peers). ``kind`` is ``plain``, ``prompt-lookup``,
-    ``suffix``, ``draft``, ``early-exit``, or one of them with its peer prefix
-    (``hf-assistant`` for a transformers draft model). ``notes``: how the method was kept
-    honest, for the report (e.g. what its corpus held)."""
+    """A named way to decode: an :class:`~exactspec.engines.Engine` (exactspec with a
+    drafter, or a peer) as the benchmark runs it.
+
+    Attributes:
+        name: the method spec, e.g. ``prompt-lookup:k=4``.
+        kind: ``plain``, ``prompt-lookup``, ``suffix``, ``draft``, ``early-exit``, or one of
+            them with its peer prefix (``hf-assistant`` for a transformers draft model).
+        k: most tokens drafted per cycle (0: plain decoding).
+        engine: what decodes.
+        notes: how the method was kept honest, for the report (e.g. what its corpus held).
+    """
 
     name: str
     kind: str
     k: int
-    run: Callable[[list[int], SamplingParams, int | None], Outcome]
-    run_wave: Wave | None = None  # None: one ``run`` after another
+    engine: Engine
     notes: str | None = None
+    _earlier: dict[int, list[int]] = field(default_factory=dict, init=False, repr=False)
+    """Question id → its first output, in run order (what a corpus may hold)."""
 
-    def wave(self, prompts: list[list[int]], params: SamplingParams) -> WaveOutcome:
-        """:data:`Wave`: ``run_wave``, or each prompt's ``run`` one after another."""
-        if self.run_wave is not None:
-            return self.run_wave(prompts, params)
-        return one_run_after_another(self.run, prompts, params)
+    def run(self, prompt_ids: Sequence[int], params: SamplingParams,
+            question_id: int | None = None) -> Outcome:
+        """Decode one question alone. An engine's corpus holds only the outputs of the
+        other questions run before (never this one's; none for a warm-up,
+        ``question_id`` None) and is cleared after.
+
+        Raises:
+            ValueError: as :meth:`Engine.generate <exactspec.engines.Engine.generate>`.
+        """
+        corpus = self.engine.corpus
+        if corpus is not None:  # only other questions' outputs, never this one's
+            corpus.clear()
+            for other, output in self._earlier.items():
+                if other != question_id:
+                    corpus.add(output)
+        generation = self.engine.generate([prompt_ids], params)[0]
+        if corpus is not None:
+            corpus.clear()  # the engine added this output: it must not be seen again
+            if question_id is not None:
+                self._earlier.setdefault(question_id, generation.token_ids)
+        return Outcome(generation.token_ids, generation.seconds, generation.stats)
+
+    def wave(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> WaveOutcome:
+        """Decode several questions submitted at once (``--concurrency``); an engine's
+        corpus is emptied before and after, so it holds only the outputs of the wave's
+        other questions that finished earlier. The prefill seconds are the engine's own
+        when it reports them for every request (exactspec's stats), else None.
+
+        Raises:
+            ValueError: as :meth:`Engine.generate <exactspec.engines.Engine.generate>`.
+        """
+        corpus = self.engine.corpus
+        if corpus is not None:
+            corpus.clear()
+        generations = self.engine.generate(prompts, params, at_once=True)
+        if corpus is not None:
+            corpus.clear()
+        reported = all(g.stats is not None for g in generations)
+        return WaveOutcome([g.token_ids for g in generations], [g.latency for g in generations],
+                           sum(g.stats["prefill_seconds"] for g in generations)
+                           if reported else None)
 
     @property
     def is_peer(self) -> bool:
         return is_peer(self.name)
-
-
-def one_run_after_another(run: Callable[..., Outcome], prompts: list[list[int]],
-                          params: SamplingParams) -> WaveOutcome:
-    """A wave served by ``run`` one request at a time; the prefill seconds are the runs'
-    own when every run reports them (exactspec's stats), else None."""
-    outcomes: list[Outcome] = []
-
-    def decode(ids):
-        outcomes.append(run(list(ids), params))
-        return outcomes[-1].token_ids
-    outputs, latencies = one_after_another(decode, prompts)
-    reported = all(o.stats is not None for o in outcomes)
-    return WaveOutcome(outputs, latencies, sum(o.stats["prefill_seconds"] for o in outcomes)
-                       if reported else None)
 
 
 def parse_method_spec(spec: str) -> DrafterSpec:
@@ -111,8 +133,6 @@ def parse_method_spec(spec: str) -> DrafterSpec:
     Raises:
         ValueError: ``method {spec!r} is invalid: …``, naming the allowed forms or the bad value.
     """
-    import dataclasses
-
     drafter = parse_drafter(spec, what="method", options=("k", "policy"), peers=PEERS)
     default_k = (DEFAULT_PROMPT_LOOKUP_K if drafter.peer and drafter.kind == "prompt-lookup"
                  else DEFAULT_K)
@@ -135,56 +155,16 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
     k = drafter.k if drafter.drafts else 0
     if drafter.peer:
         try:
-            peer = make_peer(drafter, target, load_model, k, share=True)
+            engine = make_peer(drafter, target, load_model, k, share=True)
         except ValueError as error:
             raise ValueError(f"method {spec!r}: {error}") from None
-
-        def run_peer(prompt_ids: list[int], params: SamplingParams,
-                     question_id: int | None = None) -> Outcome:
-            start = time.perf_counter()
-            token_ids = list(peer.sample(prompt_ids, params, 1)[0])
-            return Outcome(token_ids, time.perf_counter() - start, None)
-
-        return Method(spec, kind, k, run_peer,
-                      lambda prompts, params: WaveOutcome(*peer.sample_wave(prompts, params)))
-    proposer = build_proposer(drafter, target, load_model)
-    generator = SpeculativeGenerator(target, proposer, k, drafter.policy,
-                                     allow_batch_variance=allow_batch_variance)
-    corpus = proposer.corpus if isinstance(proposer, SuffixProposer) else None
-    earlier: dict[int, list[int]] = {}  # question id → its first output, in run order
-
-    def run(prompt_ids: list[int], params: SamplingParams,
-            question_id: int | None = None) -> Outcome:
-        if corpus is not None:  # only other questions' outputs, never this one's
-            corpus.clear()
-            for other, output in earlier.items():
-                if other != question_id:
-                    corpus.add(output)
-        result = generator.generate(prompt_ids, params)
-        if corpus is not None:
-            corpus.clear()  # the engine added this output: it must not be seen again
-            if question_id is not None:
-                earlier.setdefault(question_id, result.token_ids)
-        return Outcome(result.token_ids, result.stats.total_seconds, result.stats.to_dict())
-
-    batched: dict[int, BatchedGenerator] = {}  # by wave size
-
-    def run_wave(prompts: list[list[int]], params: SamplingParams) -> WaveOutcome:
-        if proposer is not None and not proposer.batchable:  # one draft cache: one by one
-            return one_run_after_another(run, prompts, params)
-        if len(prompts) not in batched:
-            batched[len(prompts)] = BatchedGenerator(generator, len(prompts))
-        if corpus is not None:  # only the wave's other questions, finished before
-            corpus.clear()
-        results = batched[len(prompts)].generate(prompts, params)
-        if corpus is not None:
-            corpus.clear()
-        return WaveOutcome([r.token_ids for r in results],
-                           [r.stats.total_seconds for r in results],
-                           sum(r.stats.prefill_seconds for r in results))
-    notes = None if corpus is None else (
+        return Method(spec, kind, k, engine)
+    engine = ExactspecEngine(SpeculativeGenerator(
+        target, build_proposer(drafter, target, load_model), k, drafter.policy,
+        allow_batch_variance=allow_batch_variance), spec)
+    notes = None if engine.corpus is None else (
         "suffix corpus: refilled before every run with the outputs of the questions run "
         "before this one (never its own; the warm-up's is dropped), and cleared after it; "
         "under --concurrency emptied before each wave, so it holds only the outputs of the "
         "wave's other questions that finished earlier")
-    return Method(spec, kind, k, run, run_wave, notes)
+    return Method(spec, kind, k, engine, notes)

@@ -102,8 +102,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from exactspec import SamplingParams, SpeculativeGenerator
     from exactspec.audit import (AUDIT_PROMPTS, AuditResult, BatchedEngine, BrokenGenerator,
-                                 ExactspecEngine, PeerEngine, audit_distribution, check_greedy,
-                                 verdict, verdict_line, write_audit_report)
+                                 ExactspecEngine, audit_distribution, check_greedy, verdict,
+                                 verdict_line, write_audit_report)
     from exactspec.batching import BatchedGenerator
     from exactspec.backends.base import UnsupportedModelError
     from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
@@ -165,8 +165,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 target, proposer, k, args.policy, allow_batch_variance=allows_batch_variance(args)),
                                f"exactspec {args.proposer} k={k} {args.policy}")
         else:
-            peer = make_peer(dataclasses.replace(drafter, peer=PEER[args.engine]), target, load, k)
-            engine = PeerEngine(peer, f"{peer.label} {args.proposer} k={k}")
+            engine = make_peer(dataclasses.replace(drafter, peer=PEER[args.engine]), target,
+                               load, k)
+            engine.name = f"{engine.label} {args.proposer} k={k}"
         control = None
         if args.broken != "none" and proposer is not None:
             control = as_engine(BrokenGenerator(

@@ -107,7 +107,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from rich.markup import escape
 
     from exactspec import SamplingParams
-    from exactspec.backends.llama_cpp_backend import LlamaCppBackend, LlamaCppNotInstalledError
+    from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
     from exactspec.bench import load_questions, parse_method, run_bench, write_report
     from exactspec.bench.methods import is_peer, parse_method_spec
     from exactspec.bench.report import UNSTABLE_HEADLINE, verdict_line
@@ -130,11 +130,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         with console.status(f"Loading {args.model} …"):
             target = load_from_args(args)
             load = lambda name: load_from_args(args, name)
-            backend = "llama_cpp" if isinstance(target, LlamaCppBackend) else "transformers"
             defaults = (CONCURRENCY_METHODS if args.concurrency else DEFAULT_BENCH_METHODS)
             methods = [parse_method(spec, target, load,
                                     allow_batch_variance=allows_batch_variance(args))
-                       for spec in args.method or defaults[backend]]
+                       for spec in args.method or defaults[target.name]]
         config = {"model": args.model, "backend": target.description, "device": str(target.device),
                   "questions": str(args.questions or "exactspec prompts.jsonl"),
                   "groups": args.category or "all", "per_category": args.per_category,

@@ -15,7 +15,7 @@ import copy
 
 from torch import nn
 
-from exactspec.backends.base import UnsupportedModelError
+from exactspec.backends.base import Backend, UnsupportedModelError
 from exactspec.backends.transformers_backend import TransformersBackend
 from exactspec.proposers.draft_model import DraftModelProposer
 
@@ -64,8 +64,8 @@ class EarlyExitProposer(DraftModelProposer):
         ValueError, UnsupportedModelError: see :func:`early_exit_model`.
     """
 
-    def __init__(self, target: TransformersBackend, num_layers: int) -> None:
-        if not isinstance(target, TransformersBackend):
+    def __init__(self, target: Backend, num_layers: int) -> None:
+        if target.name != "transformers":
             raise UnsupportedModelError("early-exit drafting needs the transformers backend "
                                         "(--backend transformers)")
         draft = TransformersBackend(early_exit_model(target.model, num_layers), target.tokenizer,
