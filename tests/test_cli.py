@@ -5,7 +5,7 @@ import json
 import pytest
 
 from exactspec import cli
-from exactspec.models import EMBEDDED_MODELS, ModelNotFoundError
+from exactspec.model_files import EMBEDDED_MODELS, ModelNotFoundError
 
 
 def run(capsys, *args):

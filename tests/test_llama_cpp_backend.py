@@ -11,7 +11,8 @@ import pytest
 from exactspec import SamplingParams, SpeculativeGenerator, PromptLookupProposer
 from exactspec.backends.llama_cpp_backend import (LlamaCppBackend, LlamaCppNotInstalledError,
                                                   import_llama_cpp)
-from exactspec.models import DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotFoundError, choose_backend
+from exactspec.model_files import DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotFoundError
+from exactspec.models import choose_backend
 
 from conftest import ALPHABET, tiny_model, one
 
@@ -250,7 +251,7 @@ def test_weights_converted_to_another_type_decode_exactly(tmp_path, monkeypatch,
     import torch
 
     from exactspec import PromptLookupProposer, SamplingParams, SpeculativeGenerator
-    from exactspec.backends.gguf_types import converted_gguf
+    from exactspec.model_files import converted_gguf
     from tiny_gguf import write_tiny_gguf
 
     monkeypatch.setenv("EXACTSPEC_CACHE_DIR", str(tmp_path / "cache"))

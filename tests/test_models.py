@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from exactspec.backends.transformers_backend import converted_gguf_folder
-from exactspec.models import ModelNotFoundError, check_model_path, layer_count
+from exactspec.model_files import converted_gguf_folder
+from exactspec.model_files import ModelNotFoundError, check_model_path, layer_count
 
 from conftest import tiny_model
 

@@ -10,7 +10,7 @@ import torch
 
 from conftest import one
 from exactspec import PromptLookupProposer, SamplingParams, SpeculativeGenerator, cli
-from exactspec.models import DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotFoundError
+from exactspec.model_files import DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotFoundError
 
 pytestmark = pytest.mark.real_model
 

@@ -14,7 +14,8 @@ from exactspec.backends import Backend, LlamaCppBackend, TransformersBackend, Un
 from exactspec.batching import BatchedGenerator
 from exactspec.engine import GenerationResult, SpeculativeGenerator
 from exactspec.metrics import GenerationStats
-from exactspec.models import DEFAULT_MODEL, ModelNotFoundError, load_model
+from exactspec.model_files import DEFAULT_MODEL, ModelNotFoundError
+from exactspec.models import load_model
 from exactspec.proposers import (DraftModelProposer, EarlyExitProposer, PromptLookupProposer,
                                  Proposal, Proposer, SuffixCorpus, SuffixProposer)
 from exactspec.sampling import SamplingParams

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass
 from typing import Literal
 

@@ -41,7 +41,7 @@ import torch
 from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, chat_messages,
                                      check_batch_invariance, check_context,
                                      check_sequence_invariance)
-from exactspec.models import gguf_architecture_value
+from exactspec.model_files import gguf_architecture_value
 
 INSTALL_HINT = ("CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --no-cache-dir "
                 "'llama-cpp-python==0.3.36'")
@@ -79,7 +79,7 @@ def default_threads() -> int:
     """Half the CPU cores this process may use, at least 1 (llama-cpp-python's own default,
     over the cores this process may use). Not all of them: llama.cpp's threads wait for
     each other many times per token, so when another process takes a core one of them
-    waits for it, and decoding collapses (figures: README, "Choosing --threads")."""
+    waits for it, and decoding collapses (figures: docs/backends.md, "Choosing --threads")."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) // 2)
 
@@ -225,7 +225,7 @@ class LlamaCppBackend:
                 context, at most :data:`DEFAULT_CONTEXT_LENGTH`).
             weight_type: run the file's weights converted to this GGUF type (``F32``,
                 ``BF16``, ``F16``, ``Q8_0``; converted once and cached, see
-                :mod:`~exactspec.backends.gguf_types`), None: as the file has them.
+                :func:`~exactspec.model_files.converted_gguf`), None: as the file has them.
         Raises:
             LlamaCppNotInstalledError: if llama-cpp-python is not installed.
             FileNotFoundError: if ``path`` does not exist.
@@ -251,7 +251,7 @@ class LlamaCppBackend:
             raise ValueError(f"context_length = {context_length} is invalid: {path.name}'s "
                              f"context holds {trained} tokens")
         if weight_type is not None:
-            from exactspec.backends.gguf_types import converted_gguf
+            from exactspec.model_files import converted_gguf
 
             path = converted_gguf(path, weight_type)
         backend = cls(new_llama(path, threads=threads or default_threads(),

@@ -11,15 +11,9 @@ bit for bit as plain decoding does.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-
-import contextlib
-import functools
-import logging
-import os
-import shutil
-import tempfile
 
 import torch
 
@@ -30,9 +24,8 @@ from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, 
 from exactspec.backends.batch_invariant import (KERNELS, PackedSequences, kernel_mode,
                                                  native_kernels_apply, packed_sequences,
                                                  use_exactspec_kernels)
+from exactspec.model_files import check_model_folder, converted_gguf_folder
 from exactspec.threads import ThreadChooser, torch_threads
-
-logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """dtype names accepted by :meth:`TransformersBackend.load`."""
@@ -186,8 +179,6 @@ class TransformersBackend:
         if path.suffix == ".gguf":
             path = converted_gguf_folder(path)
         elif path.is_dir():
-            from exactspec.models import check_model_folder
-
             check_model_folder(path)
         hf_logging.disable_progress_bar()  # callers show their own progress indicator
         try:
@@ -294,90 +285,6 @@ class TransformersBackend:
     def _tensor(self, token_ids: Sequence[int]) -> torch.Tensor:
         """``[1, len(token_ids)]`` long tensor on the model's device."""
         return torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
-
-
-def cache_root() -> Path:
-    """Where exactspec keeps converted models: ``$EXACTSPEC_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/exactspec``, else ``~/.cache/exactspec``."""
-    if os.environ.get("EXACTSPEC_CACHE_DIR"):
-        return Path(os.environ["EXACTSPEC_CACHE_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "exactspec"
-
-
-def converted_gguf_folder(gguf_path: Path) -> Path:
-    """A Hugging Face model folder (float32 safetensors, tokenizer, chat template) holding
-    ``gguf_path`` as transformers dequantises it, converted once on first use (slow) and
-    reused afterwards (fast). The folder's name keys on
-    the file's name, size and modification time and on the transformers version, so a
-    changed file or converter gives a new folder. The weights are bit-identical to loading
-    the GGUF file directly. If the cache cannot be written, the GGUF file is converted in a
-    temporary folder each time. A failed or interrupted conversion leaves no folder behind.
-
-    Raises:
-        ValueError: if ``gguf_path`` does not start with the GGUF magic bytes (checked first).
-    """
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from exactspec.models import check_gguf_file
-
-    check_gguf_file(gguf_path)
-    stat = gguf_path.stat()
-    key = f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers{transformers.__version__}"
-    folder = cache_root() / "converted" / key
-    if (folder / "config.json").is_file():
-        return folder
-    logger.info("Converting %s to a float32 model folder, once (≈ 15 s for the embedded model "
-                "on 2 idle cores); kept in %s", gguf_path.name, folder)
-    with _quiet_gguf_reader():
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                     dtype=torch.float32)
-    # The weights are plain float32 tensors now; drop the GGUF marker so they can be saved.
-    model.hf_quantizer = None
-    del model.config.quantization_config
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".partial-"))
-    except OSError:  # cache not writable: convert into a temporary folder every time
-        staging = Path(tempfile.mkdtemp(prefix="exactspec-converted-"))
-    try:
-        with _quiet_gguf_reader():
-            model.save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-        if staging.parent != folder.parent:
-            return staging
-        try:
-            staging.rename(folder)  # atomic: a reader never sees a half-written folder
-        except OSError:  # another process converted it first
-            if not (folder / "config.json").is_file():
-                raise
-    except BaseException:  # failed or interrupted (Ctrl-C): leave nothing behind
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    shutil.rmtree(staging, ignore_errors=True)  # still there if another process was first
-    return folder
-
-
-@contextlib.contextmanager
-def _quiet_gguf_reader():
-    """Silence the progress bar of transformers' GGUF reader (callers show their own)."""
-    from functools import partial
-
-    import transformers.modeling_gguf_pytorch_utils as gguf_utils
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    original = getattr(gguf_utils, "tqdm", None)
-    if original is not None:
-        gguf_utils.tqdm = partial(original, disable=True)
-    try:
-        yield
-    finally:
-        if original is not None:
-            gguf_utils.tqdm = original
-        hf_logging.enable_progress_bar()
 
 
 def _check_rollback(model, cache) -> None:

@@ -31,6 +31,7 @@ from exactspec.engines import Engine, ExactspecEngine
 from exactspec.peers import DEFAULT_PROMPT_LOOKUP_K, PEERS, is_peer, make_peer
 from exactspec.proposers.spec import DrafterSpec, build_proposer, parse_drafter
 from exactspec.sampling import SamplingParams
+from exactspec.speculation_length import POLICIES
 
 __all__ = ["Method", "Outcome", "WaveOutcome", "is_peer", "parse_method", "parse_method_spec"]
 
@@ -134,6 +135,9 @@ def parse_method_spec(spec: str) -> DrafterSpec:
         ValueError: ``method {spec!r} is invalid: …``, naming the allowed forms or the bad value.
     """
     drafter = parse_drafter(spec, what="method", options=("k", "policy"), peers=PEERS)
+    if drafter.policy is not None and drafter.policy not in POLICIES:
+        raise ValueError(f"method {spec!r} is invalid: policy {drafter.policy!r} is not one of "
+                         f"{', '.join(POLICIES)}")
     default_k = (DEFAULT_PROMPT_LOOKUP_K if drafter.peer and drafter.kind == "prompt-lookup"
                  else DEFAULT_K)
     return dataclasses.replace(drafter, k=drafter.k if drafter.k is not None else default_k,

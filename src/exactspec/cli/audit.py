@@ -107,7 +107,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from exactspec.batching import BatchedGenerator
     from exactspec.backends.base import UnsupportedModelError
     from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
-    from exactspec.models import ModelNotFoundError
+    from exactspec.model_files import ModelNotFoundError
     from exactspec.peers import check_peer_runs, make_peer
     from exactspec.progress import LoggedProgress
     from exactspec.proposers.spec import build_proposer, parse_drafter

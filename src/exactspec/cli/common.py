@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 from exactspec.backends.batch_invariant import KERNELS
-from exactspec.backends.gguf_types import WEIGHT_TYPES
-from exactspec.models import BACKENDS, DEFAULT_MODEL, EMBEDDED_MODELS
+from exactspec.model_files import WEIGHT_TYPES
+from exactspec.model_files import DEFAULT_MODEL, EMBEDDED_MODELS
+from exactspec.models import BACKENDS
 
 DEFAULT_K = 4
 EXIT_UNSTABLE = 3
@@ -142,14 +143,15 @@ def positive_int(text: str) -> int:
 def check_models_before_loading(args: argparse.Namespace, drafts: dict[str, str]) -> str:
     """What can be checked without loading a model, in a moment: ``--model`` and each of
     ``drafts`` (flag → model name or path) exist and look like a model (see
-    :func:`~exactspec.models.check_model_path`), and the model options fit the target.
+    :func:`~exactspec.model_files.check_model_path`), and the model options fit the target.
 
     Returns:
         the target's backend, ``transformers`` or ``llama_cpp``.
     Raises:
         ModelNotFoundError, ValueError: naming the flag and the bad value.
     """
-    from exactspec.models import check_model_path, choose_backend, context_length
+    from exactspec.model_files import check_model_path, context_length
+    from exactspec.models import choose_backend
 
     for flag, name in {"--model": args.model, **drafts}.items():
         try:
@@ -178,7 +180,7 @@ def check_drafter_before_loading(args: argparse.Namespace, parser: argparse.Argu
         ModelNotFoundError, ValueError: naming the flag and the bad value; bad layer counts
         exit through ``parser.error``.
     """
-    from exactspec.models import layer_count, resolve_model_path
+    from exactspec.model_files import layer_count, resolve_model_path
 
     backend = check_models_before_loading(args, {flag: drafter.model} if drafter.model else {})
     if drafter.kind == "early-exit":

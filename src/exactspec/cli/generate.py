@@ -120,7 +120,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from exactspec.files import readable_json
     from exactspec.backends.llama_cpp_backend import (LlamaCppNotInstalledError,
                                                       slow_decoding_warning)
-    from exactspec.models import ModelNotFoundError
+    from exactspec.model_files import ModelNotFoundError
     from exactspec.proposers.spec import build_proposer
 
     try:

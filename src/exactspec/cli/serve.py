@@ -79,7 +79,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from exactspec import UnsupportedModelError
     from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
-    from exactspec.models import ModelNotFoundError
+    from exactspec.model_files import ModelNotFoundError
     from exactspec.proposers.spec import build_proposer
 
     if args.num_speculative_tokens < 0:

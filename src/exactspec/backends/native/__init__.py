@@ -176,7 +176,7 @@ def _build_and_load() -> NativeKernels | None:
 
 def _compile() -> Path:
     """The shared library for this source, compiled into the cache if absent."""
-    from exactspec.backends.transformers_backend import cache_root
+    from exactspec.model_files import cache_root
 
     source = SOURCE.read_bytes()
     gomp = _torch_libgomp()

