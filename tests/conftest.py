@@ -1,5 +1,5 @@
 """Shared fixtures: tiny randomly initialised models built from a config in code, a
-character tokenizer, and simple proposers used as drafters in the tests."""
+character tokenizer, and simple proposers used as proposers in the tests."""
 
 from __future__ import annotations
 

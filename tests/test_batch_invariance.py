@@ -16,7 +16,7 @@ from conftest import CharTokenizer, tiny_model, one
 PROMPT = "the cat sat on the mat"
 
 
-class FixedDrafter(Proposer):
+class FixedProposer(Proposer):
     """Drafts ``k`` copies of one token: every cycle scores a block of k + 1 tokens."""
 
     def propose(self, token_ids, k, pipeline, rng, min_confidence=0.0):
@@ -176,7 +176,7 @@ def test_near_tie_flips_on_the_fast_kernels_and_never_on_the_batch_invariant_one
     bias = float((single[best] - single[rival] + block[best] - block[rival]) / 2)
     params = SamplingParams(temperature=0, max_new_tokens=k + 1, logit_bias={rival: bias})
     plain = SpeculativeGenerator(target, None).generate(PROMPT, params).token_ids
-    speculative = SpeculativeGenerator(target, FixedDrafter(), k, "constant",
+    speculative = SpeculativeGenerator(target, FixedProposer(), k, "constant",
                                        allow_batch_variance=True).generate(PROMPT, params)
     assert plain[0] == best and speculative.token_ids[0] == rival  # the old path flips
 
@@ -190,7 +190,7 @@ def test_near_tie_flips_on_the_fast_kernels_and_never_on_the_batch_invariant_one
             params = SamplingParams(temperature=0, max_new_tokens=2 * k + 2,
                                     logit_bias={rival: bias})
             plain = SpeculativeGenerator(target, None).generate(PROMPT, params).token_ids
-            speculative = SpeculativeGenerator(target, FixedDrafter(), k, "constant")
+            speculative = SpeculativeGenerator(target, FixedProposer(), k, "constant")
             assert speculative.generate(PROMPT, params).token_ids == plain
 
 
@@ -208,9 +208,9 @@ def test_a_backend_that_is_not_batch_invariant_is_refused_unless_allowed():
                        match=r"transformers float32 cpu, fast kernels\) scores a block of tokens "
                              r"differently .* speculation is refused\. These are the fast kernels: "
                              r"load the model with kernels='batch-invariant'"):
-        SpeculativeGenerator(target, FixedDrafter(), 4)
+        SpeculativeGenerator(target, FixedProposer(), 4)
     SpeculativeGenerator(target, None)  # plain decoding needs no invariance
-    SpeculativeGenerator(target, FixedDrafter(), 4, allow_batch_variance=True)
+    SpeculativeGenerator(target, FixedProposer(), 4, allow_batch_variance=True)
     with pytest.raises(ValueError, match="kernels 'quick' is invalid: choose one of "
                                          "batch-invariant, fast"):
         TransformersBackend(tiny_model(0), CharTokenizer(), kernels="quick")

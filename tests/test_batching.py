@@ -25,7 +25,7 @@ PROMPTS = [[1, 5, 9, 3, 1, 5, 9], [2, 7], [4, 4, 4, 8, 1, 2, 3, 4, 4], [3] * 5,
            [9, 8, 7, 9, 8, 7, 9, 8], [6, 1, 6, 1, 6]]
 
 
-def drafters():
+def proposers():
     return {"none": None, "prompt-lookup": PromptLookupProposer(1, 3), "suffix": SuffixProposer()}
 
 
@@ -140,12 +140,12 @@ def test_a_short_prompt_arriving_during_a_long_prefill_is_not_blocked_behind_it(
 
 
 @pytest.mark.parametrize("policy", ["constant", "auto"])
-@pytest.mark.parametrize("drafter", ["none", "prompt-lookup", "suffix"])
-def test_greedy_rows_equal_decoding_them_alone(drafter, policy, make_backend):
+@pytest.mark.parametrize("proposer", ["none", "prompt-lookup", "suffix"])
+def test_greedy_rows_equal_decoding_them_alone(proposer_name, policy, make_backend):
     """Six requests of different prompts and lengths, three at a time (rows join as others
     finish), equal plain decoding of each alone; the same request in another batch too."""
     target = make_backend(0)
-    generator = SpeculativeGenerator(target, drafters()[drafter], 4, policy)
+    generator = SpeculativeGenerator(target, proposers()[proposer_name], 4, policy)
     params = [SamplingParams(max_new_tokens=10 + 7 * i) for i in range(len(PROMPTS))]
     batched = BatchedGenerator(generator, max_batch_size=3)
     results = batched.generate(PROMPTS, params)
@@ -154,7 +154,7 @@ def test_greedy_rows_equal_decoding_them_alone(drafter, policy, make_backend):
     assert [r.token_ids for r in results] == expected
     assert [len(r.token_ids) for r in results] == [p.max_new_tokens for p in params]
     assert batched.num_active == batched.num_waiting == 0
-    if drafter != "none" and policy == "constant":  # under auto, drafting follows timings
+    if proposer_name != "none" and policy == "constant":  # under auto, drafting follows timings
         assert sum(r.stats.accepted_tokens for r in results) > 0
     other = BatchedGenerator(generator, max_batch_size=2).generate(PROMPTS[::-1], params[::-1])
     assert [r.token_ids for r in other] == expected[::-1]
@@ -190,7 +190,7 @@ def test_rows_keep_their_own_parameters_stops_and_logprobs(policy):
     prompts = [*PROMPTS[:4], PROMPTS[0], PROMPTS[4]]
     results = BatchedGenerator(generator, 6).generate(prompts, params)
     for prompt, p, result in zip(prompts, params, results):
-        alone = generator.generate(prompt, p)  # the same drafter and k: the same draws
+        alone = generator.generate(prompt, p)  # the same proposer and k: the same draws
         if p.greedy:
             assert alone.token_ids == plain.generate(prompt, p).token_ids
         assert result.token_ids == alone.token_ids

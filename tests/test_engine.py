@@ -37,10 +37,10 @@ def check_stats(result, k):
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("drafter", ["random", "prompt_lookup", "suffix", "identical_model",
+@pytest.mark.parametrize("proposer", ["random", "prompt_lookup", "suffix", "identical_model",
                                      "other_model"])
 @pytest.mark.parametrize("prompt", [REPEATED, "a"])
-def test_greedy_identity(seed, k, drafter, prompt, make_backend):
+def test_greedy_identity(seed, k, proposer_name, prompt, make_backend):
     target = make_backend(seed)
     params = SamplingParams(max_new_tokens=40)
     proposer = {
@@ -49,19 +49,19 @@ def test_greedy_identity(seed, k, drafter, prompt, make_backend):
         "suffix": lambda: SuffixProposer(1, 8, 0.0),
         "identical_model": lambda: DraftModelProposer(make_backend(same_as=target), target),
         "other_model": lambda: DraftModelProposer(make_backend(seed + 100), target),
-    }[drafter]()
+    }[proposer_name]()
     expected = plain(target, prompt, params)
     result = SpeculativeGenerator(target, proposer, k).generate(prompt, params)
     assert result.token_ids == expected.token_ids
     assert result.text == expected.text and result.finish_reason == expected.finish_reason
     check_stats(result, k)
-    if drafter == "identical_model":
+    if proposer_name == "identical_model":
         assert result.stats.acceptance_rate == 1.0
-    if drafter == "random":
-        assert result.stats.acceptance_rate < 0.5  # a drafter that is mostly wrong
+    if proposer_name == "random":
+        assert result.stats.acceptance_rate < 0.5  # a proposer that is mostly wrong
 
 
-def test_rollback_counting_prompt_with_an_often_wrong_drafter(make_backend):
+def test_rollback_counting_prompt_with_an_often_wrong_proposer(make_backend):
     target = make_backend(7)
     params = SamplingParams(max_new_tokens=60)
     expected = plain(target, COUNTING, params)

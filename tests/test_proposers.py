@@ -85,9 +85,9 @@ def test_draft_cache_follows_the_context():
         fresh.propose([1, 2, 3, 9, 9, 4], 3, pipe(GREEDY), G).token_ids
 
 
-def suffix(context, k, min_probability=0.1, min_confidence=0.0, proposer=None):
-    proposer = proposer or SuffixProposer(1, 8, min_probability)
-    return proposer.propose(context, k, pipe(GREEDY), G, min_confidence).token_ids
+def suffix(context, k, min_confidence=0.1, policy_min_confidence=0.0, proposer=None):
+    proposer = proposer or SuffixProposer(1, 8, min_confidence)
+    return proposer.propose(context, k, pipe(GREEDY), G, policy_min_confidence).token_ids
 
 
 def test_suffix_drafts_the_continuation_of_the_longest_earlier_match_while_likely():
@@ -105,11 +105,11 @@ def test_suffix_takes_the_most_frequent_continuation_and_stops_when_unlikely():
     # after 1: 5 twice, 6 once (score 2/3 · 1/2); after 1, 5: 1 twice (score 1 · 2/3);
     # after 1, 5, 1: 5 and 6 once each (score 1/2 · 3/4): the product 0.083 < 0.1 stops it
     assert suffix(context, 4) == [5, 1]
-    assert suffix(context, 4, min_probability=0.0)[:3] == [5, 1, 6]  # a tie: the most recent
-    assert suffix(context, 4, min_confidence=0.3) == [5]  # the confidence policy's threshold
-    with pytest.raises(ValueError, match="min_probability"):
+    assert suffix(context, 4, min_confidence=0.0)[:3] == [5, 1, 6]  # a tie: the most recent
+    assert suffix(context, 4, policy_min_confidence=0.3) == [5]  # the confidence policy's threshold
+    with pytest.raises(ValueError, match="min_confidence"):
         SuffixProposer(1, 8, 1.0)
-    with pytest.raises(ValueError, match="max_match"):
+    with pytest.raises(ValueError, match="max_ngram"):
         SuffixProposer(3, 2)
 
 
@@ -128,7 +128,7 @@ def test_suffix_index_grows_incrementally_and_resets():
 # --- the process-wide corpus of earlier outputs -----------------------------------------
 
 def test_corpus_is_bounded_evicts_the_oldest_and_clears():
-    corpus = SuffixCorpus(max_tokens=10, min_match=1, max_match=3)
+    corpus = SuffixCorpus(max_tokens=10, min_ngram=1, max_ngram=3)
     corpus.add([1, 2, 3, 4, 5, 6])
     assert corpus.best([2, 3])[0] == 4
     corpus.add([7, 8, 9, 10, 11])  # 11 tokens > 10: the first output goes
@@ -159,7 +159,7 @@ def test_corpus_drafts_earlier_outputs_except_in_reproducible_runs():
 
 
 def test_corpus_scopes_draft_only_their_own_outputs_and_share_one_bound():
-    corpus = SuffixCorpus(max_tokens=10, min_match=1, max_match=3)
+    corpus = SuffixCorpus(max_tokens=10, min_ngram=1, max_ngram=3)
     proposer = SuffixProposer(1, 8, 0.0, corpus=corpus)
     proposer.reset(scope="alice")
     proposer.end_sequence([9, 1, 2, 3, 4], num_prompt_tokens=1)  # alice's output: 1 2 3 4

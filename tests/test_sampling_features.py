@@ -21,7 +21,7 @@ def plain(target, params, prompt=PROMPT):
     return SpeculativeGenerator(target, None).generate(prompt, params)
 
 
-def drafters(target, seed=0):
+def proposers(target, seed=0):
     return {
         "prompt_lookup": PromptLookupProposer(1, 3),
         "random": RandomProposer(seed=seed),
@@ -63,9 +63,9 @@ def test_parameter_is_applied_and_exact_under_speculation(name, k):
     params = all_settings[name]
     expected = plain(target, params)
     assert expected.token_ids != baseline.token_ids, f"{name} changed nothing"
-    for drafter_name, proposer in drafters(target).items():
+    for proposer_name, proposer in proposers(target).items():
         result = SpeculativeGenerator(target, proposer, k).generate(PROMPT, params)
-        assert result.token_ids == expected.token_ids, drafter_name
+        assert result.token_ids == expected.token_ids, proposer_name
         check_consistency(target, result, params)
     if name == "banned_token_ids":
         assert params.banned_token_ids[0] not in expected.token_ids
@@ -75,13 +75,13 @@ def test_parameter_is_applied_and_exact_under_speculation(name, k):
         assert 17 in expected.token_ids
 
 
-def test_min_new_tokens_with_a_drafter_that_proposes_eos_early():
+def test_min_new_tokens_with_a_proposer_that_proposes_eos_early():
     target = tiny_backend(12)
     free = plain(target, SamplingParams(max_new_tokens=30))
     eos = free.token_ids[1]  # the model wants to stop after 2 tokens
     target = tiny_backend(model=target.model, eos=[eos])
 
-    class EosDrafter(Proposer):
+    class EosProposer(Proposer):
         def propose(self, token_ids, k, pipeline, rng, min_confidence=0.0):
             return Proposal([eos] * k)
 
@@ -90,7 +90,7 @@ def test_min_new_tokens_with_a_drafter_that_proposes_eos_early():
     expected = plain(target, params)
     assert len(expected.token_ids) >= 12 and eos not in expected.token_ids[:11]
     for k in (1, 4):
-        result = SpeculativeGenerator(target, EosDrafter(), k).generate(PROMPT, params)
+        result = SpeculativeGenerator(target, EosProposer(), k).generate(PROMPT, params)
         assert result.token_ids == expected.token_ids
         check_consistency(target, result, params)
 
@@ -146,15 +146,15 @@ def teacher_forced_logprobs(target, prompt_ids, token_ids, params):
     SamplingParams(max_new_tokens=25, logprobs=2, temperature=0.9, top_k=20, seed=4,
                    repetition_penalty=1.2),
 ])
-@pytest.mark.parametrize("drafter", ["same_model", "draft_model"])
-def test_logprobs_equal_plain_decoding(params, drafter):
+@pytest.mark.parametrize("proposer", ["same_model", "draft_model"])
+def test_logprobs_equal_plain_decoding(params, proposer_name):
     """Accepted and bonus tokens (same_model drafts are accepted), recovered tokens
     (an unrelated draft model is mostly rejected)."""
     target = tiny_backend(14)
-    proposer = drafters(target, seed=3)[drafter]
+    proposer = proposers(target, seed=3)[proposer_name]
     result = SpeculativeGenerator(target, proposer, 4).generate(PROMPT, params)
     check_consistency(target, result, params)
-    if drafter == "same_model":
+    if proposer_name == "same_model":
         assert result.stats.accepted_tokens > 0
     else:
         assert result.stats.accepted_tokens < result.stats.drafted_tokens

@@ -1,6 +1,6 @@
 """A seed reproduces the output on a reused generator, whatever ran on it before (greedy and
 unseeded calls that measure timings and move the policies' state), on both backends, with
-every policy and drafter, and with n > 1."""
+every policy and proposer, and with n > 1."""
 
 import pytest
 
@@ -9,13 +9,13 @@ from exactspec.proposers.early_exit import EarlyExitProposer
 
 
 PROMPT = "abc abc abd abc abcd, abc abc abd abc"
-DRAFTERS = {"prompt-lookup": ("auto", "constant", "heuristic"),
+PROPOSERS = {"prompt-lookup": ("auto", "constant", "heuristic"),
             "draft": ("auto", "constant", "heuristic", "confidence"),
             "early-exit": ("auto", "constant", "heuristic", "confidence")}
-CASES = [(drafter, policy) for drafter, policies in DRAFTERS.items() for policy in policies]
+CASES = [(make_proposer, policy) for make_proposer, policies in PROPOSERS.items() for policy in policies]
 
 
-def drafter(name, target, make_backend):
+def make_proposer(name, target, make_backend):
     if name == "prompt-lookup":
         return PromptLookupProposer(1, 3)
     if name == "draft":
@@ -28,7 +28,7 @@ def drafter(name, target, make_backend):
 @pytest.mark.parametrize("name, policy", CASES)
 def test_a_seed_reproduces_on_a_reused_generator(name, policy, make_backend):
     target = make_backend(6)
-    generator = SpeculativeGenerator(target, drafter(name, target, make_backend), 4, policy)
+    generator = SpeculativeGenerator(target, make_proposer(name, target, make_backend), 4, policy)
     seeded = SamplingParams(temperature=1.0, top_k=20, seed=11, max_new_tokens=40)
 
     first = generator.generate(PROMPT, seeded)
@@ -46,7 +46,7 @@ def test_a_seed_reproduces_on_a_reused_generator(name, policy, make_backend):
     assert samples[0] == first.token_ids  # the first of n samples is the n = 1 output
 
     fresh_target = make_backend(6)
-    fresh = SpeculativeGenerator(fresh_target, drafter(name, fresh_target, make_backend), 4,
+    fresh = SpeculativeGenerator(fresh_target, make_proposer(name, fresh_target, make_backend), 4,
                                  policy).generate(PROMPT, seeded)
     assert fresh.token_ids == first.token_ids
     other = generator.generate(PROMPT, SamplingParams(temperature=1.0, top_k=20, seed=12,

@@ -389,7 +389,7 @@ def test_max_tokens_beyond_the_context_is_400_naming_what_fits(client):
 
 
 def test_stop_reason_is_vllms_the_stop_string_or_stop_token_id_never_eos():
-    from exactspec.metrics import GenerationStats
+    from exactspec.generation_stats import GenerationStats
     from exactspec.server.protocol import stop_reason
 
     def result(reason):
@@ -616,7 +616,7 @@ twelve it does (the text before a PIN is often predictable)."""
 def corpus_attack(url: str, victim: list[int], headers: dict, salt: str | None) -> list[int]:
     """The attack of issue 28: for each secret position, each guess g forced with logit_bias
     and one token drafted from the context the attacker knows (the victim's output up to
-    that position); ``speculation.accepted_tokens`` then says whether the drafter proposed
+    that position); ``speculation.accepted_tokens`` then says whether the proposer proposed
     g, i.e. whether a corpus in the attacker's scope continues that context with g.
     Returns the observation: accepted tokens per (position, guess)."""
     observed = []

@@ -85,7 +85,7 @@ def test_heuristic_schedule():
 def test_bad_policy_names_and_confidence_misuse():
     with pytest.raises(ValueError, match="policy 'fast' is invalid"):
         make_policy("fast", 4)
-    with pytest.raises(ValueError, match="needs a drafter with probabilities"):
+    with pytest.raises(ValueError, match="needs a proposer with probabilities"):
         SpeculativeGenerator(tiny_backend(0), PromptLookupProposer(), 4, "confidence")
     with pytest.raises(ValueError, match="min_confidence"):
         ConfidencePolicy(4, 1.5)
@@ -136,11 +136,11 @@ def plain_steps_only(peek: bool = False) -> AutoPolicy:
     return policy
 
 
-def test_k_zero_calls_no_drafter():
-    drafter = counted(RandomProposer())
-    result = SpeculativeGenerator(tiny_backend(0), drafter, 4, plain_steps_only()).generate(
+def test_k_zero_calls_no_proposer():
+    counted_proposer = counted(RandomProposer())
+    result = SpeculativeGenerator(tiny_backend(0), counted_proposer, 4, plain_steps_only()).generate(
         [1, 2], SamplingParams(max_new_tokens=10))
-    assert drafter.calls == 0 and result.stats.chosen_k_histogram[0] == 10
+    assert counted_proposer.calls == 0 and result.stats.chosen_k_histogram[0] == 10
 
 
 @pytest.mark.parametrize("broken", [None, *BROKEN_VERIFIERS])
@@ -188,9 +188,9 @@ def test_unmeasured_costs_come_from_a_line_through_the_measured_ones():
     assert policy.forward_cost(2) > 0 and policy.forward_cost(4) >= policy.forward_cost(3)
 
 
-def test_peeks_at_a_free_drafter_resume_drafting_when_acceptance_rises():
+def test_peeks_at_a_free_proposer_resume_drafting_when_acceptance_rises():
     """llama.cpp-like costs: the prior α = 0.5 does not pay, so auto stays at k = 0; plain
-    steps that commit the token the free drafter would have drafted are evidence for α_1,
+    steps that commit the token the free proposer would have drafted are evidence for α_1,
     and drafting resumes."""
     policy = AutoPolicy(4)
     policy.forward_seconds[1:6] = [0.016, 0.028, 0.036, 0.044, 0.053]
@@ -205,7 +205,7 @@ def test_peeks_at_a_free_drafter_resume_drafting_when_acceptance_rises():
     assert policy.choose().k == 0
 
 
-def test_a_free_drafter_is_peeked_at_every_eighth_plain_step_and_never_verified():
+def test_a_free_proposer_is_peeked_at_every_eighth_plain_step_and_never_verified():
     from exactspec.speculation_length import PEEK_INTERVAL
 
     target = tiny_backend(0)

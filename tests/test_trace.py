@@ -53,7 +53,7 @@ def replay_mismatches(trace: list[CycleTrace], recorder: Recorder, prompt_ids: l
                       params: SamplingParams, vocab: int, replay_rng: bool) -> list[str]:
     """Recompute each cycle from the recorded logits and proposals: p, q, min(1, p/q),
     verdicts (u·q < p), committed tokens and kinds, the residual's top tokens; with
-    ``replay_rng`` (drafters that draw no random numbers) also the uniforms and the final
+    ``replay_rng`` (proposers that draw no random numbers) also the uniforms and the final
     token, by running the verifier again with a fresh rng of the same seed."""
     problems = []
     pipeline = LogitsPipeline(params, prompt_ids, vocab)
@@ -194,7 +194,7 @@ def test_greedy_trace_shows_argmax_matches():
 
 def test_drafts_past_a_stop_are_marked_so_and_an_empty_draft_says_so(tmp_path):
     """A stop string ends generation inside a block of accepted drafts: the drafts after
-    it are neither committed nor called accepted; a cycle whose drafter found nothing keeps
+    it are neither committed nor called accepted; a cycle whose proposer found nothing keeps
     the k its policy chose and says that nothing was drafted."""
     target = tiny_backend(2)
     generator = SpeculativeGenerator(target, PromptLookupProposer(1, 3), 4, "constant")
@@ -212,7 +212,7 @@ def test_drafts_past_a_stop_are_marked_so_and_an_empty_draft_says_so(tmp_path):
     free.trace[0] = CycleTrace(0, 0, 3, [], free.trace[0].committed)  # k = 3, none drafted
     page, _ = write_trace(tmp_path / "trace.html", [free, result], target.tokenizer.decode, {})
     html = page.read_text()
-    assert "3, 0 drafted" in html and "the drafter found nothing to draft" in html
+    assert "3, 0 drafted" in html and "the proposer found nothing to draft" in html
     assert "past the stop" in html
 
 

@@ -13,7 +13,7 @@ Quick use::
 from exactspec.backends import Backend, LlamaCppBackend, TransformersBackend, UnsupportedModelError
 from exactspec.batching import BatchedGenerator
 from exactspec.engine import GenerationResult, SpeculativeGenerator
-from exactspec.metrics import GenerationStats
+from exactspec.generation_stats import GenerationStats
 from exactspec.model_files import DEFAULT_MODEL, ModelNotFoundError
 from exactspec.models import load_model
 from exactspec.proposers import (DraftModelProposer, EarlyExitProposer, PromptLookupProposer,

@@ -1,6 +1,6 @@
 """Batched speculative decoding: many sequences advance together, one target forward per cycle.
 
-Each cycle every active row drafts on its own (its own drafter state, policy, k, possibly
+Each cycle every active row drafts on its own (its own proposer state, policy, k, possibly
 none), one packed forward of the target scores every row's ``[last, d_1 .. d_k]``
 (:meth:`~exactspec.backends.base.Backend.forward`), and each row is verified,
 committed and rolled back on its own, exactly as :class:`~exactspec.engine.SpeculativeGenerator`
@@ -46,12 +46,12 @@ DEFAULT_MAX_BATCH_SIZE = 8
 
 @dataclass
 class _Row:
-    """One request being decoded: its settings, drafter, policy and randomness, and the
+    """One request being decoded: its settings, proposer, policy and randomness, and the
     sample being decoded. A request of ``n`` samples decodes them one after another in its
     row, on one ``rng`` (as :meth:`SpeculativeGenerator.generate_samples` does)."""
 
     request_id: int
-    generator: SpeculativeGenerator  # the row's drafter, k_max and policy come from it
+    generator: SpeculativeGenerator  # the row's proposer, k_max and policy come from it
     prompt_token_ids: list[int]
     pipeline: LogitsPipeline
     rng: torch.Generator
@@ -62,7 +62,7 @@ class _Row:
     num_samples: int
     on_commit: OnCommit | None = field(default=None, repr=False)
     start: float = 0.0
-    scope: Hashable = None  # whose earlier outputs a learning drafter may use (Proposer.reset)
+    scope: Hashable = None  # whose earlier outputs a learning proposer may use (Proposer.reset)
     prefill_seconds: float = 0.0
     results: list[GenerationResult] = field(default_factory=list)
     num_prefilled: int = 0  # prompt tokens in the row's cache so far (chunked prefill)
@@ -88,12 +88,12 @@ class BatchedGenerator:
     """Exact speculative decoding of many sequences at once on one target.
 
     Args:
-        generator: the single-sequence engine whose target, drafter, k and policy rows use
-            by default (each row gets its own copy of the drafter and the policy; a request
+        generator: the single-sequence engine whose target, proposer, k and policy rows use
+            by default (each row gets its own copy of the proposer and the policy; a request
             may bring another generator on the same target, see :meth:`submit`).
         max_batch_size: most rows decoded together (≥ 1); more requests wait in order.
     Raises:
-        ValueError: if the drafter is not ``batchable`` (a draft model or early exit: one model
+        ValueError: if the proposer is not ``batchable`` (a draft model or early exit: one model
             cache; prompt lookup and suffix are) and ``max_batch_size`` > 1, or
             ``max_batch_size`` < 1 or above what the backend holds.
         UnsupportedModelError: if the target scores a sequence in a batch differently from
@@ -211,15 +211,15 @@ class BatchedGenerator:
                 without one). Given with an unseeded ``params``, the request is treated as
                 unseeded (its k may follow the batch) but its draws are reproducible: the
                 audit samples the serving path this way.
-            generator: the drafter, k and policy of this request (default: the batch's);
+            generator: the proposer, k and policy of this request (default: the batch's);
                 its target must be the batch's.
             scope: as :meth:`SpeculativeGenerator.generate_samples` (whose earlier outputs
-                a learning drafter may use and feed).
+                a learning proposer may use and feed).
         Returns:
             the request's id, the key of its output in what :meth:`step` returns.
         Raises:
             ValueError, TypeError: as :meth:`SpeculativeGenerator.generate_samples`, or for a
-                generator on another target or with a drafter that is not batchable.
+                generator on another target or with a proposer that is not batchable.
         """
         generator = self.generator if generator is None else generator
         self._check(generator)
@@ -330,7 +330,7 @@ class BatchedGenerator:
         if proposer is not None and not proposer.batchable and self.max_batch_size > 1:
             raise ValueError(f"{type(proposer).__name__} keeps a model cache of its own and "
                              f"drafts for one sequence at a time: use max_batch_size = 1 with "
-                             "it (drafters for several rows: prompt-lookup, suffix)")
+                             "it (proposers for several rows: prompt-lookup, suffix)")
 
     def admit(self) -> dict[int, RequestOutput]:
         """Start waiting requests while there is room (their prompts are prefilled in the

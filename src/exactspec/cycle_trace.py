@@ -5,7 +5,7 @@ The engine writes it (this module sits below the engine); :mod:`exactspec.trace`
 trace=True)``): the engine then hands each cycle's proposal, processed logits and verdict
 to :func:`trace_cycle`; otherwise nothing here runs. The figures are the verifier's own (docs/design.md glossary;
 Leviathan et al. 2022, Algorithm 1): for drafted token x_i, p = the target's processed
-probability p_i(x_i), q = the draft's q_i(x_i) (1 for point-mass drafters such as n-gram
+probability p_i(x_i), q = the draft's q_i(x_i) (1 for point-mass proposers such as n-gram
 lookup), acceptance probability min(1, p/q), the uniform u the verifier drew (accepted iff
 u·q < p), and after a rejection the residual normalize(max(0, p − q)) the recovered token
 was drawn from. Greedy cycles record the target's argmax at each position instead.
@@ -35,7 +35,7 @@ class DraftVerdict:
     Attributes:
         token_id: the drafted token.
         p: the target's processed probability of it (greedy: None).
-        q: the draft's probability of it (1.0 for a point-mass drafter; greedy: None).
+        q: the draft's probability of it (1.0 for a point-mass proposer; greedy: None).
         acceptance_probability: min(1, p/q), 0 when q = 0 (greedy: None).
         uniform: the verifier's uniform u in [0, 1); accepted iff u·q < p (greedy: None).
         target_token_id: greedy only: the target's argmax at this position.
@@ -60,7 +60,7 @@ class CycleTrace:
     Attributes:
         index: the cycle's number in the generation (0-based).
         position: tokens generated before this cycle.
-        chosen_k: the policy's k for this cycle (the drafter may have proposed fewer).
+        chosen_k: the policy's k for this cycle (the proposer may have proposed fewer).
         drafts: one :class:`DraftVerdict` per drafted token, in order.
         committed: ``[(token_id, kind)]`` the tokens this cycle emitted (cut at a stop).
         final_top: the top :data:`TOP_TOKENS` (token_id, probability) of the distribution
@@ -98,7 +98,7 @@ def trace_cycle(index: int, position: int, chosen_k: int, draft_token_ids: list[
 
     Args:
         draft_token_ids: ``[k]`` the drafts.
-        draft_probs: ``[k, vocab]`` q, or None for a point-mass drafter.
+        draft_probs: ``[k, vocab]`` q, or None for a point-mass proposer.
         processed: ``[k+1, vocab]`` the target's processed logits, row i for position i.
         target_probs: ``[k+1, vocab]`` p, the verifier's probabilities (None: greedy).
         uniforms: ``[k]`` float64, the verifier's acceptance uniforms (None when greedy).

@@ -26,7 +26,7 @@ import torch
 from exactspec.backends.base import Backend, UnsupportedModelError, forward_one, new_sequence_id
 from exactspec.cycle_trace import CycleTrace, trace_cycle
 from exactspec.logits_pipeline import LogitsPipeline
-from exactspec.metrics import GenerationStats
+from exactspec.generation_stats import GenerationStats
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposer
 from exactspec.request import Prompt, Request, prepare_request
 from exactspec.sampling import SamplingParams
@@ -40,7 +40,7 @@ FinishReason = Literal["stop", "length"]
 OnCommit = Callable[[int, list[int]], None]
 """Called after each cycle with (sample index, the tokens that cycle emitted)."""
 PLAIN_STEP = Choice(0)
-"""The cycle of plain decoding (no drafter, or k_max = 0)."""
+"""The cycle of plain decoding (no proposer, or k_max = 0)."""
 
 
 @dataclass
@@ -58,7 +58,7 @@ class GenerationResult:
         logprobs: ``[num_generated_tokens]`` one :class:`TokenLogprob` per token (accepted,
             recovered and bonus alike), when ``SamplingParams.logprobs`` is set; else None.
         prompt_token_ids: the prompt as the model saw it (chat template applied).
-        stats: counts and timings, see :class:`~exactspec.metrics.GenerationStats`.
+        stats: counts and timings, see :class:`~exactspec.generation_stats.GenerationStats`.
         trace: one :class:`~exactspec.cycle_trace.CycleTrace` per cycle when generation
             was asked for a trace (``trace=True``); else None.
         stop_offset: where the stop string that ended generation begins in ``text``
@@ -110,7 +110,7 @@ class SampleDecoding:
         prompt_token_ids: ``[prompt_len]`` the prompt as the model sees it.
         pipeline: the sample's logits processing (its :class:`SamplingParams`).
         rng: its random source.
-        proposer, policy: its drafter (None: plain decoding) and speculation-length policy.
+        proposer, policy: its proposer (None: plain decoding) and speculation-length policy.
         observe_seconds: give the policy the cycle's seconds (a forward timed for this
             sequence alone; False in a batch, where a forward's time is the batch's).
         start: ``time.perf_counter()`` when the request started (TTFT, total seconds).
@@ -156,7 +156,7 @@ class SampleDecoding:
         return max(room, 0)
 
     def choose(self) -> Choice:
-        """The policy's choice for the next cycle (a plain step without a drafter)."""
+        """The policy's choice for the next cycle (a plain step without a proposer)."""
         return self.policy.choose() if self.k_max else PLAIN_STEP
 
     def draft(self, choice: Choice, room: int) -> list[int]:
@@ -176,7 +176,7 @@ class SampleDecoding:
     def verify_and_commit(self, logits: torch.Tensor, forward_seconds: float) -> int:
         """Verify the drafts against ``logits`` (``[k+1, vocab]``, the target's scores of the
         block :meth:`draft` returned), commit up to the first stop, record the cycle, and
-        let the drafter and the policy observe it; sets ``finish_reason`` on a stop.
+        let the proposer and the policy observe it; sets ``finish_reason`` on a stop.
 
         Returns:
             the tokens to roll back from the target's cache (the rejected drafts).
@@ -222,7 +222,7 @@ class SampleDecoding:
         return len(committed)
 
     def result(self) -> GenerationResult:
-        """The finished sample's :class:`GenerationResult` (tells the drafter it ended)."""
+        """The finished sample's :class:`GenerationResult` (tells the proposer it ended)."""
         self.stats.total_seconds = time.perf_counter() - self.start
         if self.proposer is not None:
             self.proposer.end_sequence(self.tokens, self.num_prompt_tokens)
@@ -286,7 +286,7 @@ class SpeculativeGenerator:
                        if isinstance(policy, str) else policy)
         if (self.policy.min_confidence and proposer is not None
                 and not proposer.supports_min_confidence):
-            raise ValueError(f"the {self.policy.name} policy needs a drafter with probabilities "
+            raise ValueError(f"the {self.policy.name} policy needs a proposer with probabilities "
                              f"of its own (a draft model); {type(proposer).__name__} has none: "
                              "use the auto or heuristic policy")
 
@@ -324,7 +324,7 @@ class SpeculativeGenerator:
         (for streaming) is called after every cycle that emitted tokens with the sample's
         index (0-based) and those tokens, in order; an exception it raises (e.g. to cancel)
         ends generation and propagates, and the generator stays usable. ``scope``: whose
-        earlier generations a drafter that learns across requests may draft from and add
+        earlier generations a proposer that learns across requests may draft from and add
         this one's output to (:meth:`Proposer.reset <exactspec.proposers.base.Proposer.reset>`;
         None: the default scope).
         Returns:

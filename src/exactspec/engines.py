@@ -40,7 +40,7 @@ class Generation:
             request's last token (equal to ``seconds`` for the first request, or for all
             of them when they are decoded at once).
         stats: exactspec's :meth:`GenerationStats.to_dict
-            <exactspec.metrics.GenerationStats.to_dict>` (None: a peer, which does not say).
+            <exactspec.generation_stats.GenerationStats.to_dict>` (None: a peer, which does not say).
     """
 
     token_ids: list[int]
@@ -116,10 +116,10 @@ class ExactspecEngine:
     prompt's prefill (the KV cache is rolled back between samples, never re-encoded);
     :meth:`generate` with ``at_once`` batches the requests with a
     :class:`~exactspec.batching.BatchedGenerator` as wide as the call (one per width,
-    kept), or serves them one after another when the drafter is not ``batchable``.
+    kept), or serves them one after another when the proposer is not ``batchable``.
 
     Args:
-        generator: the one-sequence engine (its target, drafter, k and policy).
+        generator: the one-sequence engine (its target, proposer, k and policy).
         name: how reports call it.
     """
 

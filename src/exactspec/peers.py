@@ -7,7 +7,7 @@ tests beside exactspec.
 - ``llama``: llama-cpp-python's own ``Llama.generate()`` on the target's GGUF file
   (:class:`LlamaCppPeer`), plain or with its ``LlamaPromptLookupDecoding`` draft.
 
-A peer is named by a drafter spec with its prefix (``hf-prompt-lookup:k=10``; the grammar is
+A peer is named by a proposer spec with its prefix (``hf-prompt-lookup:k=10``; the grammar is
 in :mod:`exactspec.proposers.spec`) and made by :func:`make_peer`. Both search n-grams of
 at most 2 tokens, their own default: a spec's ``ngram=`` is not passed on.
 
@@ -27,11 +27,11 @@ import torch
 
 from exactspec.backends.base import Backend
 from exactspec.engines import Generation, one_after_another
-from exactspec.proposers.spec import DrafterSpec
+from exactspec.proposers.spec import ProposerSpec
 from exactspec.sampling import SamplingParams
 
 PEERS = {"hf": ("none", "prompt-lookup", "early-exit", "draft"), "llama": ("none", "prompt-lookup")}
-"""Peer prefix → the drafter kinds it runs (the ``peers`` of
+"""Peer prefix → the proposer kinds it runs (the ``peers`` of
 :func:`~exactspec.proposers.spec.parse_drafter`)."""
 DEFAULT_PROMPT_LOOKUP_K = 10
 """A peer's prompt-lookup tokens per draft when the spec gives no ``k=`` (both engines' own
@@ -193,22 +193,22 @@ class TransformersPeer(Peer):
         return outputs
 
 
-def transformers_generate_kwargs(drafter: DrafterSpec, k: int,
+def transformers_generate_kwargs(proposer_spec: ProposerSpec, k: int,
                                  load_model: Callable[[str], Backend]) -> dict:
-    """transformers ``generate()`` keyword arguments for the same drafter as ``drafter``,
+    """transformers ``generate()`` keyword arguments for the same proposer as ``proposer``,
     drafting ``k`` tokens per cycle; ``load_model`` loads a draft model by name or path.
 
     Raises:
         ValueError: if the draft model does not load on the transformers backend.
     """
-    if drafter.kind == "prompt-lookup":
+    if proposer_spec.kind == "prompt-lookup":
         return {"prompt_lookup_num_tokens": k}
-    if drafter.kind == "early-exit":
-        return {"assistant_early_exit": drafter.layers, "num_assistant_tokens": k}
-    if drafter.kind == "draft":
-        draft = load_model(drafter.model)
+    if proposer_spec.kind == "early-exit":
+        return {"assistant_early_exit": proposer_spec.layers, "num_assistant_tokens": k}
+    if proposer_spec.kind == "draft":
+        draft = load_model(proposer_spec.model)
         if draft.name != "transformers":
-            raise ValueError(f"{TransformersPeer.label} needs the draft model {drafter.model!r} "
+            raise ValueError(f"{TransformersPeer.label} needs the draft model {proposer_spec.model!r} "
                              "on the transformers backend (--backend transformers)")
         # the assistant reads its draft length from its own generation config
         draft.model.generation_config.num_assistant_tokens = k
@@ -280,33 +280,33 @@ class LlamaCppPeer(Peer):
         return token_ids
 
 
-def make_peer(drafter: DrafterSpec, target: Backend, load_model: Callable[[str], Backend],
+def make_peer(proposer_spec: ProposerSpec, target: Backend, load_model: Callable[[str], Backend],
               k: int, *, share: bool = False) -> Peer:
-    """The peer ``drafter.peer`` running ``drafter`` with ``k`` tokens per draft on
+    """The peer ``proposer.peer`` running ``proposer`` with ``k`` tokens per draft on
     ``target``; ``load_model`` loads a draft model; ``share`` as in :class:`LlamaCppPeer`.
 
     Raises:
         ValueError: if the target's backend is not the peer's, or the peer cannot run the
-            drafter.
+            proposer.
     """
-    check_peer_runs(drafter)
-    if drafter.peer == "hf":
+    check_peer_runs(proposer_spec)
+    if proposer_spec.peer == "hf":
         peer = TransformersPeer(target)  # refuses another backend before loading a draft
-        peer.generate_kwargs = transformers_generate_kwargs(drafter, k, load_model)
+        peer.generate_kwargs = transformers_generate_kwargs(proposer_spec, k, load_model)
         return peer
-    return LlamaCppPeer(target, k if drafter.drafts else 0, share=share)
+    return LlamaCppPeer(target, k if proposer_spec.drafts else 0, share=share)
 
 
-def check_peer_runs(drafter: DrafterSpec) -> None:
-    """Check, without any model, that ``drafter.peer`` can run ``drafter``.
+def check_peer_runs(proposer_spec: ProposerSpec) -> None:
+    """Check, without any model, that ``proposer.peer`` can run ``proposer``.
 
     Raises:
-        ValueError: if it names no peer, or one that cannot run its kind of drafter.
+        ValueError: if it names no peer, or one that cannot run its kind of proposer.
     """
-    if drafter.peer not in PEERS:
-        raise ValueError(f"{drafter.spec!r} names no peer: prefix it with "
+    if proposer_spec.peer not in PEERS:
+        raise ValueError(f"{proposer_spec.spec!r} names no peer: prefix it with "
                          f"{' or '.join(f'{peer}-' for peer in PEERS)}")
-    if drafter.kind not in PEERS[drafter.peer]:
-        label = {"hf": TransformersPeer, "llama": LlamaCppPeer}[drafter.peer].label
-        raise ValueError(f"{label} runs only {' or '.join(PEERS[drafter.peer])}, not "
-                         f"{drafter.spec!r}")
+    if proposer_spec.kind not in PEERS[proposer_spec.peer]:
+        label = {"hf": TransformersPeer, "llama": LlamaCppPeer}[proposer_spec.peer].label
+        raise ValueError(f"{label} runs only {' or '.join(PEERS[proposer_spec.peer])}, not "
+                         f"{proposer_spec.spec!r}")

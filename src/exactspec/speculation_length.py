@@ -1,7 +1,7 @@
 """Speculation-length policies: how many tokens to draft in the next cycle.
 
 A policy only chooses k (0 = a plain decoding step: one-token forward, no draft call, except
-auto's occasional peek at a free drafter, below); the
+auto's occasional peek at a free proposer, below); the
 verification rule is untouched, so every policy keeps the target's distribution exactly.
 
     constant    always k_max.
@@ -28,7 +28,7 @@ verification rule is untouched, so every policy keeps the target's distribution 
                 measured (the line matters on llama.cpp, where each extra token scored
                 costs about half a plain step, unlike PyTorch); acceptance evidence decays
                 every cycle, so after a run of k = 0 the prior (α = 0.5) returns and drafting
-                is retried where that prior pays. Where it does not (llama.cpp), a drafter
+                is retried where that prior pays. Where it does not (llama.cpp), a proposer
                 that costs no model call (prompt lookup) is asked, every
                 :data:`PEEK_INTERVAL`-th plain step, for the one token it would draft; the
                 token is never verified, but whether the plain step committed it is evidence
@@ -48,7 +48,7 @@ DEFAULT_POLICY = "auto"
 DEFAULT_MIN_CONFIDENCE = 0.4
 """transformers' default ``assistant_confidence_threshold``."""
 PEEK_INTERVAL = 8
-"""auto peeks at a free drafter's first token every this many plain steps (see above)."""
+"""auto peeks at a free proposer's first token every this many plain steps (see above)."""
 PRIOR_COST_PER_TOKEN = 0.1
 """Before any timing is measured, auto assumes a forward over n tokens costs
 1 + 0.1 (n − 1) single-token forwards (so drafting pays when α > 0.1)."""
@@ -71,7 +71,7 @@ class Choice(NamedTuple):
     Attributes:
         k: tokens to draft, in 0..k_max (0 = a plain step; the engine may lower it near a
             limit).
-        peek: on a plain step, ask the drafter for the one token it would draft, never to
+        peek: on a plain step, ask the proposer for the one token it would draft, never to
             verify it, only to learn whether the step committed it (see
             :meth:`SpeculationLengthPolicy.observe_peek`).
     """
@@ -91,7 +91,7 @@ class SpeculationLengthPolicy(Protocol):
     (:func:`batch_speculation_lengths` over every row's :meth:`acceptance`) and record it
     with :meth:`choice`; a policy without this chooses alone in a batch too."""
     min_confidence: float = 0.0
-    """A drafter with probabilities of its own stops drafting once its probability for the
+    """A proposer with probabilities of its own stops drafting once its probability for the
     token it would draft falls below this (0 = never; see
     :attr:`~exactspec.proposers.base.Proposer.supports_min_confidence`)."""
 
@@ -196,7 +196,7 @@ class AutoPolicy(SpeculationLengthPolicy):
             (α_i's prior is the estimate of α_(i−1)).
         cost_smoothing: weight of a new timing in the forward-cost moving average.
         peek: every :data:`PEEK_INTERVAL`-th plain step peeks (see the module docstring);
-            only for a drafter that costs no model call
+            only for a proposer that costs no model call
             (:attr:`~exactspec.proposers.base.Proposer.drafts_for_free`).
     """
 
@@ -280,7 +280,7 @@ class AutoPolicy(SpeculationLengthPolicy):
 
     def observe_peek(self, committed_the_draft: bool) -> None:
         """Evidence for α_1 from a plain step: whether it committed the token a free
-        drafter would have drafted first (see the module docstring)."""
+        proposer would have drafted first (see the module docstring)."""
         self.tested[0] += 1
         self.accepted[0] += committed_the_draft
 
@@ -392,7 +392,7 @@ def batch_speculation_lengths(acceptances: Sequence[Sequence[float]], caps: Sequ
 
 def make_policy(name: str, k_max: int, drafts_for_free: bool = False) -> SpeculationLengthPolicy:
     """The policy called ``name`` (one of :data:`POLICIES`) for drafts of at most ``k_max``;
-    ``drafts_for_free``: the drafter costs no model call, so ``auto`` peeks at it.
+    ``drafts_for_free``: the proposer costs no model call, so ``auto`` peeks at it.
 
     Raises:
         ValueError: for an unknown name.

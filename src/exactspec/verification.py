@@ -17,7 +17,7 @@ Edge cases handled here (the exactness contract):
     * q(x) = 0 for a drafted token: rejected, never a division (``u·q < p`` in float64).
     * p(x) = 0: never accepted (strict inequality), whatever u is.
     * residual mass 0 (p == q in floating point): sample from p instead.
-    * point-mass drafters (greedy draft, n-gram lookup) pass ``draft_probs=None``: q is
+    * point-mass proposers (greedy draft, n-gram lookup) pass ``draft_probs=None``: q is
       one-hot on the drafted token, so acceptance is ``u < p(x)`` and the residual is p with
       the drafted token removed.
     * k = 0: the bonus token is sampled from p_1, i.e. plain sampling.
@@ -97,7 +97,7 @@ class Verified(NamedTuple):
 
 def rejection_sample(
     draft_token_ids: torch.Tensor,  # [batch, k] int64
-    draft_probs: torch.Tensor | None,  # [batch, k, vocab] or None (point-mass drafter)
+    draft_probs: torch.Tensor | None,  # [batch, k, vocab] or None (point-mass proposer)
     target_probs: torch.Tensor,  # [batch, k+1, vocab]
     rng: torch.Generator,
 ) -> VerificationResult:
@@ -106,7 +106,7 @@ def rejection_sample(
     Args:
         draft_token_ids: ``[batch, k]`` drafted token ids, each in ``[0, vocab)``.
         draft_probs: ``[batch, k, vocab]`` the exact distributions the drafts were sampled
-            from, or None for a point-mass drafter (q is one-hot on the drafted token).
+            from, or None for a point-mass proposer (q is one-hot on the drafted token).
         target_probs: ``[batch, k+1, vocab]`` the target's processed probabilities at the
             k drafted positions and the bonus position.
         rng: source of all randomness (on the tensors' device).
@@ -148,7 +148,7 @@ def rejection_sample(
 
 def final_distribution(
     draft_token_ids: torch.Tensor,  # [batch, k] int64
-    draft_probs: torch.Tensor | None,  # [batch, k, vocab] or None (point-mass drafter)
+    draft_probs: torch.Tensor | None,  # [batch, k, vocab] or None (point-mass proposer)
     target_probs: torch.Tensor,  # [batch, k+1, vocab]
     num_accepted: torch.Tensor,  # [batch] int64
 ) -> torch.Tensor:
@@ -159,7 +159,7 @@ def final_distribution(
 
     Args:
         draft_token_ids: ``[batch, k]`` the drafted token ids.
-        draft_probs: ``[batch, k, vocab]`` q, or None for a point-mass drafter (q one-hot
+        draft_probs: ``[batch, k, vocab]`` q, or None for a point-mass proposer (q one-hot
             on the drafted token: the residual is p without that token).
         target_probs: ``[batch, k+1, vocab]`` p at the k drafted positions and the bonus one.
         num_accepted: ``[batch]`` accepted drafts per row, in 0..k.
@@ -258,7 +258,7 @@ def verify(tokens: Sequence[int], draft_token_ids: list[int], draft_probs: torch
         tokens: the sequence so far (prompt + committed); ``logits`` scored
             ``[tokens[-1], *draft_token_ids]``.
         draft_token_ids: ``[k]`` the drafts.
-        draft_probs: ``[k, vocab]`` q for each draft, or None for a point-mass drafter.
+        draft_probs: ``[k, vocab]`` q for each draft, or None for a point-mass proposer.
         logits: ``[k+1, vocab]`` the target's raw logits of that block, one forward pass.
         pipeline: the sequence's logits processing.
         rng: its random source (unused when greedy).

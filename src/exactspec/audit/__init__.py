@@ -1,7 +1,7 @@
 """The exactness audit: does speculative decoding reproduce the target's distribution on a
 real model? See :mod:`exactspec.audit.runner` for the procedure. Any
 :class:`~exactspec.engines.Engine` can be audited: exactspec (:class:`ExactspecEngine`, or
-:class:`BatchedEngine` for batched decoding, with any drafter or a broken control) and the
+:class:`BatchedEngine` for batched decoding, with any proposer or a broken control) and the
 peers of :mod:`exactspec.peers`."""
 
 from exactspec.audit.broken import BROKEN_VERIFIERS, BrokenGenerator

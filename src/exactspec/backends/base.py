@@ -72,7 +72,7 @@ _sequence_ids = itertools.count(FIRST_SEQUENCE_ID)
 
 def new_sequence_id() -> int:
     """A sequence id no other caller of this function in this process gets (engines,
-    drafters and batches sharing one backend never touch each other's sequences)."""
+    proposers and batches sharing one backend never touch each other's sequences)."""
     return next(_sequence_ids)
 
 
@@ -82,7 +82,7 @@ class Backend(Protocol):
 
     Attributes:
         name: the runtime, as ``--backend`` names it (``transformers``, ``llama_cpp``):
-            what peers and drafters that need one runtime's model check.
+            what peers and proposers that need one runtime's model check.
         tokenizer: the model's :class:`Tokenizer`.
         vocab_size: width of the logits (may exceed the tokenizer's size: padding).
         max_context_length: most positions a sequence may hold (tokens), or None.

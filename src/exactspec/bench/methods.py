@@ -1,6 +1,6 @@
 """Decoding methods the benchmark compares: exactspec's own, and peers on the same model.
 
-A method is a drafter spec (grammar in :mod:`exactspec.proposers.spec`) with ``:k=N`` and
+A method is a proposer spec (grammar in :mod:`exactspec.proposers.spec`) with ``:k=N`` and
 ``:policy=P``, and optionally a peer prefix, e.g.::
 
     plain                        exactspec, plain decoding (the baseline)
@@ -29,7 +29,7 @@ from exactspec.backends.base import Backend
 from exactspec.engine import SpeculativeGenerator
 from exactspec.engines import Engine, ExactspecEngine
 from exactspec.peers import DEFAULT_PROMPT_LOOKUP_K, PEERS, is_peer, make_peer
-from exactspec.proposers.spec import DrafterSpec, build_proposer, parse_drafter
+from exactspec.proposers.spec import ProposerSpec, build_proposer, parse_proposer
 from exactspec.sampling import SamplingParams
 from exactspec.speculation_length import POLICIES
 
@@ -61,7 +61,7 @@ class WaveOutcome(NamedTuple):
 @dataclass
 class Method:
     """A named way to decode: an :class:`~exactspec.engines.Engine` (exactspec with a
-    drafter, or a peer) as the benchmark runs it.
+    proposer, or a peer) as the benchmark runs it.
 
     Attributes:
         name: the method spec, e.g. ``prompt-lookup:k=4``.
@@ -127,21 +127,21 @@ class Method:
         return is_peer(self.name)
 
 
-def parse_method_spec(spec: str) -> DrafterSpec:
+def parse_method_spec(spec: str) -> ProposerSpec:
     """Take a method spec apart and check it, without any model (see module docstring);
     ``k`` and ``policy`` are filled with their defaults.
 
     Raises:
         ValueError: ``method {spec!r} is invalid: …``, naming the allowed forms or the bad value.
     """
-    drafter = parse_drafter(spec, what="method", options=("k", "policy"), peers=PEERS)
-    if drafter.policy is not None and drafter.policy not in POLICIES:
-        raise ValueError(f"method {spec!r} is invalid: policy {drafter.policy!r} is not one of "
+    proposer_spec = parse_proposer(spec, what="method", options=("k", "policy"), peers=PEERS)
+    if proposer_spec.policy is not None and proposer_spec.policy not in POLICIES:
+        raise ValueError(f"method {spec!r} is invalid: policy {proposer_spec.policy!r} is not one of "
                          f"{', '.join(POLICIES)}")
-    default_k = (DEFAULT_PROMPT_LOOKUP_K if drafter.peer and drafter.kind == "prompt-lookup"
+    default_k = (DEFAULT_PROMPT_LOOKUP_K if proposer_spec.peer and proposer_spec.kind == "prompt-lookup"
                  else DEFAULT_K)
-    return dataclasses.replace(drafter, k=drafter.k if drafter.k is not None else default_k,
-                               policy=drafter.policy or "constant")
+    return dataclasses.replace(proposer_spec, k=proposer_spec.k if proposer_spec.k is not None else default_k,
+                               policy=proposer_spec.policy or "constant")
 
 
 def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend], *,
@@ -152,19 +152,19 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
     Raises:
         ValueError: naming the bad spec and the allowed forms, or a peer on the wrong backend.
     """
-    drafter = parse_method_spec(spec)
-    kind = {"none": "plain", "draft": "assistant" if drafter.peer == "hf" else "draft"}.get(
-        drafter.kind, drafter.kind)
-    kind = f"{drafter.peer}-{kind}" if drafter.peer else kind
-    k = drafter.k if drafter.drafts else 0
-    if drafter.peer:
+    proposer_spec = parse_method_spec(spec)
+    kind = {"none": "plain", "draft": "assistant" if proposer_spec.peer == "hf" else "draft"}.get(
+        proposer_spec.kind, proposer_spec.kind)
+    kind = f"{proposer_spec.peer}-{kind}" if proposer_spec.peer else kind
+    k = proposer_spec.k if proposer_spec.drafts else 0
+    if proposer_spec.peer:
         try:
-            engine = make_peer(drafter, target, load_model, k, share=True)
+            engine = make_peer(proposer_spec, target, load_model, k, share=True)
         except ValueError as error:
             raise ValueError(f"method {spec!r}: {error}") from None
         return Method(spec, kind, k, engine)
     engine = ExactspecEngine(SpeculativeGenerator(
-        target, build_proposer(drafter, target, load_model), k, drafter.policy,
+        target, build_proposer(proposer_spec, target, load_model), k, proposer_spec.policy,
         allow_batch_variance=allow_batch_variance), spec)
     notes = None if engine.corpus is None else (
         "suffix corpus: refilled before every run with the outputs of the questions run "

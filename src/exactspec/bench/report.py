@@ -277,7 +277,7 @@ def markdown(results: BenchResults, summary: dict, unstable: Sequence[str] = ())
     lines += ["", "## Acceptance and where the time goes (exactspec's speculative methods)", "",
               "*cycles choosing k*: the k the policy chose, capped so that no cycle drafts "
               "past `max_new_tokens` (so a constant policy also shows smaller k in the last "
-              "cycles); the drafter may then propose fewer (prompt lookup without a match). "
+              "cycles); the proposer may then propose fewer (prompt lookup without a match). "
               "*acceptance rate*: accepted over the drafts actually made.", "",
               "| group | method | k | cycles choosing k = 0, 1, … | acceptance rate | mean "
               "acceptance length | per-position acceptance | draft share | verify share | "

@@ -7,7 +7,7 @@ import argparse
 import time
 
 from exactspec.cli.common import (DEFAULT_K, add_model_options, add_policy_option,
-                                  allows_batch_variance, check_drafter_before_loading,
+                                  allows_batch_variance, check_proposer_before_loading,
                                   load_from_args, positive_int, seed)
 from exactspec.proposers.spec import FORMS
 
@@ -41,7 +41,7 @@ def add_parser(commands) -> None:
                            "its LlamaPromptLookupDecoding draft (--backend llama_cpp, prompt "
                            "lookup or none, temperature only: --top-p 1)")
     what.add_argument("--proposer", default="prompt-lookup", metavar="SPEC",
-                      help=f"the drafter: {FORMS} (default prompt-lookup); the same "
+                      help=f"the proposer: {FORMS} (default prompt-lookup); the same "
                            "grammar as generate --proposer")
     what.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K, metavar="K",
                       help=f"most tokens drafted per cycle (default {DEFAULT_K})")
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from exactspec.model_files import ModelNotFoundError
     from exactspec.peers import check_peer_runs, make_peer
     from exactspec.progress import LoggedProgress
-    from exactspec.proposers.spec import build_proposer, parse_drafter
+    from exactspec.proposers.spec import build_proposer, parse_proposer
 
     for name in FULL:  # explicit flags win over --quick's sizes
         if getattr(args, name) is None:
@@ -141,14 +141,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     console = Console(stderr=True, soft_wrap=True)
     try:
-        drafter = parse_drafter(args.proposer)
+        proposer_spec = parse_proposer(args.proposer)
         if args.engine != "exactspec":
-            check_peer_runs(dataclasses.replace(drafter, peer=PEER[args.engine]))
-        check_drafter_before_loading(args, parser, drafter, f"--proposer {args.proposer}")
+            check_peer_runs(dataclasses.replace(proposer_spec, peer=PEER[args.engine]))
+        check_proposer_before_loading(args, parser, proposer_spec, f"--proposer {args.proposer}")
         with console.status(f"Loading {args.model} …"):
             target = load_from_args(args)
             load = functools.cache(lambda name: load_from_args(args, name))  # one draft model
-            proposer = build_proposer(drafter, target, load)
+            proposer = build_proposer(proposer_spec, target, load)
         k = args.num_speculative_tokens
         tokenizer = target.tokenizer
         prompt_ids = [tokenizer.apply_chat_template(p) if args.chat else tokenizer.encode(p)
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 target, proposer, k, args.policy, allow_batch_variance=allows_batch_variance(args)),
                                f"exactspec {args.proposer} k={k} {args.policy}")
         else:
-            engine = make_peer(dataclasses.replace(drafter, peer=PEER[args.engine]), target,
+            engine = make_peer(dataclasses.replace(proposer_spec, peer=PEER[args.engine]), target,
                                load, k)
             engine.name = f"{engine.label} {args.proposer} k={k}"
         control = None

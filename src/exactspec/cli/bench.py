@@ -49,7 +49,7 @@ def add_parser(commands) -> None:
                        help=f"questions per group (default {FULL['per_category']}; "
                             f"{QUICK['per_category']} with --quick)")
     bench.add_argument("--method", action="append", default=None, metavar="SPEC",
-                       help="method to compare (repeatable): a drafter spec as in generate "
+                       help="method to compare (repeatable): a proposer spec as in generate "
                             "--proposer, with :k=N (default 4) and :policy=P (default constant), "
                             "e.g. plain, prompt-lookup:k=4[:ngram=2-3][:policy=auto], "
                             "suffix:k=8[:corpus=N] (a corpus holds only the outputs of the "

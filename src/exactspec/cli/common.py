@@ -31,13 +31,13 @@ def ngram_range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def drafter_spec(text: str):
-    """A drafter spec (grammar in :mod:`exactspec.proposers.spec`) → its
+def proposer_spec(text: str):
+    """A proposer spec (grammar in :mod:`exactspec.proposers.spec`) → its
     :class:`~exactspec.proposers.spec.DrafterSpec`."""
-    from exactspec.proposers.spec import parse_drafter
+    from exactspec.proposers.spec import parse_proposer
 
     try:
-        return parse_drafter(text)
+        return parse_proposer(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -168,11 +168,11 @@ def check_models_before_loading(args: argparse.Namespace, drafts: dict[str, str]
     return backend
 
 
-def check_drafter_before_loading(args: argparse.Namespace, parser: argparse.ArgumentParser,
-                                 drafter, flag: str) -> str:
-    """:func:`check_models_before_loading` for ``--model`` and ``drafter``'s draft model;
+def check_proposer_before_loading(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                                 proposer_spec, flag: str) -> str:
+    """:func:`check_models_before_loading` for ``--model`` and ``proposer``'s draft model;
     for early exit, that the target runs on transformers and :func:`check_early_exit`.
-    ``flag`` names the drafter in messages (e.g. ``--draft-model``, ``--proposer SPEC``).
+    ``flag`` names the proposer in messages (e.g. ``--draft-model``, ``--proposer SPEC``).
 
     Returns:
         the target's backend, ``transformers`` or ``llama_cpp``.
@@ -182,14 +182,14 @@ def check_drafter_before_loading(args: argparse.Namespace, parser: argparse.Argu
     """
     from exactspec.model_files import layer_count, resolve_model_path
 
-    backend = check_models_before_loading(args, {flag: drafter.model} if drafter.model else {})
-    if drafter.kind == "early-exit":
+    backend = check_models_before_loading(args, {flag: proposer_spec.model} if proposer_spec.model else {})
+    if proposer_spec.kind == "early-exit":
         if backend != "transformers":
             raise ValueError(f"{flag} drafts with the target's own layers, which needs the "
                              f"transformers backend, and {args.model!r} runs on {backend}: "
                              "add --backend transformers")
         check_early_exit(parser, flag if flag == "--early-exit" else f"{flag}: L =",
-                         drafter.layers, layer_count(resolve_model_path(args.model)))
+                         proposer_spec.layers, layer_count(resolve_model_path(args.model)))
     return backend
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_model_options,
                                   add_policy_option, allows_batch_variance,
-                                  check_drafter_before_loading, drafter_spec, has_chat_template,
+                                  check_proposer_before_loading, proposer_spec, has_chat_template,
                                   load_from_args, logit_bias, ngram_range, positive_int, seed)
-from exactspec.proposers.spec import DEFAULT_NGRAM, FORMS, DrafterSpec, parse_drafter
+from exactspec.proposers.spec import DEFAULT_NGRAM, FORMS, ProposerSpec, parse_proposer
 
 CHECKED_AFTER_LOAD = "an id outside the model's vocabulary is reported once the model has loaded"
 FIELD_FLAGS = {"stop_token_ids": "--stop-token-id", "banned_token_ids": "--ban-token-id",
@@ -24,15 +24,15 @@ def add_parser(commands) -> None:
         "generate", help="generate text with speculative decoding",
         description="Generate a continuation of PROMPT with exact speculative decoding and print "
                     "the text, then a one-line summary (tokens, tokens/s, acceptance rate, mean "
-                    "acceptance length) on stderr. By default the drafter is prompt lookup "
+                    "acceptance length) on stderr. By default the proposer is prompt lookup "
                     "(n-gram matching in the prompt and the generated text).",
         epilog=EXIT_STATUSES)
     gen.add_argument("prompt", metavar="PROMPT", help="the prompt text; '-' reads it from stdin")
     add_model_options(gen)
     spec = gen.add_argument_group("speculation")
     how = spec.add_mutually_exclusive_group()
-    how.add_argument("--proposer", metavar="SPEC", type=drafter_spec, default=None,
-                     help=f"the drafter: {FORMS} (the default: prompt-lookup, with "
+    how.add_argument("--proposer", metavar="SPEC", type=proposer_spec, default=None,
+                     help=f"the proposer: {FORMS} (the default: prompt-lookup, with "
                           f"ngram={DEFAULT_NGRAM[0]}-{DEFAULT_NGRAM[1]}); the flags below are "
                           "shorthands for these")
     how.add_argument("--prompt-lookup", metavar="MIN-MAX", type=ngram_range, nargs="?",
@@ -156,23 +156,23 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("PROMPT is empty: give some text")
 
     console = Console(stderr=True, soft_wrap=True)
-    drafter, flag = _drafter(args)
+    proposer_spec, flag = _proposer_spec(args)
     try:  # what can be checked before the (slow) loading
-        check_drafter_before_loading(args, parser, drafter, flag)
+        check_proposer_before_loading(args, parser, proposer_spec, flag)
     except (ModelNotFoundError, ValueError) as error:
         console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
         return 1
     if args.num_speculative_tokens == 0:
-        drafter = DrafterSpec("none", "none")
+        proposer_spec = ProposerSpec("none", "none")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("exactspec").setLevel(logging.INFO)
     try:
         with console.status(f"Loading {args.model} …"):
             target = load_from_args(args)
-        with (console.status(f"Loading draft {drafter.model} …") if drafter.model
+        with (console.status(f"Loading draft {proposer_spec.model} …") if proposer_spec.model
               else contextlib.nullcontext()):
-            proposer = build_proposer(drafter, target, lambda name: load_from_args(args, name))
-        method = drafter.description
+            proposer = build_proposer(proposer_spec, target, lambda name: load_from_args(args, name))
+        method = proposer_spec.description
         if proposer is not None and not target.batch_invariant and allows_batch_variance(args):
             console.print(f"note: {target.description} is not batch-invariant: the output is "
                           "exact only up to rounding (near-tied tokens can flip)", highlight=False)
@@ -232,21 +232,21 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def _drafter(args: argparse.Namespace) -> tuple[DrafterSpec, str]:
-    """The drafter that ``--proposer`` or its shorthands name, and the flag that named it
+def _proposer_spec(args: argparse.Namespace) -> tuple[ProposerSpec, str]:
+    """The proposer that ``--proposer`` or its shorthands name, and the flag that named it
     (for messages); prompt lookup when none is given."""
     if args.proposer is not None:
         return args.proposer, f"--proposer {args.proposer.spec}"
     if args.no_speculation:
-        return DrafterSpec("none", "none"), "--no-speculation"
+        return ProposerSpec("none", "none"), "--no-speculation"
     if args.suffix:
-        return parse_drafter("suffix"), "--suffix"
+        return parse_proposer("suffix"), "--suffix"
     if args.draft_model:
-        return DrafterSpec(f"draft:{args.draft_model}", "draft",
+        return ProposerSpec(f"draft:{args.draft_model}", "draft",
                            model=args.draft_model), "--draft-model"
     if args.early_exit is not None:
-        return DrafterSpec(f"early-exit:{args.early_exit}", "early-exit",
+        return ProposerSpec(f"early-exit:{args.early_exit}", "early-exit",
                            layers=args.early_exit), "--early-exit"
     low, high = args.prompt_lookup or DEFAULT_NGRAM
-    return DrafterSpec(f"prompt-lookup:ngram={low}-{high}", "prompt-lookup",
+    return ProposerSpec(f"prompt-lookup:ngram={low}-{high}", "prompt-lookup",
                        (low, high)), "--prompt-lookup"

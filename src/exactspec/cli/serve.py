@@ -8,10 +8,10 @@ import os
 
 from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_model_options,
                                   add_policy_option, allows_batch_variance,
-                                  check_drafter_before_loading, drafter_spec, load_from_args,
+                                  check_proposer_before_loading, proposer_spec, load_from_args,
                                   positive_int)
 from exactspec.batching import DEFAULT_MAX_BATCH_SIZE
-from exactspec.proposers.spec import DEFAULT_NGRAM, FORMS, parse_drafter
+from exactspec.proposers.spec import DEFAULT_NGRAM, FORMS, parse_proposer
 
 API_KEY_VARIABLE = "EXACTSPEC_API_KEY"
 
@@ -37,9 +37,9 @@ def add_parser(commands) -> None:
         epilog=EXIT_STATUSES)
     add_model_options(serve)
     spec = serve.add_argument_group("speculation (each request may override)")
-    spec.add_argument("--proposer", metavar="SPEC", type=drafter_spec,
-                      default=parse_drafter("prompt-lookup"),
-                      help=f"the drafter: {FORMS} (default prompt-lookup, ngram="
+    spec.add_argument("--proposer", metavar="SPEC", type=proposer_spec,
+                      default=parse_proposer("prompt-lookup"),
+                      help=f"the proposer: {FORMS} (default prompt-lookup, ngram="
                            f"{DEFAULT_NGRAM[0]}-{DEFAULT_NGRAM[1]}); none serves plain decoding "
                            "only")
     spec.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K, metavar="K",
@@ -88,14 +88,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not 0 <= args.port <= 65535:
         parser.error(f"--port {args.port} is invalid: it must be in [0, 65535]")
     console = Console(stderr=True, soft_wrap=True)
-    drafter = args.proposer
+    proposer_spec = args.proposer
     try:
-        check_drafter_before_loading(args, parser, drafter, f"--proposer {drafter.spec}")
+        check_proposer_before_loading(args, parser, proposer_spec, f"--proposer {proposer_spec.spec}")
         with console.status(f"Loading {args.model} …"):
             target = load_from_args(args)
-        with (console.status(f"Loading draft {drafter.model} …") if drafter.model
+        with (console.status(f"Loading draft {proposer_spec.model} …") if proposer_spec.model
               else contextlib.nullcontext()):
-            proposer = build_proposer(drafter, target, lambda name: load_from_args(args, name))
+            proposer = build_proposer(proposer_spec, target, lambda name: load_from_args(args, name))
         app = _app(args, target, proposer)
     except (ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError,
             ValueError) as error:
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 1
     import uvicorn
 
-    speculation = (f"drafter {drafter.description}, k ≤ {args.num_speculative_tokens}, "
+    speculation = (f"proposer {proposer_spec.description}, k ≤ {args.num_speculative_tokens}, "
                    f"{args.policy} policy" if proposer is not None and args.num_speculative_tokens
                    else "plain decoding")
     batch = 1 if proposer is not None and not proposer.batchable else args.max_batch_size

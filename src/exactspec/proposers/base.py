@@ -6,10 +6,10 @@ Modelled on transformers' ``CandidateGenerator`` (``get_candidates`` and the fee
 Contract for ``propose(token_ids, k, pipeline, rng, min_confidence)``:
     requires  token_ids = prompt + committed tokens (the engine owns this list), k ≥ 1;
               pipeline = the sequence's :class:`~exactspec.logits_pipeline.LogitsPipeline`
-              (a model drafter applies it to its own logits, so its q sees the same
+              (a model proposer applies it to its own logits, so its q sees the same
               penalties, bans and filters as the target's p: better acceptance);
-              rng = the sequence's random number generator (drafters that sample use it);
-              min_confidence = the policy's threshold (only drafters that declare
+              rng = the sequence's random number generator (proposers that sample use it);
+              min_confidence = the policy's threshold (only proposers that declare
               ``supports_min_confidence`` are given one above 0)
     returns   a :class:`Proposal` of at most k tokens (possibly none), and, unless the
               proposer is a point mass (greedy or n-gram), the exact distributions q the
@@ -59,7 +59,7 @@ class Proposer(Protocol):
     """Drafting runs no model and draws no random numbers, so the ``auto`` policy may peek at
     a draft it will not verify (:class:`~exactspec.speculation_length.AutoPolicy`)."""
     supports_min_confidence: bool = False
-    """The drafter has probabilities of its own and stops drafting below ``min_confidence``
+    """The proposer has probabilities of its own and stops drafting below ``min_confidence``
     (the ``confidence`` policy needs it)."""
     batchable: bool = False
     """A shallow copy per sequence, each ``reset`` on its own, drafts independently of the
@@ -67,7 +67,7 @@ class Proposer(Protocol):
     (:class:`~exactspec.batching.BatchedGenerator`)."""
 
     corpus: SuffixCorpus | None = None
-    """The earlier outputs the drafter learns from across requests (scoped, see
+    """The earlier outputs the proposer learns from across requests (scoped, see
     :meth:`reset`), or None when it learns nothing across requests; the server reports its
     size and the bench refills it so that no question is drafted from its own answer."""
 
@@ -85,18 +85,18 @@ class Proposer(Protocol):
         model's KV cache). With ``reproducible`` (a seeded sampling run) the generation
         must draft the same whatever ran before, so nothing learnt from earlier
         generations may be used. ``scope`` says whose generations this one may learn from
-        and teach: a drafter that learns across requests uses and feeds only what
+        and teach: a proposer that learns across requests uses and feeds only what
         generations of the same scope wrote (the server's scope: API key and
         ``cache_salt``; None: the default scope). Default: nothing to drop."""
 
     def end_sequence(self, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         """A sample is complete: ``token_ids`` = prompt + output, the prompt being the first
-        ``num_prompt_tokens`` (for drafters that learn across requests, in the scope given
+        ``num_prompt_tokens`` (for proposers that learn across requests, in the scope given
         to :meth:`reset`; default: ignored)."""
 
 
 def check_ngram_sizes(low: int, high: int, names: tuple[str, str]) -> None:
-    """The n-gram sizes a matching drafter takes, ``names`` = how its arguments are called.
+    """The n-gram sizes a matching proposer takes, ``names`` = how its arguments are called.
 
     Raises:
         ValueError: unless ``low`` is an integer ≥ 1 and ``high`` an integer ≥ ``low``.

@@ -61,7 +61,7 @@ class DraftModelProposer(Proposer):
             raise UnsupportedModelError(
                 f"the tokenizer has {self.num_real_tokens} tokens but the draft's logits have "
                 f"{draft.vocab_size} and the target's {target.vocab_size}")
-        self.sequence_id = new_sequence_id()  # the draft's sequence this drafter uses
+        self.sequence_id = new_sequence_id()  # the draft's sequence this proposer uses
         self._cached: list[int] = []  # the tokens in its KV cache
 
     def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,

@@ -1,4 +1,4 @@
-"""Drafters named by a spec string: the one grammar of ``exactspec generate --proposer``,
+"""Proposers named by a spec string: the one grammar of ``exactspec generate --proposer``,
 ``exactspec audit --proposer`` and ``exactspec bench --method``.
 
 A spec is ``[PEER-]KIND[:ARG][:key=value...]``::
@@ -20,7 +20,7 @@ A spec is ``[PEER-]KIND[:ARG][:key=value...]``::
     :policy=P                    speculation-length policy (constant,    } has no flag of its
                                  auto, heuristic, confidence)             } own (bench --method)
 
-``PEER-`` (only where a command compares peers, ``bench --method``): the same drafter run by
+``PEER-`` (only where a command compares peers, ``bench --method``): the same proposer run by
 another engine on the same model instead of exactspec, ``hf-`` for transformers
 ``generate()`` and ``llama-`` for llama-cpp-python (see :mod:`exactspec.peers`), e.g.
 ``hf-plain``, ``hf-prompt-lookup:k=10``, ``hf-assistant:MODEL``, ``llama-prompt-lookup:k=10``.
@@ -39,12 +39,12 @@ from dataclasses import dataclass
 
 from exactspec.backends.base import Backend
 from exactspec.proposers.base import Proposer
-from exactspec.proposers.suffix import DEFAULT_MATCH
+from exactspec.proposers.suffix import DEFAULT_SUFFIX_NGRAM
 
 DEFAULT_NGRAM = (2, 3)
 """Prompt lookup's n-gram sizes (MIN, MAX) when a spec gives none."""
 KINDS = ("none", "prompt-lookup", "suffix", "early-exit", "draft")
-NGRAM_DEFAULTS = {"prompt-lookup": DEFAULT_NGRAM, "suffix": DEFAULT_MATCH}
+NGRAM_DEFAULTS = {"prompt-lookup": DEFAULT_NGRAM, "suffix": DEFAULT_SUFFIX_NGRAM}
 """The kinds that match n-grams, and their sizes when a spec gives none."""
 ALIASES = {"plain": "none", "assistant": "draft"}
 """Other names of a kind: ``plain`` (the bench's baseline), ``assistant`` (transformers')."""
@@ -57,8 +57,8 @@ OPTION_VALUES = {"k": "N", "policy": "P"}
 
 
 @dataclass(frozen=True)
-class DrafterSpec:
-    """A drafter spec taken apart (see the module docstring).
+class ProposerSpec:
+    """A proposer spec taken apart (see the module docstring).
 
     Attributes:
         spec: the text it was parsed from.
@@ -113,9 +113,9 @@ def parse_ngram(text: str) -> tuple[int, int]:
     return low, high
 
 
-def parse_drafter(spec: str, *, what: str = "proposer", options: Collection[str] = (),
-                  peers: Mapping[str, Collection[str]] | None = None) -> DrafterSpec:
-    """Take a drafter spec apart and check it, without any model (see the module docstring).
+def parse_proposer(spec: str, *, what: str = "proposer", options: Collection[str] = (),
+                  peers: Mapping[str, Collection[str]] | None = None) -> ProposerSpec:
+    """Take a proposer spec apart and check it, without any model (see the module docstring).
 
     Args:
         spec: the text, e.g. ``prompt-lookup:ngram=1-3``.
@@ -161,16 +161,16 @@ def parse_drafter(spec: str, *, what: str = "proposer", options: Collection[str]
         raise ValueError(f"{prefix}: L = {layers} must be ≥ 1")
     policy = keys.get("policy")  # checked by the caller that takes it (bench methods)
     model = ":".join(positional) if kind == "draft" else None  # a path may hold colons
-    return DrafterSpec(spec, kind, ngram, layers, model, corpus, k, policy, peer)
+    return ProposerSpec(spec, kind, ngram, layers, model, corpus, k, policy, peer)
 
 
-def build_proposer(drafter: DrafterSpec, target: Backend,
+def build_proposer(proposer_spec: ProposerSpec, target: Backend,
                    load_model: Callable[[str], Backend]) -> Proposer | None:
-    """exactspec's proposer for ``drafter`` on ``target`` (None for ``none``); ``load_model``
+    """exactspec's proposer for ``proposer`` on ``target`` (None for ``none``); ``load_model``
     loads a draft model by name or path.
 
     Raises:
-        ValueError: if ``drafter`` names a peer (it is not exactspec's), or L ≥ the target's
+        ValueError: if ``proposer`` names a peer (it is not exactspec's), or L ≥ the target's
             layer count.
         UnsupportedModelError: for early exit on a backend other than transformers, or a
             draft model whose tokenizer differs from the target's.
@@ -180,15 +180,15 @@ def build_proposer(drafter: DrafterSpec, target: Backend,
     from exactspec.proposers.prompt_lookup import PromptLookupProposer
     from exactspec.proposers.suffix import SuffixCorpus, SuffixProposer
 
-    if drafter.peer:
-        raise ValueError(f"{drafter.spec!r} is run by a peer (see exactspec.peers), not exactspec")
-    if drafter.kind == "prompt-lookup":
-        return PromptLookupProposer(*drafter.ngram)
-    if drafter.kind == "suffix":
-        return SuffixProposer(*drafter.ngram, corpus=drafter.corpus and SuffixCorpus(
-            drafter.corpus, *drafter.ngram))
-    if drafter.kind == "early-exit":
-        return EarlyExitProposer(target, drafter.layers)
-    if drafter.kind == "draft":
-        return DraftModelProposer(load_model(drafter.model), target)
+    if proposer_spec.peer:
+        raise ValueError(f"{proposer_spec.spec!r} is run by a peer (see exactspec.peers), not exactspec")
+    if proposer_spec.kind == "prompt-lookup":
+        return PromptLookupProposer(*proposer_spec.ngram)
+    if proposer_spec.kind == "suffix":
+        return SuffixProposer(*proposer_spec.ngram, corpus=proposer_spec.corpus and SuffixCorpus(
+            proposer_spec.corpus, *proposer_spec.ngram))
+    if proposer_spec.kind == "early-exit":
+        return EarlyExitProposer(target, proposer_spec.layers)
+    if proposer_spec.kind == "draft":
+        return DraftModelProposer(load_model(proposer_spec.model), target)
     return None

@@ -6,9 +6,9 @@ matched suffix weighted by how often they followed it, each drafted token scored
 frequency, the draft stopping when the product of the scores falls below a threshold;
 Saxena 2023, "Prompt Lookup Decoding", for drafting from the request's own text.
 
-The index (continuation counts for every n-gram of ``min_match``..``max_match`` tokens of
+The index (continuation counts for every n-gram of ``min_ngram``..``max_ngram`` tokens of
 the prompt and the generated text) is updated incrementally: each new token adds one
-entry per n-gram size, so a proposal costs O(k · max_match) dictionary lookups whatever the
+entry per n-gram size, so a proposal costs O(k · max_ngram) dictionary lookups whatever the
 context length (prompt lookup rescans the context every cycle). This index covers the
 current sequence only and is emptied by :meth:`SuffixProposer.reset`.
 
@@ -43,18 +43,18 @@ import torch
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer, check_ngram_sizes
 
-DEFAULT_MATCH = (1, 8)
+DEFAULT_SUFFIX_NGRAM = (1, 8)
 """The n-gram sizes matched (MIN, MAX) when none are given."""
-DEFAULT_MIN_PROBABILITY = 0.1
+DEFAULT_MIN_CONFIDENCE = 0.1
 """The draft stops once the product of its tokens' scores would fall below this."""
 
 
 class _SuffixIndex:
     """n-gram → {next token: [times it followed, stamp of the last time]} for n-grams of
-    ``min_match``..``max_match`` tokens."""
+    ``min_ngram``..``max_ngram`` tokens."""
 
-    def __init__(self, min_match: int, max_match: int) -> None:
-        self.min_match, self.max_match = min_match, max_match
+    def __init__(self, min_ngram: int, max_ngram: int) -> None:
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.next: dict[tuple[int, ...], dict[int, list[int]]] = {}
 
     def count(self, tokens: Sequence[int], start: int, stamp: int) -> None:
@@ -62,7 +62,7 @@ class _SuffixIndex:
         of position i is ``stamp + i`` (higher = more recent, for ties)."""
         for i in range(start, len(tokens)):
             token = tokens[i]
-            for n in range(self.min_match, min(self.max_match, i) + 1):
+            for n in range(self.min_ngram, min(self.max_ngram, i) + 1):
                 followers = self.next.setdefault(tuple(tokens[i - n:i]), {})
                 seen = followers.get(token)
                 if seen is None:
@@ -74,7 +74,7 @@ class _SuffixIndex:
     def uncount(self, tokens: Sequence[int]) -> None:
         """Take back what :meth:`count` added for the whole of ``tokens``."""
         for i in range(1, len(tokens)):
-            for n in range(self.min_match, min(self.max_match, i) + 1):
+            for n in range(self.min_ngram, min(self.max_ngram, i) + 1):
                 key = tuple(tokens[i - n:i])
                 followers = self.next[key]
                 seen = followers[tokens[i]]
@@ -87,7 +87,7 @@ class _SuffixIndex:
     def best(self, tail: Sequence[int]) -> tuple[int, float] | None:
         """The most frequent continuation of the longest suffix of ``tail`` in the index
         (ties: the most recent) and its score; None when no suffix occurred before."""
-        for n in range(min(self.max_match, len(tail)), self.min_match - 1, -1):
+        for n in range(min(self.max_ngram, len(tail)), self.min_ngram - 1, -1):
             followers = self.next.get(tuple(tail[-n:]))
             if followers:
                 token, (count, _) = max(followers.items(), key=lambda item: item[1])
@@ -113,18 +113,18 @@ class SuffixCorpus:
     Args:
         max_tokens: most output tokens kept, all scopes together; adding more evicts the
             oldest outputs first, whatever their scope.
-        min_match, max_match: n-gram sizes indexed (as the proposer's).
+        min_ngram, max_ngram: n-gram sizes indexed (as the proposer's).
     Raises:
         ValueError: naming the bad value.
     """
 
-    def __init__(self, max_tokens: int = DEFAULT_CORPUS_TOKENS, min_match: int = DEFAULT_MATCH[0],
-                 max_match: int = DEFAULT_MATCH[1]) -> None:
+    def __init__(self, max_tokens: int = DEFAULT_CORPUS_TOKENS, min_ngram: int = DEFAULT_SUFFIX_NGRAM[0],
+                 max_ngram: int = DEFAULT_SUFFIX_NGRAM[1]) -> None:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens = {max_tokens!r} is invalid: it must be an integer ≥ 1")
-        check_ngram_sizes(min_match, max_match, ("min_match", "max_match"))
+        check_ngram_sizes(min_ngram, max_ngram, ("min_ngram", "max_ngram"))
         self.max_tokens = max_tokens
-        self.min_match, self.max_match = min_match, max_match
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self._indexes: dict[Hashable, _SuffixIndex] = {}  # scope → its outputs' index
         self._outputs: deque[tuple[Hashable, list[int]]] = deque()  # oldest first
         self._lock = threading.Lock()
@@ -140,7 +140,7 @@ class SuffixCorpus:
         with self._lock:
             index = self._indexes.get(scope)
             if index is None:
-                index = self._indexes[scope] = _SuffixIndex(self.min_match, self.max_match)
+                index = self._indexes[scope] = _SuffixIndex(self.min_ngram, self.max_ngram)
             index.count(tokens, 1, self._stamp)
             self._stamp += len(tokens)
             self._outputs.append((scope, tokens))
@@ -188,11 +188,12 @@ class SuffixProposer(Proposer):
     suffix (see the module docstring).
 
     Args:
-        min_match: shortest suffix matched (tokens), ≥ 1.
-        max_match: longest suffix matched (tokens), ≥ min_match.
-        min_probability: the draft stops before the token whose score would bring the
+        min_ngram: shortest suffix matched (tokens), ≥ 1.
+        max_ngram: longest suffix matched (tokens), ≥ min_ngram.
+        min_confidence: the draft stops before the token whose score would bring the
             product of the scores below this, in [0, 1) (0: draft k tokens while matches
-            last). The ``confidence`` policy's ``min_confidence`` raises it.
+            last). The ``confidence`` policy's own threshold (``propose``'s
+            ``min_confidence``) raises it.
         corpus: earlier outputs to draft from as well (None: the request's own text only);
             every finished sample's output is added to it, in the generation's scope
             (:meth:`reset`), and only that scope's outputs are drafted from.
@@ -204,21 +205,21 @@ class SuffixProposer(Proposer):
     batchable = True
     supports_min_confidence = True
 
-    def __init__(self, min_match: int = DEFAULT_MATCH[0], max_match: int = DEFAULT_MATCH[1],
-                 min_probability: float = DEFAULT_MIN_PROBABILITY,
+    def __init__(self, min_ngram: int = DEFAULT_SUFFIX_NGRAM[0], max_ngram: int = DEFAULT_SUFFIX_NGRAM[1],
+                 min_confidence: float = DEFAULT_MIN_CONFIDENCE,
                  corpus: SuffixCorpus | None = None) -> None:
-        check_ngram_sizes(min_match, max_match, ("min_match", "max_match"))
-        if not 0 <= min_probability < 1:
-            raise ValueError(f"min_probability = {min_probability!r} is invalid: it must be in "
+        check_ngram_sizes(min_ngram, max_ngram, ("min_ngram", "max_ngram"))
+        if not 0 <= min_confidence < 1:
+            raise ValueError(f"min_confidence = {min_confidence!r} is invalid: it must be in "
                              "[0, 1)")
-        self.min_match, self.max_match = min_match, max_match
-        self.min_probability = min_probability
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.min_confidence = min_confidence
         self.corpus = corpus
         self.reset()
 
     def reset(self, reproducible: bool = False, scope: Hashable = None) -> None:
         self._tokens: list[int] = []  # the tokens indexed so far
-        self._index = _SuffixIndex(self.min_match, self.max_match)
+        self._index = _SuffixIndex(self.min_ngram, self.max_ngram)
         self._use_corpus = self.corpus is not None and not reproducible
         self._scope = scope
 
@@ -229,8 +230,8 @@ class SuffixProposer(Proposer):
     def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
                 rng: torch.Generator, min_confidence: float = 0.0) -> Proposal:
         self._update(token_ids)
-        threshold = max(self.min_probability, min_confidence)
-        tail = list(token_ids[-self.max_match:])
+        threshold = max(self.min_confidence, min_confidence)
+        tail = list(token_ids[-self.max_ngram:])
         drafted: list[int] = []
         probability = 1.0
         while len(drafted) < k:
@@ -242,7 +243,7 @@ class SuffixProposer(Proposer):
                 break
             probability *= score
             drafted.append(token)
-            tail = (tail + [token])[-self.max_match:]
+            tail = (tail + [token])[-self.max_ngram:]
         return Proposal(drafted) if drafted else EMPTY_PROPOSAL
 
     def _continuation(self, tail: list[int]) -> tuple[int, float] | None:
@@ -259,7 +260,7 @@ class SuffixProposer(Proposer):
         sample) is indexed anew."""
         done = len(self._tokens)
         if done > len(token_ids) or (done and token_ids[done - 1] != self._tokens[-1]):
-            self._tokens, self._index = [], _SuffixIndex(self.min_match, self.max_match)
+            self._tokens, self._index = [], _SuffixIndex(self.min_ngram, self.max_ngram)
             done = 0
         self._tokens.extend(int(t) for t in token_ids[done:])
         self._index.count(self._tokens, max(done, 1), 0)

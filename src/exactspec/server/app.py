@@ -50,13 +50,13 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
                max_queue: int = 64, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
                allow_batch_variance: bool = False) -> FastAPI:
-    """The server for one loaded ``target`` (and drafter), named ``model_name`` in the API.
+    """The server for one loaded ``target`` (and proposer), named ``model_name`` in the API.
 
     Args:
         speculation: the default k_max and policy (a request's ``speculation`` overrides).
         api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <key>`` with this key or
             one of these keys (else 401). A request's *scope* is its key and its
-            ``cache_salt``: only requests of one scope share what a drafter learns across
+            ``cache_salt``: only requests of one scope share what a proposer learns across
             requests (the suffix corpus), so clients cannot read each other's output
             through the drafts.
         max_queue: most requests waiting for the engine (beyond it: 503).
@@ -170,21 +170,21 @@ class Serving:
         """A request's speculation settings over the server's defaults.
 
         Raises:
-            ServerError: 400 for speculation asked of a server without a drafter, or a
-                policy the drafter cannot run.
+            ServerError: 400 for speculation asked of a server without a proposer, or a
+                policy the proposer cannot run.
         """
         request = request or Speculation()
         default = self.worker.default_speculation
-        has_drafter = self.worker.proposer is not None
+        has_proposer = self.worker.proposer is not None
         k = (default.num_speculative_tokens if request.num_speculative_tokens is None
              else request.num_speculative_tokens)
         if request.enabled is False:
             k = 0
-        elif not has_drafter and (request.enabled or request.num_speculative_tokens):
-            raise ServerError(400, "this server runs without a drafter (started with "
+        elif not has_proposer and (request.enabled or request.num_speculative_tokens):
+            raise ServerError(400, "this server runs without a proposer (started with "
                                    "--proposer none): speculation cannot be enabled",
                               "speculation")
-        chosen = SpeculationSettings(k if has_drafter else 0, request.policy or default.policy)
+        chosen = SpeculationSettings(k if has_proposer else 0, request.policy or default.policy)
         try:
             self.worker.generator(chosen)
         except ValueError as error:

@@ -69,10 +69,10 @@ class ServerMetrics:
         Gauge(p + "model_info", "The served model", ["model"], registry=r).labels(model).set(1)
 
     def watch_corpus(self, corpus: SuffixCorpus) -> None:
-        """Report a suffix drafter's corpus of earlier outputs: tokens kept (bounded) and
+        """Report a suffix proposer's corpus of earlier outputs: tokens kept (bounded) and
         n-grams indexed (its memory grows with them)."""
         p, r = "exactspec:", self.registry
-        Gauge(p + "suffix_corpus_tokens", "Output tokens in the suffix drafter's corpus",
+        Gauge(p + "suffix_corpus_tokens", "Output tokens in the suffix proposer's corpus",
               registry=r).set_function(lambda: corpus.num_tokens)
         Gauge(p + "suffix_corpus_max_tokens", "The corpus's bound (tokens)",
               registry=r).set(corpus.max_tokens)

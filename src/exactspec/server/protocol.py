@@ -27,7 +27,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from exactspec.engine import GenerationResult, TokenLogprob
-from exactspec.metrics import GenerationStats
+from exactspec.generation_stats import GenerationStats
 from exactspec.request import Prompt, RequestError
 from exactspec.sampling import SamplingParams
 from exactspec.speculation_length import POLICIES
@@ -76,7 +76,7 @@ class Speculation(BaseModel):
     """Per-request speculation settings; a field left out takes the server's default.
 
     Attributes:
-        enabled: False decodes this request plainly (no drafter).
+        enabled: False decodes this request plainly (no proposer).
         num_speculative_tokens: the most tokens drafted per cycle, k_max (0 = plain).
         policy: how k is chosen each cycle (auto, constant, heuristic, confidence).
     """
@@ -133,7 +133,7 @@ class SamplingRequest(BaseModel):
     banned_token_ids: list[int] | None = None
     speculation: Speculation | None = None
     # vLLM's cache isolation: only requests with the same salt (and API key) share what the
-    # suffix drafter's corpus learnt from earlier outputs
+    # suffix proposer's corpus learnt from earlier outputs
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     def prompts(self) -> list[Prompt]:

@@ -94,15 +94,15 @@ class Job:
 
 
 class EngineWorker:
-    """The thread that runs every job on one target and drafter, batched.
+    """The thread that runs every job on one target and proposer, batched.
 
     Args:
         target: the loaded target model.
-        proposer: the server's drafter (None: plain decoding only).
+        proposer: the server's proposer (None: plain decoding only).
         speculation: the server's default k_max and policy.
         metrics: where finished requests are counted.
         max_queue: most jobs waiting (beyond it :meth:`submit` raises QueueFullError).
-        max_batch_size: most prompts decoded together (1 with a drafter that is not
+        max_batch_size: most prompts decoded together (1 with a proposer that is not
             ``batchable``: a draft model's cache follows one sequence).
         allow_batch_variance: as :class:`~exactspec.engine.SpeculativeGenerator`.
     """
@@ -132,10 +132,10 @@ class EngineWorker:
 
     def generator(self, speculation: SpeculationSettings) -> SpeculativeGenerator:
         """The generator for these settings (made once, then reused: every row gets its
-        own copy of its policy and drafter).
+        own copy of its policy and proposer).
 
         Raises:
-            ValueError: if the policy cannot run with the server's drafter.
+            ValueError: if the policy cannot run with the server's proposer.
         """
         with self._generators_lock:
             if speculation not in self._generators:

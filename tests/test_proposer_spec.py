@@ -1,4 +1,4 @@
-"""The one drafter spec grammar (exactspec.proposers.spec) and the peers built from it
+"""The one proposer spec grammar (exactspec.proposers.spec) and the peers built from it
 (exactspec.peers), without the command line."""
 
 import pytest
@@ -7,26 +7,26 @@ from exactspec import PromptLookupProposer, SamplingParams, SuffixProposer
 from exactspec.bench.methods import parse_method, parse_method_spec
 from exactspec.peers import PEERS, TransformersPeer, make_peer
 from exactspec.proposers import EarlyExitProposer
-from exactspec.proposers.spec import DrafterSpec, build_proposer, parse_drafter, parse_ngram
+from exactspec.proposers.spec import ProposerSpec, build_proposer, parse_proposer, parse_ngram
 
 from conftest import tiny_backend
 
 
 @pytest.mark.parametrize("spec, expected", [
-    ("none", DrafterSpec("none", "none")),
-    ("plain", DrafterSpec("plain", "none")),
-    ("prompt-lookup", DrafterSpec("prompt-lookup", "prompt-lookup", (2, 3))),
-    ("prompt-lookup:ngram=1-4", DrafterSpec("prompt-lookup:ngram=1-4", "prompt-lookup", (1, 4))),
-    ("suffix", DrafterSpec("suffix", "suffix", (1, 8))),
-    ("suffix:corpus=5000", DrafterSpec("suffix:corpus=5000", "suffix", (1, 8), corpus=5000)),
-    ("suffix:ngram=2-6", DrafterSpec("suffix:ngram=2-6", "suffix", (2, 6))),
-    ("early-exit:3", DrafterSpec("early-exit:3", "early-exit", layers=3)),
-    ("draft:some/model", DrafterSpec("draft:some/model", "draft", model="some/model")),
-    ("draft:C:/models/x.gguf", DrafterSpec("draft:C:/models/x.gguf", "draft",
+    ("none", ProposerSpec("none", "none")),
+    ("plain", ProposerSpec("plain", "none")),
+    ("prompt-lookup", ProposerSpec("prompt-lookup", "prompt-lookup", (2, 3))),
+    ("prompt-lookup:ngram=1-4", ProposerSpec("prompt-lookup:ngram=1-4", "prompt-lookup", (1, 4))),
+    ("suffix", ProposerSpec("suffix", "suffix", (1, 8))),
+    ("suffix:corpus=5000", ProposerSpec("suffix:corpus=5000", "suffix", (1, 8), corpus=5000)),
+    ("suffix:ngram=2-6", ProposerSpec("suffix:ngram=2-6", "suffix", (2, 6))),
+    ("early-exit:3", ProposerSpec("early-exit:3", "early-exit", layers=3)),
+    ("draft:some/model", ProposerSpec("draft:some/model", "draft", model="some/model")),
+    ("draft:C:/models/x.gguf", ProposerSpec("draft:C:/models/x.gguf", "draft",
                                            model="C:/models/x.gguf")),
 ])
-def test_drafter_specs_parse_without_a_model(spec, expected):
-    assert parse_drafter(spec) == expected
+def test_proposer_specs_parse_without_a_model(spec, expected):
+    assert parse_proposer(spec) == expected
 
 
 @pytest.mark.parametrize("spec, reason", [
@@ -46,9 +46,9 @@ def test_drafter_specs_parse_without_a_model(spec, expected):
     ("prompt-lookup:ngram=3-1", "ngram '3-1' is invalid: need 1 ≤ MIN ≤ MAX"),
     ("prompt-lookup:ngram=x", "ngram 'x' is invalid: give MIN-MAX n-gram sizes, e.g. 1-3"),
 ])
-def test_bad_drafter_specs_are_named_with_the_allowed_forms(spec, reason):
+def test_bad_proposer_specs_are_named_with_the_allowed_forms(spec, reason):
     with pytest.raises(ValueError) as error:
-        parse_drafter(spec)
+        parse_proposer(spec)
     assert str(error.value).startswith(f"proposer {spec!r} is invalid: {reason}")
 
 
@@ -59,14 +59,14 @@ def test_ngram_range_has_one_spelling_and_accepts_the_old_one():
             parse_ngram(bad)
 
 
-def test_bench_methods_are_drafter_specs_with_options_and_peers():
-    assert parse_method_spec("prompt-lookup:k=6:ngram=1-2:policy=auto") == DrafterSpec(
+def test_bench_methods_are_proposer_specs_with_options_and_peers():
+    assert parse_method_spec("prompt-lookup:k=6:ngram=1-2:policy=auto") == ProposerSpec(
         "prompt-lookup:k=6:ngram=1-2:policy=auto", "prompt-lookup", (1, 2), k=6, policy="auto")
-    assert parse_method_spec("plain") == DrafterSpec("plain", "none", k=4, policy="constant")
+    assert parse_method_spec("plain") == ProposerSpec("plain", "none", k=4, policy="constant")
     assert parse_method_spec("hf-prompt-lookup").k == parse_method_spec("llama-prompt-lookup").k == 10
     assistant = parse_method_spec("hf-assistant:M:k=3")
     assert (assistant.peer, assistant.kind, assistant.model, assistant.k) == ("hf", "draft", "M", 3)
-    assert parse_method_spec("hf-draft:M:k=3") == DrafterSpec(
+    assert parse_method_spec("hf-draft:M:k=3") == ProposerSpec(
         "hf-draft:M:k=3", "draft", model="M", k=3, policy="constant", peer="hf")
     with pytest.raises(ValueError, match="the llama- peer runs only none, prompt-lookup"):
         parse_method_spec("llama-early-exit:2")
@@ -90,12 +90,12 @@ def test_methods_keep_their_kinds():
 
 def test_build_proposer():
     target = tiny_backend(0)
-    assert build_proposer(parse_drafter("none"), target, None) is None
-    lookup = build_proposer(parse_drafter("prompt-lookup:ngram=1-4"), target, None)
+    assert build_proposer(parse_proposer("none"), target, None) is None
+    lookup = build_proposer(parse_proposer("prompt-lookup:ngram=1-4"), target, None)
     assert isinstance(lookup, PromptLookupProposer)
-    suffix = build_proposer(parse_drafter("suffix:ngram=2-6"), target, None)
-    assert isinstance(suffix, SuffixProposer) and (suffix.min_match, suffix.max_match) == (2, 6)
-    assert isinstance(build_proposer(parse_drafter("early-exit:1"), target, None),
+    suffix = build_proposer(parse_proposer("suffix:ngram=2-6"), target, None)
+    assert isinstance(suffix, SuffixProposer) and (suffix.min_ngram, suffix.max_ngram) == (2, 6)
+    assert isinstance(build_proposer(parse_proposer("early-exit:1"), target, None),
                       EarlyExitProposer)
     with pytest.raises(ValueError, match="is run by a peer"):
         build_proposer(parse_method_spec("hf-plain"), target, None)
@@ -123,12 +123,12 @@ def test_transformers_peer_modes_and_sampling_translation(monkeypatch):
         peer.sample([1, 2], SamplingParams(temperature=0.7, repetition_penalty=1.2), 1)
 
 
-def test_peers_need_their_backend_and_drafter():
+def test_peers_need_their_backend_and_proposer():
     target = tiny_backend(0)
     assert set(PEERS) == {"hf", "llama"}
     with pytest.raises(ValueError, match="needs the llama_cpp backend"):
         make_peer(parse_method_spec("llama-plain"), target, None, 0)
     with pytest.raises(ValueError, match="llama-cpp-python generate.. runs only none or "
                                          "prompt-lookup, not 'early-exit:1'"):
-        make_peer(DrafterSpec("early-exit:1", "early-exit", layers=1, peer="llama"), target,
+        make_peer(ProposerSpec("early-exit:1", "early-exit", layers=1, peer="llama"), target,
                   None, 4)

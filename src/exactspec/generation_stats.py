@@ -25,12 +25,12 @@ class GenerationStats:
         num_prompt_tokens: prompt length (tokens).
         num_generated_tokens: tokens emitted (EOS included when it ended generation).
         cycles: draft + verify cycles run (plain decoding: one per token).
-        drafted_tokens: tokens proposed by the drafter.
+        drafted_tokens: tokens proposed by the proposer.
         accepted_tokens: drafted tokens accepted and emitted.
         drafted_per_position: ``[k]`` how often draft position i (0-based) was drafted.
         accepted_per_position: ``[k]`` how often draft position i was accepted.
         chosen_k_histogram: ``[k+1]`` entry k = cycles for which the policy chose k drafts
-            (a drafter may then propose fewer, e.g. prompt lookup without a match).
+            (a proposer may then propose fewer, e.g. prompt lookup without a match).
         committed_per_cycle: tokens committed by each cycle, in order.
         prefill_seconds: time to fill the target's cache with the prompt.
         ttft_seconds: time to first token (prefill and first cycle).
@@ -125,12 +125,6 @@ class GenerationStats:
         return self.num_generated_tokens / self.total_seconds if self.total_seconds else None
 
     @property
-    def other_seconds(self) -> float:
-        """Time outside prefill, drafting and verification (bookkeeping, stop checks)."""
-        return max(0.0, self.total_seconds - self.prefill_seconds - self.draft_seconds
-                   - self.verify_seconds)
-
-    @property
     def overhead_seconds(self) -> float:
         """Decoding time outside the target's forward passes (seconds): drafting, logits
         processing, verification, bookkeeping. With prompt lookup this is all host-side
@@ -146,7 +140,7 @@ class GenerationStats:
     def to_dict(self) -> dict:
         """Every field and derived figure, JSON-serialisable."""
         derived = ("acceptance_rate", "mean_acceptance_length", "per_position_acceptance",
-                   "committed_histogram", "tpot_seconds", "tokens_per_second", "other_seconds",
+                   "committed_histogram", "tpot_seconds", "tokens_per_second",
                    "overhead_seconds", "overhead_share")
         return asdict(self) | {name: getattr(self, name) for name in derived}
 
