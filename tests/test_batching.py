@@ -140,7 +140,7 @@ def test_a_short_prompt_arriving_during_a_long_prefill_is_not_blocked_behind_it(
 
 
 @pytest.mark.parametrize("policy", ["constant", "auto"])
-@pytest.mark.parametrize("proposer", ["none", "prompt-lookup", "suffix"])
+@pytest.mark.parametrize("proposer_name", ["none", "prompt-lookup", "suffix"])
 def test_greedy_rows_equal_decoding_them_alone(proposer_name, policy, make_backend):
     """Six requests of different prompts and lengths, three at a time (rows join as others
     finish), equal plain decoding of each alone; the same request in another batch too."""

@@ -37,7 +37,7 @@ def check_stats(result, k):
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("proposer", ["random", "prompt_lookup", "suffix", "identical_model",
+@pytest.mark.parametrize("proposer_name", ["random", "prompt_lookup", "suffix", "identical_model",
                                      "other_model"])
 @pytest.mark.parametrize("prompt", [REPEATED, "a"])
 def test_greedy_identity(seed, k, proposer_name, prompt, make_backend):

@@ -146,7 +146,7 @@ def teacher_forced_logprobs(target, prompt_ids, token_ids, params):
     SamplingParams(max_new_tokens=25, logprobs=2, temperature=0.9, top_k=20, seed=4,
                    repetition_penalty=1.2),
 ])
-@pytest.mark.parametrize("proposer", ["same_model", "draft_model"])
+@pytest.mark.parametrize("proposer_name", ["same_model", "draft_model"])
 def test_logprobs_equal_plain_decoding(params, proposer_name):
     """Accepted and bonus tokens (same_model drafts are accepted), recovered tokens
     (an unrelated draft model is mostly rejected)."""

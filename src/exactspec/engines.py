@@ -21,7 +21,7 @@ from typing import Protocol
 
 from exactspec.batching import BatchedGenerator
 from exactspec.engine import GenerationResult, SpeculativeGenerator
-from exactspec.proposers.suffix import SuffixCorpus
+from exactspec.proposers.base import Corpus
 from exactspec.sampling import SamplingParams, make_rng
 
 __all__ = ["BatchedEngine", "Engine", "ExactspecEngine", "Generation", "one_after_another"]
@@ -63,7 +63,7 @@ class Engine(Protocol):
     """
 
     name: str
-    corpus: SuffixCorpus | None
+    corpus: Corpus | None
     drafted: int | None
     accepted: int | None
     drafted_per_position: list[int] | None

@@ -20,14 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from exactspec.logits_pipeline import LogitsPipeline
-
-if TYPE_CHECKING:
-    from exactspec.proposers.suffix import SuffixCorpus
 
 
 @dataclass(frozen=True)
@@ -50,6 +47,33 @@ class Proposal:
 EMPTY_PROPOSAL = Proposal([])
 
 
+class Corpus(Protocol):
+    """Earlier outputs a proposer learns from across requests, kept apart by scope (see
+    :meth:`Proposer.reset`); :class:`~exactspec.proposers.suffix.SuffixCorpus` is one.
+
+    Attributes:
+        num_tokens: output tokens kept now.
+        max_tokens: the bound on ``num_tokens`` (the oldest outputs are evicted first).
+        num_ngrams: n-grams indexed (its memory grows with them).
+    """
+
+    max_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_ngrams(self) -> int: ...
+
+    def add(self, token_ids: Sequence[int], scope: Hashable = None) -> None:
+        """Keep ``token_ids`` (one output) in ``scope``."""
+        ...
+
+    def clear(self) -> None:
+        """Forget every output of every scope."""
+        ...
+
+
 @runtime_checkable
 class Proposer(Protocol):
     """Drafts up to k tokens per cycle; learns how many were accepted. Proposers subclass
@@ -66,7 +90,7 @@ class Proposer(Protocol):
     others (no model cache of its own), so batched decoding can give every row one
     (:class:`~exactspec.batching.BatchedGenerator`)."""
 
-    corpus: SuffixCorpus | None = None
+    corpus: Corpus | None = None
     """The earlier outputs the proposer learns from across requests (scoped, see
     :meth:`reset`), or None when it learns nothing across requests; the server reports its
     size and the bench refills it so that no question is drafted from its own answer."""

@@ -118,7 +118,8 @@ class SuffixCorpus:
         ValueError: naming the bad value.
     """
 
-    def __init__(self, max_tokens: int = DEFAULT_CORPUS_TOKENS, min_ngram: int = DEFAULT_SUFFIX_NGRAM[0],
+    def __init__(self, max_tokens: int = DEFAULT_CORPUS_TOKENS,
+                 min_ngram: int = DEFAULT_SUFFIX_NGRAM[0],
                  max_ngram: int = DEFAULT_SUFFIX_NGRAM[1]) -> None:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens = {max_tokens!r} is invalid: it must be an integer ≥ 1")

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from exactspec.engine import GenerationResult
-from exactspec.proposers.suffix import SuffixCorpus
+from exactspec.proposers.base import Corpus
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 """Seconds; wide, because requests wait in one queue on a small machine."""
@@ -68,7 +68,7 @@ class ServerMetrics:
             registry=r)
         Gauge(p + "model_info", "The served model", ["model"], registry=r).labels(model).set(1)
 
-    def watch_corpus(self, corpus: SuffixCorpus) -> None:
+    def watch_corpus(self, corpus: Corpus) -> None:
         """Report a suffix proposer's corpus of earlier outputs: tokens kept (bounded) and
         n-grams indexed (its memory grows with them)."""
         p, r = "exactspec:", self.registry
