@@ -247,8 +247,8 @@ def converted_gguf_folder(gguf_path: Path) -> Path:
     folder = cache_root() / "converted" / key
     if (folder / "config.json").is_file():
         return folder
-    logger.info("Converting %s to a float32 model folder, once (≈ 15 s for the embedded model "
-                "on 2 idle cores); kept in %s", gguf_path.name, folder)
+    logger.info("Converting %s to a float32 model folder, once (seconds to minutes); kept in %s",
+                gguf_path.name, folder)
     with _quiet_gguf_reader():
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,

@@ -32,7 +32,7 @@ from exactspec.sampling import SamplingParams
 
 PEERS = {"hf": ("none", "prompt-lookup", "early-exit", "draft"), "llama": ("none", "prompt-lookup")}
 """Peer prefix → the proposer kinds it runs (the ``peers`` of
-:func:`~exactspec.proposers.spec.parse_drafter`)."""
+:func:`~exactspec.proposers.spec.parse_proposer`)."""
 DEFAULT_PROMPT_LOOKUP_K = 10
 """A peer's prompt-lookup tokens per draft when the spec gives no ``k=`` (both engines' own
 default)."""

@@ -2,8 +2,8 @@
 
 Threads that split one forward wait for each other at every step of it; when another
 process takes one of their cores, the forward waits for a thread that is not running, and
-decoding does not slow down a little, it collapses (on the project's 2-core machine with one
-busy process, 2 threads decoded 4× slower than 1; docs/backends.md, "Choosing --threads"). So:
+decoding does not slow down a little, it collapses (measured: docs/backends.md, "Choosing
+--threads", and results/threads-2026-12-01). So:
 
 - **Host-side tensor work** (logits processing, sampling, verification: a few rows of the
   vocabulary) runs on one thread, where it is fastest for its size and never waits for

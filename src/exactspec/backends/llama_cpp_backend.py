@@ -21,8 +21,8 @@ batch and single-token logits are bit-identical. Every backend checks this when 
 (:attr:`LlamaCppBackend.batch_invariant`) and the engine refuses to speculate on one that
 fails; plain decoding is still allowed.
 
-``llama-cpp-python`` is optional; it compiles llama.cpp from source (about 9 minutes on 2
-CPU cores): ``CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" pip install --no-cache-dir
+``llama-cpp-python`` is optional; it compiles llama.cpp from source (minutes; see
+docs/setup.md): ``CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" pip install --no-cache-dir
 'exactspec[llama-cpp]'`` (``--no-cache-dir`` so that pip does not reuse a wheel it built
 earlier without the flag).
 """

@@ -85,15 +85,14 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--weight-type", default=None, choices=WEIGHT_TYPES, type=str.upper,
                        help="llama_cpp backend only: run the GGUF file's weights converted to "
                             "this type (converted once, cached). Q8_0 makes each extra token "
-                            "scored cost about 70%% of a plain step instead of 80%% on the "
-                            "embedded model, with a plain step no slower: speculation gains; "
-                            "F32 is the same weights unrounded; BF16, F16 and Q8_0 round "
+                            "scored cheaper than Q4_1 at a plain step no slower, so "
+                            "speculation gains (results/llama-weights-2026-12-01); F32 is the same weights unrounded; BF16, F16 and Q8_0 round "
                             "them, a model close to the file's (default: the file's own "
                             "weights, Q4_1 for the embedded model)")
     model.add_argument("--threads", type=positive_int, default=None,
                        help="CPU threads. llama_cpp: its threads (default: half the cores, "
                             f"here {_default_threads()}); all cores are faster on an idle "
-                            "machine, but collapse (e.g. 100× slower) while another process "
+                            "machine, but collapse while another process "
                             "uses the CPU: then use at most the cores that are free. "
                             "transformers: the most a forward uses (default: PyTorch's, here "
                             f"{_torch_threads()}); each forward runs on either one thread or "

@@ -28,7 +28,7 @@ another engine on the same model instead of exactspec, ``hf-`` for transformers
 The n-gram range is written ``MIN-MAX``; ``generate --prompt-lookup`` also takes its old
 spelling ``MIN:MAX`` (both through :func:`parse_ngram`).
 
-:func:`parse_drafter` takes a spec apart and checks it without loading any model;
+:func:`parse_proposer` takes a spec apart and checks it without loading any model;
 :func:`build_proposer` makes exactspec's :class:`~exactspec.proposers.base.Proposer` from it.
 """
 
