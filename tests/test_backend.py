@@ -72,3 +72,24 @@ def test_load_errors(tmp_path):
         TransformersBackend.load(tmp_path, dtype="float8")
     with pytest.raises(ValueError, match="device 'gpu7' is invalid"):
         TransformersBackend.load(tmp_path, device="gpu7")
+
+
+def test_num_logits_keeps_each_rows_last_tokens_and_bad_calls_change_nothing(make_backend):
+    backend = make_backend(0)
+    backend.reserve(3)
+    for sequence_id in (1, 2):
+        backend.prefill(sequence_id, [3, 1, 4])
+    full = backend.forward([(1, [6]), (2, [7, 8, 9])])
+    backend.rollback(1, 1)
+    backend.rollback(2, 3)
+    last_two = backend.forward([(1, [6]), (2, [7, 8, 9])], num_logits=2)
+    assert [len(rows) for rows in last_two] == [1, 2]  # at most a row's own tokens
+    assert torch.equal(last_two[0], full[0]) and torch.equal(last_two[1], full[1][-2:])
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="num_logits"):
+            backend.forward([(1, [5])], num_logits=bad)
+    assert backend.num_cached_tokens(1) == 4 and backend.num_cached_tokens(2) == 6
+    with pytest.raises(ValueError, match="exceed"):  # a failed first prefill holds nothing
+        backend.prefill(3, [1] * (backend.max_context_length + 1))
+    with pytest.raises(ValueError, match="not held"):
+        backend.num_cached_tokens(3)

@@ -263,3 +263,13 @@ def test_suffix_corpus_learns_across_requests_keeps_greedy_identity_and_seeds():
     fresh = SpeculativeGenerator(tiny_backend(0), SuffixProposer(), 6, "constant")
     assert generator.generate("hello world", seeded).token_ids == fresh.generate(
         "hello world", seeded).token_ids
+
+
+def test_token_ids_may_come_as_an_array():
+    import numpy as np
+
+    target = tiny_backend(0)
+    params = SamplingParams(max_new_tokens=5)
+    expected = SpeculativeGenerator(target, None).generate([1, 2, 3], params).token_ids
+    for prompt in (np.array([1, 2, 3]), torch.tensor([1, 2, 3])):
+        assert SpeculativeGenerator(target, None).generate(prompt, params).token_ids == expected

@@ -67,9 +67,11 @@ def test_draft_with_padded_vocabulary(draft_vocab):
             assert proposal.probs[:, 60:].sum() == 0
     params = SamplingParams(max_new_tokens=30)
     expected = SpeculativeGenerator(target, None).generate([1, 2, 3], params)
-    result = SpeculativeGenerator(target, DraftModelProposer(draft, target), 4).generate(
-        [1, 2, 3], params)
+    proposer = DraftModelProposer(draft, target)
+    result = SpeculativeGenerator(target, proposer, 4).generate([1, 2, 3], params)
     assert result.token_ids == expected.token_ids
+    with pytest.raises(ValueError, match="not held"):  # the draft's sequence was freed
+        draft.num_cached_tokens(proposer.sequence_id)
 
 
 def test_draft_cache_follows_the_context():

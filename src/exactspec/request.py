@@ -54,8 +54,9 @@ class Request:
             (measured costs, a corpus of earlier outputs); a seeded sampling request is not,
             so that its output is reproducible (see
             :meth:`~exactspec.speculation_length.SpeculationLengthPolicy.reset`).
-        start: ``time.perf_counter()`` when it was prepared (TTFT and total seconds count
-            from here).
+        start: ``time.perf_counter()`` when it was prepared: TTFT and total seconds count
+            from here when the engine prepares it itself; a request prepared elsewhere and
+            queued (the server's) counts from when it is submitted to the batch.
     """
 
     prompt_token_ids: list[int]
@@ -108,7 +109,7 @@ def prompt_tokens(target: Backend, prompt: Prompt, chat: bool = False) -> list[i
     """``prompt`` as token ids, checked against the vocabulary and the context (see
     :func:`prepare_request`; its errors name the field ``prompt``)."""
     tokenizer = target.tokenizer
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], Mapping)):
+    if isinstance(prompt, str) or (len(prompt) > 0 and isinstance(prompt[0], Mapping)):
         if isinstance(prompt, str) and not chat:
             token_ids = tokenizer.encode(prompt)
         else:

@@ -182,6 +182,17 @@ class Backend(Protocol):
         ...
 
 
+def check_rows(rows: Sequence[tuple[int, Sequence[int]]], num_logits: int | None) -> None:
+    """Raise ``ValueError`` unless ``forward``'s arguments are well formed: at least one row,
+    a token in each, ``num_logits`` None or an integer ≥ 1."""
+    if not rows or any(len(token_ids) == 0 for _, token_ids in rows):
+        raise ValueError("forward needs at least one row and at least one token in each")
+    if num_logits is not None and (isinstance(num_logits, bool) or not isinstance(num_logits, int)
+                                   or num_logits < 1):
+        raise ValueError(f"num_logits = {num_logits!r} is invalid: it must be None or an "
+                         "integer ≥ 1")
+
+
 def check_context(backend: Backend, cached: int, adding: int, context: str = "model's") -> None:
     """Raise ``ValueError`` if a sequence holding ``cached`` tokens cannot take ``adding``
     more within ``backend.max_context_length`` (``context`` names whose, in the message)."""

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, chat_messages,
-                                     check_batch_invariance, check_context,
+                                     check_batch_invariance, check_context, check_rows,
                                      check_sequence_invariance)
 from exactspec.model_files import gguf_architecture_value
 
@@ -299,7 +299,9 @@ class LlamaCppBackend:
         self._context, self._own_context = context, True
         self._memory = llama_cpp.llama_get_memory(context)
         self._slot_lengths = [0] * num_sequences
-        self.__dict__.pop("sequences_invariant", None)  # new caches: measure again
+        # new caches: measure both checks again on them
+        self.__dict__.pop("sequences_invariant", None)
+        self.batch_invariant = check_batch_invariance(self).invariant
 
     def prefill(self, sequence_id: int, token_ids: Sequence[int]) -> None:
         new = sequence_id not in self._slots
@@ -321,11 +323,10 @@ class LlamaCppBackend:
 
     def forward(self, rows: Sequence[tuple[int, Sequence[int]]],
                 num_logits: int | None = None) -> list[torch.Tensor]:
-        if not rows or any(len(token_ids) == 0 for _, token_ids in rows):
-            raise ValueError("forward needs at least one row and at least one token in each")
+        check_rows(rows, num_logits)
         slots = [(self._slot(sequence_id), token_ids) for sequence_id, token_ids in rows]
         logits = self._decode(slots, num_logits)
-        return list(logits.split([num_logits or len(token_ids) for _, token_ids in rows]))
+        return list(logits.split([min(num_logits or len(ids), len(ids)) for _, ids in rows]))
 
     def rollback(self, sequence_id: int, num_tokens: int) -> None:
         slot = self._slot(sequence_id)
@@ -363,31 +364,38 @@ class LlamaCppBackend:
                 num_logits: int | None) -> torch.Tensor:
         """Append each ``(slot, token_ids)`` row to its slot in batches of at most
         ``n_batch`` tokens. Returns the logits of each row's last ``num_logits`` tokens
-        (None: all; 0: none), in row order: ``[total, vocab]``."""
+        (None: all; 0: none), in row order: ``[total, vocab]``. A batch that fails leaves
+        its slots as they were before it."""
         for slot, token_ids in rows:
             check_context(self, self._slot_lengths[slot], len(token_ids), "llama.cpp")
-        items = [(slot, token, i >= len(token_ids) - (num_logits or len(token_ids))
-                  if num_logits != 0 else False)
-                 for slot, token_ids in rows for i, token in enumerate(token_ids)]
+        items = []  # (slot, token, whether its logits are wanted)
+        for slot, token_ids in rows:
+            first_wanted = len(token_ids) - min(num_logits or len(token_ids), len(token_ids))
+            items += [(slot, token, num_logits != 0 and i >= first_wanted)
+                      for i, token in enumerate(token_ids)]
         out = []
         for start in range(0, len(items), self._batch_capacity):
             chunk = items[start:start + self._batch_capacity]
-            lengths = list(self._slot_lengths)
+            lengths = list(self._slot_lengths)  # positions: committed only once decoded
             batch = self._batch
-            batch.n_tokens = len(chunk)
-            for i, (slot, token, wanted) in enumerate(chunk):
-                batch.token[i] = token
-                batch.pos[i] = self._slot_lengths[slot]
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = slot
-                batch.logits[i] = wanted
-                self._slot_lengths[slot] += 1
-            status = self._llama_cpp.llama_decode(self._context, batch)
-            if status != 0:  # the chunk's positions are not in the caches
+            try:
+                batch.n_tokens = len(chunk)
+                for i, (slot, token, wanted) in enumerate(chunk):
+                    batch.token[i] = token
+                    batch.pos[i] = lengths[slot]
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = slot
+                    batch.logits[i] = wanted
+                    lengths[slot] += 1
+                status = self._llama_cpp.llama_decode(self._context, batch)
+                if status != 0:
+                    raise RuntimeError(f"llama_decode failed with status {status}")
+            except BaseException:  # nothing of the chunk may stay in the caches
                 for slot in {slot for slot, _, _ in chunk}:
-                    self._llama_cpp.llama_memory_seq_rm(self._memory, slot, lengths[slot], -1)
-                self._slot_lengths = lengths
-                raise RuntimeError(f"llama_decode failed with status {status}")
+                    self._llama_cpp.llama_memory_seq_rm(self._memory, slot,
+                                                        self._slot_lengths[slot], -1)
+                raise
+            self._slot_lengths = lengths
             num_rows = sum(wanted for _, _, wanted in chunk)
             if num_rows:
                 pointer = self._llama_cpp.llama_get_logits(self._context)

@@ -19,7 +19,7 @@ import torch
 
 from exactspec.backends import native
 from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, chat_messages,
-                                     check_batch_invariance, check_context,
+                                     check_batch_invariance, check_context, check_rows,
                                      check_sequence_invariance)
 from exactspec.backends.batch_invariant import (KERNELS, PackedSequences, kernel_mode,
                                                  native_kernels_apply, packed_sequences,
@@ -218,11 +218,11 @@ class TransformersBackend:
         shared by plain and speculative decoding alike, so they need not match one-token
         scoring."""
         cache = self._caches.get(sequence_id)
+        check_context(self, 0 if cache is None else cache.get_seq_length(), len(token_ids))
         if cache is None:
             if len(self._caches) >= self.max_sequences:
                 raise ValueError(f"all {self.max_sequences} sequences are held: release one first")
             cache = self._caches[sequence_id] = self._new_cache()
-        check_context(self, cache.get_seq_length(), len(token_ids))
         with kernel_mode("fast"), torch_threads(self.threads.max_threads), torch.inference_mode():
             for start in range(0, len(token_ids), self.prefill_chunk_size):
                 chunk = token_ids[start:start + self.prefill_chunk_size]
@@ -234,8 +234,7 @@ class TransformersBackend:
         """See ``Backend.forward``. Several rows are packed into one sequence whose attention
         runs per sequence over its own cache (:class:`PackedSequences`); a lone row runs
         unpacked (the same arithmetic, and the fast kernels' own attention)."""
-        if not rows or any(len(token_ids) == 0 for _, token_ids in rows):
-            raise ValueError("forward needs at least one row and at least one token in each")
+        check_rows(rows, num_logits)
         caches = [self._cache(sequence_id) for sequence_id, _ in rows]
         lengths = [len(token_ids) for _, token_ids in rows]
         for cache, length in zip(caches, lengths):

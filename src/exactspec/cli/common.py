@@ -33,7 +33,7 @@ def ngram_range(text: str) -> tuple[int, int]:
 
 def proposer_spec(text: str):
     """A proposer spec (grammar in :mod:`exactspec.proposers.spec`) → its
-    :class:`~exactspec.proposers.spec.DrafterSpec`."""
+    :class:`~exactspec.proposers.spec.ProposerSpec`."""
     from exactspec.proposers.spec import parse_proposer
 
     try:

@@ -94,6 +94,11 @@ class DraftModelProposer(Proposer):
         self.draft.release(self.sequence_id)
         self._cached = []
 
+    def end_sequence(self, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        """Free the draft's sequence (a slot and a KV cache) between generations; the next
+        sample prefills it again."""
+        self.reset()
+
     def _sync_cache(self, token_ids: Sequence[int]) -> list[int]:
         """Roll the draft cache back to its common prefix with ``token_ids`` (keeping at
         least the last token out of it), or prefill it when it is empty; return the tokens
