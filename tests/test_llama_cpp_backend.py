@@ -74,7 +74,9 @@ def test_speculation_is_refused_on_a_backend_that_is_not_batch_invariant(tmp_pat
     honest = LlamaCppBackend.load(path, threads=1)
     assert honest.batch_invariant  # this build: GGML_LLAMAFILE=OFF
     variant = BatchVariant(honest.new_llama())
-    assert not variant.batch_invariant  # its check freed the one slot plain decoding needs below
+    assert not variant.batch_invariant
+    one(variant).prefill([1, 2])  # the check freed the one slot: a new sequence fits
+    one(variant).release()
     with pytest.raises(UnsupportedModelError, match="not batch-invariant.*GGML_LLAMAFILE=OFF"):
         SpeculativeGenerator(variant, PromptLookupProposer(), 4)
     plain = SpeculativeGenerator(variant, None).generate("abc", SamplingParams(max_new_tokens=3))
