@@ -5,7 +5,7 @@ Source: Elhoushi et al. 2024, "LayerSkip" (arXiv 2404.16710), self-speculative d
 transformers calls it ``assistant_early_exit``. The draft shares every weight with the
 target (no copy) but has its own KV cache of L layers, so it is a
 :class:`~exactspec.proposers.draft_model.DraftModelProposer` over a second backend. A model
-not trained for early exit drafts poorly (results/audit-2026-11-30-ee), which makes it a
+not trained for early exit drafts poorly (results/audit-2026-12-01-ee-cat-5000), which makes it a
 good exerciser of rejection and residual resampling on a real model.
 """
 
