@@ -201,3 +201,33 @@ def model_folder(tmp_path_factory):
     model.generation_config.eos_token_id = vocab["!"]
     model.save_pretrained(folder)
     return folder
+
+
+
+def trained_head(target: TransformersBackend, folder, updates: int = 60) -> str:
+    """Train (``exactspec.draft_head.train``) a draft head for a tiny ``target`` on 160 of its
+    own samples (temperature 1, 48 tokens after a 4-token prompt), drafting from 48 of its
+    64 tokens; returns the head file's path."""
+    from exactspec.draft_head.data import Conversation
+    from exactspec.draft_head.train import TrainingConfig, train
+
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(target.vocab_size, (160, 4), generator=generator)
+    with torch.no_grad():  # plain ancestral sampling of all rows at once
+        for _ in range(48):
+            logits = target.model(input_ids=tokens).logits[:, -1]
+            tokens = torch.cat([tokens, torch.multinomial(logits.softmax(-1), 1,
+                                                          generator=generator)], 1)
+    conversations = [Conversation(i, "", row[:4].tolist(), row[4:].tolist(), "length")
+                     for i, row in enumerate(tokens)]
+    config = TrainingConfig(draft_vocab_size=48, total_updates=updates, batch_tokens=2048,
+                            learning_rate=3e-3, warmup_updates=5, eval_every=updates,
+                            eval_conversations=8, feature_layers=(0, 1))
+    return str(train(target.model, conversations, folder, config, target_name="tiny",
+                     show_progress=False))
+
+
+@pytest.fixture(scope="session")
+def tiny_head_file(tmp_path_factory) -> str:
+    """:func:`trained_head` for ``tiny_backend(0)`` (any backend over that model loads it)."""
+    return trained_head(tiny_backend(0), tmp_path_factory.mktemp("head"))

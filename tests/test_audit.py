@@ -3,6 +3,7 @@ passes correct engines and catches every broken control at every position of a d
 block, and flags impossible continuations, on a tiny model at fixed seeds."""
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from exactspec.audit import (BROKEN_VERIFIERS, AuditResult, BrokenGenerator, Exa
 from exactspec.audit.stats import detectable_tv, fit_tree, holm, node_fit, sample_tree
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.peers import TransformersPeer
+from exactspec.proposers.head import HeadProposer
 
 from conftest import perturbed_backend, tiny_backend, one
 
@@ -232,21 +234,24 @@ def test_reference_is_the_processed_distribution_after_each_prefix(target, promp
 
 # --- audits of engines ---------------------------------------------------------------------
 
-PROPOSERS = {
-    "prompt-lookup": lambda target: PromptLookupProposer(1, 3),
-    "suffix": lambda target: SuffixProposer(1, 8, 0.0),
-    "draft-model": lambda target: DraftModelProposer(perturbed_backend(target, 0.02), target),
-    "early-exit": lambda target: EarlyExitProposer(target, 1),
+PROPOSERS = {  # (target, a draft head file for it) → proposer
+    "prompt-lookup": lambda target, head: PromptLookupProposer(1, 3),
+    "suffix": lambda target, head: SuffixProposer(1, 8, 0.0),
+    "draft-model": lambda target, head: DraftModelProposer(perturbed_backend(target, 0.02), target),
+    "early-exit": lambda target, head: EarlyExitProposer(target, 1),
+    "head": lambda target, head: HeadProposer(target, head),
 }
 MIN_ACCEPTED = {  # per block position; prompt lookup's 2nd draft is never right on a random model
-    "prompt-lookup": [50, 0, 0], "suffix": [100, 0, 0], "draft-model": [300, 150, 50], "early-exit": [300, 100, 30]}
+    "prompt-lookup": [50, 0, 0], "suffix": [100, 0, 0], "draft-model": [300, 150, 50], "early-exit": [300, 100, 30],
+    "head": [300, 30, 3]}  # a head for a random tiny target: measured 563, 74, 11
 
 
 @pytest.mark.parametrize("proposer", PROPOSERS)
-def test_audit_passes_exactspec_and_catches_each_broken_control(proposer, target, prompts):
+def test_audit_passes_exactspec_and_catches_each_broken_control(proposer, target, prompts,
+                                                               tiny_head_file):
     """Every position of a drafted block is verified many times (k = 3, 4 tokens per
     sample) and tested; both broken verifiers are caught."""
-    make = PROPOSERS[proposer]
+    make = functools.partial(PROPOSERS[proposer], head=tiny_head_file)
     # constant k: this test is about the verifier; exactness under "auto" is tested in
     # test_speculation_length.py
     good = audit_distribution(

@@ -387,6 +387,7 @@ class BatchedGenerator:
                     budget -= size
                 if row.proposer is not None:  # a shared one (batch size 1) is the row's now
                     row.proposer.reset(reproducible=not row.timed, scope=row.scope)
+                    row.proposer.follow(row.request_id)
                 row.start_sample()
             except Exception as error:
                 finished[row.request_id] = error

@@ -339,6 +339,7 @@ class SpeculativeGenerator:
             self.policy.reset(timed)
             if self.proposer is not None:
                 self.proposer.reset(reproducible=not timed, scope=scope)
+                self.proposer.follow(sequence)
             prefill_seconds = time.perf_counter() - start
             results = []
             for index in range(n):

@@ -104,6 +104,9 @@ class Backend(Protocol):
             bit-identical logits to scoring it alone, as measured on the loaded model by
             :func:`check_sequence_invariance` the first time it is read (after a
             :meth:`reserve` that changed the caches, again).
+        provides_hidden_features: whether :meth:`record_hidden_features` and
+            :meth:`hidden_features` work (a draft head needs them); False: they raise
+            :class:`UnsupportedModelError`.
     """
 
     name: str
@@ -117,6 +120,7 @@ class Backend(Protocol):
     batch_variance_fix: str
     max_sequences: int
     prefill_chunk_size: int
+    provides_hidden_features: bool
 
     @property
     def sequences_invariant(self) -> bool: ...
@@ -178,6 +182,30 @@ class Backend(Protocol):
 
         Raises:
             ValueError: if the sequence is not held.
+        """
+        ...
+
+    def record_hidden_features(self, layers: Sequence[int]) -> None:
+        """From now on keep, for every position a sequence held from here on caches, the
+        outputs of decoder ``layers`` (0-based) at that position, as the forward pass that
+        cached it computed them (no extra forward; :meth:`rollback` drops them with the
+        position).
+
+        Raises:
+            UnsupportedModelError: if the backend cannot (``provides_hidden_features``).
+            ValueError: for layers outside the model, or other layers than an earlier call's.
+        """
+        ...
+
+    def hidden_features(self, sequence_id: int, start: int) -> torch.Tensor:
+        """``[num_cached_tokens − start, len(layers) · hidden]`` float32: the recorded layer
+        outputs (concatenated in ``layers`` order) of the sequence's cached positions
+        ``start`` … ``num_cached_tokens − 1``.
+
+        Raises:
+            UnsupportedModelError: if the backend cannot (``provides_hidden_features``).
+            ValueError: if the sequence is not held, was cached before recording started,
+                or ``start`` is outside [0, num_cached_tokens].
         """
         ...
 

@@ -46,6 +46,10 @@ from exactspec.model_files import gguf_architecture_value
 INSTALL_HINT = ("CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --no-cache-dir "
                 "'llama-cpp-python==0.3.36'")
 """How to install a llama-cpp-python build whose CPU kernels are batch-invariant."""
+HIDDEN_FEATURES_REFUSAL = (
+    "the llama.cpp backend cannot give the target's hidden features that a draft head reads "
+    "(llama-cpp-python returns only final embeddings, from a context made for embeddings); "
+    "use the transformers backend (--backend transformers) for --proposer head")
 DEFAULT_CONTEXT_LENGTH = 8192
 """KV cache size (tokens) when the caller gives none, capped by the model's own context."""
 
@@ -171,6 +175,15 @@ class LlamaCppBackend:
     """
 
     name = "llama_cpp"
+    provides_hidden_features = False
+    """llama-cpp-python gives embeddings only from a context made for them (pooled or
+    final-layer, not chosen layers), so a draft head is refused here."""
+
+    def record_hidden_features(self, layers: Sequence[int]) -> None:
+        raise UnsupportedModelError(HIDDEN_FEATURES_REFUSAL)
+
+    def hidden_features(self, sequence_id: int, start: int) -> torch.Tensor:
+        raise UnsupportedModelError(HIDDEN_FEATURES_REFUSAL)
     @functools.cached_property
     def sequences_invariant(self) -> bool:
         """Whether a batched forward scores each sequence bit for bit as alone (measured once,

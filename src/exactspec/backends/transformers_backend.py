@@ -11,6 +11,7 @@ bit for bit as plain decoding does.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -128,6 +129,7 @@ class TransformersBackend:
         self._new_cache = lambda: DynamicCache(config=model.config)
         _check_rollback(model, self._new_cache())
         self._caches: dict[int, object] = {}  # sequence id → its DynamicCache
+        self._features = HiddenFeatures(model)
         self.batch_invariant = check_batch_invariance(self).invariant
         self.batch_variance_fix = (
             "These are the fast kernels: load the model with kernels='batch-invariant' (the "
@@ -197,6 +199,7 @@ class TransformersBackend:
         return backend
 
     name = "transformers"
+    provides_hidden_features = True
     prefill_chunk_size = PREFILL_CHUNK_SIZE
     max_sequences = 256
     """A bound on sequences held at once (each one's cache grows as it is used)."""
@@ -223,11 +226,13 @@ class TransformersBackend:
             if len(self._caches) >= self.max_sequences:
                 raise ValueError(f"all {self.max_sequences} sequences are held: release one first")
             cache = self._caches[sequence_id] = self._new_cache()
+            self._features.hold(sequence_id)
         with kernel_mode("fast"), torch_threads(self.threads.max_threads), torch.inference_mode():
             for start in range(0, len(token_ids), self.prefill_chunk_size):
                 chunk = token_ids[start:start + self.prefill_chunk_size]
-                self.model(input_ids=self._tensor(chunk), cache=cache, use_cache=True,
-                           logits_to_keep=1)
+                with self._features.capture([sequence_id], [len(chunk)]):
+                    self.model(input_ids=self._tensor(chunk), cache=cache, use_cache=True,
+                               logits_to_keep=1)
 
     def forward(self, rows: Sequence[tuple[int, Sequence[int]]],
                 num_logits: int | None = None) -> list[torch.Tensor]:
@@ -241,7 +246,7 @@ class TransformersBackend:
             check_context(self, cache.get_seq_length(), length)
         token_ids = [token for _, ids in rows for token in ids]
         with (kernel_mode(self.kernels), self.threads.forward(len(token_ids)),
-              torch.inference_mode()):
+              torch.inference_mode(), self._features.capture([i for i, _ in rows], lengths)):
             if len(rows) == 1:
                 logits = self.model(input_ids=self._tensor(token_ids), cache=caches[0],
                                     use_cache=True,
@@ -268,9 +273,17 @@ class TransformersBackend:
                              f"sequence holds {cache.get_seq_length()} tokens")
         if num_tokens:
             cache.crop(-num_tokens)
+            self._features.drop(sequence_id, num_tokens)
 
     def release(self, sequence_id: int) -> None:
         self._caches.pop(sequence_id, None)
+        self._features.release(sequence_id)
+
+    def record_hidden_features(self, layers: Sequence[int]) -> None:
+        self._features.record(layers)
+
+    def hidden_features(self, sequence_id: int, start: int) -> torch.Tensor:
+        return self._features.read(sequence_id, start, self.num_cached_tokens(sequence_id))
 
     def num_cached_tokens(self, sequence_id: int) -> int:
         return self._cache(sequence_id).get_seq_length()
@@ -284,6 +297,90 @@ class TransformersBackend:
     def _tensor(self, token_ids: Sequence[int]) -> torch.Tensor:
         """``[1, len(token_ids)]`` long tensor on the model's device."""
         return torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+
+
+class HiddenFeatures:
+    """The recorded decoder-layer outputs of every sequence held (see
+    ``Backend.record_hidden_features``): forward hooks on the chosen layers keep their
+    outputs while this backend's own forward runs (:meth:`capture`), split per sequence."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.layers: tuple[int, ...] | None = None
+        self._chunks: dict[int, list[torch.Tensor]] = {}  # sequence → [n_i, F] pieces
+        self._outputs: dict[int, torch.Tensor] | None = None  # layer → output, while capturing
+
+    def record(self, layers: Sequence[int]) -> None:
+        decoder_layers = getattr(self.model.base_model, "layers", None)
+        if decoder_layers is None:
+            raise UnsupportedModelError(f"{type(self.model).__name__} has no decoder layer list "
+                                        "(base_model.layers): its hidden features cannot be "
+                                        "recorded")
+        layers = tuple(int(layer) for layer in layers)
+        if not layers or any(not 0 <= layer < len(decoder_layers) for layer in layers):
+            raise ValueError(f"layers {list(layers)} are invalid: the model's decoder layers "
+                             f"are 0 .. {len(decoder_layers) - 1}")
+        if self.layers is not None:
+            if layers != self.layers:
+                raise ValueError(f"this backend records layers {list(self.layers)} already; "
+                                 f"it cannot record {list(layers)} as well")
+            return
+        self.layers = layers
+        for layer in layers:
+            decoder_layers[layer].register_forward_hook(functools.partial(self._keep, layer))
+
+    def _keep(self, layer: int, module, inputs, output) -> None:
+        if self._outputs is not None:
+            self._outputs[layer] = (output[0] if isinstance(output, tuple) else output)[0]
+
+    def hold(self, sequence_id: int) -> None:
+        if self.layers is not None:
+            self._chunks[sequence_id] = []
+
+    @contextlib.contextmanager
+    def capture(self, sequence_ids: Sequence[int], lengths: Sequence[int]):
+        """Keep the recorded layers' outputs of the forward run inside, ``lengths[i]``
+        positions of ``sequence_ids[i]`` in order."""
+        if self.layers is None:
+            yield
+            return
+        self._outputs = {}
+        try:
+            yield
+            features = torch.cat([self._outputs[layer] for layer in self.layers], -1).float()
+            for sequence_id, piece in zip(sequence_ids, features.split(list(lengths))):
+                if sequence_id in self._chunks:
+                    self._chunks[sequence_id].append(piece)
+        finally:
+            self._outputs = None
+
+    def drop(self, sequence_id: int, num_positions: int) -> None:
+        chunks = self._chunks.get(sequence_id)
+        while chunks and num_positions:
+            last = chunks.pop()
+            if last.shape[0] > num_positions:
+                chunks.append(last[:-num_positions])
+            num_positions -= min(num_positions, last.shape[0])
+
+    def release(self, sequence_id: int) -> None:
+        self._chunks.pop(sequence_id, None)
+
+    def read(self, sequence_id: int, start: int, num_cached: int) -> torch.Tensor:
+        chunks = self._chunks.get(sequence_id)
+        if chunks is None:
+            raise ValueError(f"sequence {sequence_id} was cached before its hidden features "
+                             "were recorded (call record_hidden_features before its prefill)")
+        if not 0 <= start <= num_cached:
+            raise ValueError(f"start = {start} is invalid: the sequence holds {num_cached} "
+                             "positions")
+        pieces, needed = [], num_cached - start
+        for chunk in reversed(chunks):
+            if needed <= 0:
+                break
+            pieces.append(chunk[-needed:] if chunk.shape[0] > needed else chunk)
+            needed -= pieces[-1].shape[0]
+        width = len(self.layers) * self.model.config.get_text_config(decoder=True).hidden_size
+        return torch.cat(pieces[::-1]) if pieces else torch.zeros(0, width)
 
 
 def _check_rollback(model, cache) -> None:

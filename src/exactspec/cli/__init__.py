@@ -1,4 +1,5 @@
-"""The ``exactspec`` command line: ``generate``, ``bench``, ``audit`` and ``serve``; each
+"""The ``exactspec`` command line: ``generate``, ``bench``, ``audit``, ``serve`` and
+``train-draft``; each
 ``exactspec COMMAND --help`` explains every option."""
 
 from __future__ import annotations
@@ -7,10 +8,11 @@ import argparse
 import sys
 
 from exactspec import __version__
-from exactspec.cli import audit, bench, generate, serve
+from exactspec.cli import audit, bench, generate, serve, train_draft
 from exactspec.cli.common import EXIT_INTERRUPTED, EXIT_STATUSES
 
-COMMANDS = {"generate": generate, "bench": bench, "audit": audit, "serve": serve}
+COMMANDS = {"generate": generate, "bench": bench, "audit": audit, "serve": serve,
+            "train-draft": train_draft}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from exactspec.backends.batch_invariant import KERNELS
 from exactspec.model_files import WEIGHT_TYPES
@@ -170,25 +171,32 @@ def check_models_before_loading(args: argparse.Namespace, drafts: dict[str, str]
 def check_proposer_before_loading(args: argparse.Namespace, parser: argparse.ArgumentParser,
                                  proposer_spec, flag: str) -> str:
     """:func:`check_models_before_loading` for ``--model`` and ``proposer``'s draft model;
-    for early exit, that the target runs on transformers and :func:`check_early_exit`.
-    ``flag`` names the proposer in messages (e.g. ``--draft-model``, ``--proposer SPEC``).
+    for early exit and a draft head, that the target runs on transformers (``--backend auto``
+    is set to it) and :func:`check_early_exit` or that the head file exists. ``flag`` names
+    the proposer in messages (e.g. ``--draft-model``, ``--proposer SPEC``).
 
     Returns:
         the target's backend, ``transformers`` or ``llama_cpp``.
     Raises:
         ModelNotFoundError, ValueError: naming the flag and the bad value; bad layer counts
         exit through ``parser.error``.
+        (a head file that does not exist is a ValueError too).
     """
     from exactspec.model_files import layer_count, resolve_model_path
+    from exactspec.proposers.spec import TRANSFORMERS_ONLY
 
+    if proposer_spec.kind in TRANSFORMERS_ONLY and args.backend == "auto":
+        args.backend = "transformers"
     backend = check_models_before_loading(args, {flag: proposer_spec.model} if proposer_spec.model else {})
+    if proposer_spec.kind in TRANSFORMERS_ONLY and backend != "transformers":
+        raise ValueError(f"{flag} {TRANSFORMERS_ONLY[proposer_spec.kind]}, which needs the "
+                         f"transformers backend, and {args.model!r} runs on {backend}: "
+                         "add --backend transformers")
     if proposer_spec.kind == "early-exit":
-        if backend != "transformers":
-            raise ValueError(f"{flag} drafts with the target's own layers, which needs the "
-                             f"transformers backend, and {args.model!r} runs on {backend}: "
-                             "add --backend transformers")
         check_early_exit(parser, flag if flag == "--early-exit" else f"{flag}: L =",
                          proposer_spec.layers, layer_count(resolve_model_path(args.model)))
+    if proposer_spec.head is not None and not Path(proposer_spec.head).expanduser().is_file():
+        raise ValueError(f"{flag}: draft head {proposer_spec.head!r} does not exist")
     return backend
 
 

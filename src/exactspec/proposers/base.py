@@ -100,6 +100,11 @@ class Proposer(Protocol):
         """Draft at most ``k`` tokens continuing ``token_ids`` (prompt + committed)."""
         ...
 
+    def follow(self, sequence_id: int) -> None:
+        """The target's sequence (``Backend`` id) whose context the next proposals continue,
+        told by the engine before a generation's first proposal: a proposer that reads the
+        target's hidden features reads them there (default: ignored)."""
+
     def observe(self, num_accepted: int) -> None:
         """Feedback after verification: how many of the last proposal were accepted
         (default: ignored)."""

@@ -13,6 +13,9 @@ A spec is ``[PEER-]KIND[:ARG][:key=value...]``::
                                  tokens of them, of the same scope only (the server's: API
                                  key and cache_salt; default: off)
     early-exit:L                 the target's first L ≥ 1 layers (self-draft; transformers)
+    head[:PATH]                  a draft head trained on the target's own features (EAGLE
+                                 family; transformers): the one shipped for the target, or
+                                 the head file PATH (``exactspec train-draft``)
     draft:MODEL                  a smaller model on the same tokenizer (embedded name, model
                                  folder or .gguf); ``assistant:MODEL`` is the same
 
@@ -43,7 +46,7 @@ from exactspec.proposers.suffix import DEFAULT_SUFFIX_NGRAM
 
 DEFAULT_NGRAM = (2, 3)
 """Prompt lookup's n-gram sizes (MIN, MAX) when a spec gives none."""
-KINDS = ("none", "prompt-lookup", "suffix", "early-exit", "draft")
+KINDS = ("none", "prompt-lookup", "suffix", "early-exit", "draft", "head")
 NGRAM_DEFAULTS = {"prompt-lookup": DEFAULT_NGRAM, "suffix": DEFAULT_SUFFIX_NGRAM}
 """The kinds that match n-grams, and their sizes when a spec gives none."""
 ALIASES = {"plain": "none", "assistant": "draft"}
@@ -51,7 +54,10 @@ ALIASES = {"plain": "none", "assistant": "draft"}
 ARGUMENT = {"early-exit": "L", "draft": "MODEL"}
 """Kinds that take a positional argument, and its name."""
 FORMS = ("none (or plain), prompt-lookup[:ngram=MIN-MAX], "
-         "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL")
+         "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL, head[:PATH]")
+TRANSFORMERS_ONLY = {"early-exit": "drafts with the target's own layers",
+                     "head": "drafts from the target's hidden features"}
+"""Kinds that need the transformers backend, and why (for messages)."""
 """The allowed forms, for messages."""
 OPTION_VALUES = {"k": "N", "policy": "P"}
 
@@ -67,6 +73,7 @@ class ProposerSpec:
         layers: early exit's L (None for other kinds).
         model: the draft model's name or path (None for other kinds).
         corpus: suffix only: ``corpus=`` (tokens of earlier outputs kept), None: off.
+        head: a draft head file (``head:PATH``), None for the shipped head or other kinds.
         k: ``k=`` if given, else None (the command's default).
         policy: ``policy=`` if given, else None (the command's default).
         peer: the peer prefix (``hf``, ``llama``), None for exactspec itself.
@@ -78,6 +85,7 @@ class ProposerSpec:
     layers: int | None = None
     model: str | None = None
     corpus: int | None = None
+    head: str | None = None
     k: int | None = None
     policy: str | None = None
     peer: str | None = None
@@ -95,7 +103,8 @@ class ProposerSpec:
                 "suffix": "suffix {0}:{1}".format(*self.ngram) + (
                     f" with a corpus of {self.corpus} tokens" if self.corpus else ""),
                 "early-exit": f"early-exit self-draft, {self.layers} layers",
-                "draft": f"draft model {self.model}"}[self.kind]
+                "draft": f"draft model {self.model}",
+                "head": f"draft head {self.head or '(shipped)'}"}[self.kind]
 
 
 def parse_ngram(text: str) -> tuple[int, int]:
@@ -132,7 +141,8 @@ def parse_proposer(spec: str, *, what: str = "proposer", options: Collection[str
     keys = dict(part.split("=", 1) for part in parts if "=" in part)
     positional = [part for part in parts if "=" not in part]
     allowed_keys = {"ngram", "corpus", *options}
-    if (kind not in KINDS or (len(positional) != (kind in ARGUMENT) and kind != "draft")
+    if (kind not in KINDS or (len(positional) != (kind in ARGUMENT)
+                              and kind not in ("draft", "head"))
             or (kind == "draft" and not any(positional)) or set(keys) - allowed_keys
             or ("ngram" in keys and kind not in NGRAM_DEFAULTS)
             or ("corpus" in keys and kind != "suffix")):
@@ -161,7 +171,8 @@ def parse_proposer(spec: str, *, what: str = "proposer", options: Collection[str
         raise ValueError(f"{prefix}: L = {layers} must be ≥ 1")
     policy = keys.get("policy")  # checked by the caller that takes it (bench methods)
     model = ":".join(positional) if kind == "draft" else None  # a path may hold colons
-    return ProposerSpec(spec, kind, ngram, layers, model, corpus, k, policy, peer)
+    head = ":".join(positional) or None if kind == "head" else None
+    return ProposerSpec(spec, kind, ngram, layers, model, corpus, head, k, policy, peer)
 
 
 def build_proposer(proposer_spec: ProposerSpec, target: Backend,
@@ -172,8 +183,10 @@ def build_proposer(proposer_spec: ProposerSpec, target: Backend,
     Raises:
         ValueError: if ``proposer`` names a peer (it is not exactspec's), or L ≥ the target's
             layer count.
-        UnsupportedModelError: for early exit on a backend other than transformers, or a
-            draft model whose tokenizer differs from the target's.
+        UnsupportedModelError: for early exit or a draft head on a backend other than
+            transformers, no head shipped for the target, or a draft model whose tokenizer
+            differs from the target's.
+        FileNotFoundError: for a head file that does not exist.
     """
     from exactspec.proposers.draft_model import DraftModelProposer
     from exactspec.proposers.early_exit import EarlyExitProposer
@@ -191,4 +204,8 @@ def build_proposer(proposer_spec: ProposerSpec, target: Backend,
         return EarlyExitProposer(target, proposer_spec.layers)
     if proposer_spec.kind == "draft":
         return DraftModelProposer(load_model(proposer_spec.model), target)
+    if proposer_spec.kind == "head":
+        from exactspec.proposers.head import HeadProposer
+
+        return HeadProposer(target, proposer_spec.head)
     return None

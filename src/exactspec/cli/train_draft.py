@@ -1,0 +1,105 @@
+"""``exactspec train-draft``: train a draft head for a target on the target's own outputs."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from exactspec.cli.common import EXIT_STATUSES, add_model_options, positive_int, seed
+from exactspec.draft_head.train import TrainingConfig
+
+DEFAULTS = TrainingConfig()
+
+
+def add_parser(commands) -> None:
+    train = commands.add_parser(
+        "train-draft", help="train a draft head (EAGLE family) for --proposer head:PATH",
+        description="Train a draft head for the target: one decoder layer that drafts from the "
+                    "target's own hidden features (EAGLE-3's fused low/mid/high features and "
+                    "training-time test, FR-Spec's reduced draft vocabulary; docs/design.md). "
+                    "The data are conversations the target wrote itself: with --synthesize N it "
+                    "first writes N of them to --data (questions it asks itself about words of "
+                    "its vocabulary, answered greedily in its chat format; resumable), then "
+                    "recomputes their features by prefill and trains. Progress, checkpoints "
+                    "and plots go to --output; run the same command again to resume. The head "
+                    "never changes what is generated, only how fast: use it with "
+                    "--proposer head:OUTPUT/head.safetensors (transformers backend).",
+        epilog=EXIT_STATUSES)
+    add_model_options(train)
+    data = train.add_argument_group("data")
+    data.add_argument("--data", type=Path, required=True, metavar="FILE.jsonl",
+                      help="the target's conversations (exactspec.draft_head.data's format)")
+    data.add_argument("--synthesize", type=positive_int, default=None, metavar="N",
+                      help="first extend --data to N conversations written by the target")
+    training = train.add_argument_group("training")
+    training.add_argument("--output", type=Path, default=Path("draft-head"), metavar="DIR",
+                          help="the run folder: features, checkpoint.pt, head.safetensors, "
+                               "history.json, training.png (default ./draft-head); a checkpoint "
+                               "there is resumed with its own settings")
+    training.add_argument("--minutes", type=float, default=None,
+                          help="stop after this long with a checkpoint (run again to go on)")
+    training.add_argument("--updates", type=positive_int, default=DEFAULTS.total_updates,
+                          help=f"optimizer steps of the schedule (default {DEFAULTS.total_updates})")
+    training.add_argument("--batch-tokens", type=positive_int, default=DEFAULTS.batch_tokens,
+                          help=f"tokens per step (default {DEFAULTS.batch_tokens})")
+    training.add_argument("--learning-rate", type=float, default=DEFAULTS.learning_rate,
+                          help=f"peak AdamW learning rate (default {DEFAULTS.learning_rate})")
+    training.add_argument("--draft-vocab-size", type=positive_int,
+                          default=DEFAULTS.draft_vocab_size, metavar="V",
+                          help="tokens the head drafts from, most frequent in the answers first "
+                               f"(FR-Spec; default {DEFAULTS.draft_vocab_size})")
+    training.add_argument("--unroll", type=positive_int, default=DEFAULTS.num_steps,
+                          metavar="S",
+                          help="drafting steps trained at every position, each on the head's "
+                               f"own previous output (training-time test; default "
+                               f"{DEFAULTS.num_steps})")
+    training.add_argument("--eval-every", type=positive_int, default=DEFAULTS.eval_every,
+                          help="steps between held-out evaluations and checkpoints (default "
+                               f"{DEFAULTS.eval_every})")
+    training.add_argument("--seed", type=seed, default=0, help="the run's seed (default 0)")
+    train.set_defaults(subparser=train)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from rich.console import Console
+
+    from exactspec.draft_head.data import read_conversations, synthesize
+    from exactspec.draft_head.model import head_metadata
+    from exactspec.draft_head.train import train
+    from exactspec.model_files import ModelNotFoundError
+
+    console = Console(stderr=True, soft_wrap=True, highlight=False)
+    if args.backend not in ("auto", "transformers"):
+        parser.error(f"--backend {args.backend}: a draft head is trained on the transformers "
+                     "backend (its hidden features)")
+    if args.minutes is not None and args.minutes <= 0:
+        parser.error(f"--minutes {args.minutes} is invalid: it must be > 0")
+    if args.synthesize is None and not args.data.is_file():
+        parser.error(f"--data {args.data}: no such file (add --synthesize N to write it)")
+    args.backend = "transformers"
+    config = dataclasses.replace(
+        DEFAULTS, total_updates=args.updates, batch_tokens=args.batch_tokens,
+        learning_rate=args.learning_rate, draft_vocab_size=args.draft_vocab_size,
+        num_steps=args.unroll, eval_every=args.eval_every, seed=args.seed)
+    from exactspec.cli.common import load_from_args
+
+    try:
+        with console.status(f"Loading {args.model} …"):
+            target = load_from_args(args)
+        conversations = (synthesize(target, args.data, args.synthesize, seed=args.seed)
+                         if args.synthesize else read_conversations(args.data))
+        if (args.output / "checkpoint.pt").exists():
+            console.print(f"resuming the run in {args.output} (with its own settings)")
+        path = train(target.model, conversations, args.output, config, target_name=args.model,
+                     max_minutes=args.minutes)
+    except (ModelNotFoundError, ValueError) as error:
+        console.print(f"[bold red]error:[/] {error}", markup=True)
+        return 1
+    report = head_metadata(path)
+    agreement = ", ".join(f"{a:.2f}" for a in report["held_out_chained"])
+    console.print(f"head: {path} ({report['updates']} of {config.total_updates} steps, "
+                  f"{report['seconds'] / 60:.1f} min); held-out greedy acceptance per drafted "
+                  f"position: {agreement}; curves: {args.output / 'training.png'}")
+    console.print(f"use it: exactspec generate --proposer head:{path} PROMPT")
+    return 0

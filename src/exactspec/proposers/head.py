@@ -1,0 +1,143 @@
+"""Draft-head proposer: a head trained on the target's own hidden features drafts k tokens.
+
+Source: Li et al. 2024, "EAGLE" (arXiv 2401.15077), §3 and §4 (drafting: the head runs over
+the target's features of the committed positions, then chains on its own outputs); the
+head itself is :class:`~exactspec.draft_head.model.DraftHead` (EAGLE-3's fused features,
+FR-Spec's draft vocabulary). Drafting is a chain (one token per step); each token is the
+head's argmax when greedy, else sampled from q, the head's distribution after the request's
+logits pipeline (penalties, bans, temperature, filters), returned over the target's
+vocabulary (0 outside the draft vocabulary), so verification stays exact at any
+temperature.
+
+The features come from the target's forward passes that scored the positions
+(``Backend.hidden_features``): no extra target forward. The engine tells the proposer which
+of the target's sequences it continues (:meth:`HeadProposer.follow`); the head's own KV
+cache holds one row per committed position but the last (row s: the target's feature at s
+and token s + 1), is rolled back to its common prefix with the context like a draft model's,
+and drops the drafted rows after each proposal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from pathlib import Path
+
+import torch
+
+from exactspec.backends.base import Backend, UnsupportedModelError
+from exactspec.draft_head.model import DraftHead, HeadCache, load_head, shipped_head
+from exactspec.logits_pipeline import LogitsPipeline, greedy_tokens
+from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
+from exactspec.sampling import sample_from_probs
+
+
+class _SequenceState:
+    """What the head holds for one sequence: its KV cache and each row's input token."""
+
+    def __init__(self) -> None:
+        self.cache = HeadCache()
+        self.row_tokens: list[int] = []  # row s's input token (the context's token s + 1)
+        self.last_output: torch.Tensor | None = None  # [1, h], the last row's output
+
+
+class HeadProposer(Proposer):
+    """Drafts with a trained draft head (see module docstring).
+
+    Args:
+        target: the target's backend; it must provide hidden features (transformers).
+        head: a :class:`DraftHead`, a head file, or None for the head shipped for this
+            target (:func:`~exactspec.draft_head.model.shipped_head`).
+    Raises:
+        UnsupportedModelError: on a backend without hidden features (llama.cpp), naming the
+            transformers backend, or when no head is shipped for this target.
+        FileNotFoundError: for a missing file.
+        ValueError: for a head of another target's shape.
+    """
+
+    supports_min_confidence = True
+    """Drafting stops once the head's top probability falls below ``min_confidence``."""
+    batchable = True
+    """Each copy keeps its own head cache (:meth:`reset` makes a new one); the head's weights
+    are shared and only read."""
+
+    def __init__(self, target: Backend, head: DraftHead | str | Path | None = None) -> None:
+        if not target.provides_hidden_features:
+            raise UnsupportedModelError(
+                f"a draft head reads the target's hidden features, which the {target.name} "
+                "backend cannot give; use the transformers backend (--backend transformers)")
+        if not isinstance(head, DraftHead):
+            head = load_head(shipped_head(target.model) if head is None else head, target.model)
+        if head.config.vocab_size != target.vocab_size:
+            raise ValueError(f"the draft head drafts over a vocabulary of "
+                             f"{head.config.vocab_size} tokens; the target has "
+                             f"{target.vocab_size}")
+        target.record_hidden_features(head.config.feature_layers)
+        self.target, self.head = target, head
+        self.sequence_id: int | None = None
+        self._state = _SequenceState()
+
+    def follow(self, sequence_id: int) -> None:
+        self.sequence_id = sequence_id
+
+    def reset(self, reproducible: bool = False, scope: Hashable = None) -> None:
+        self._state = _SequenceState()
+
+    def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
+                rng: torch.Generator, min_confidence: float = 0.0) -> Proposal:
+        if k <= 0 or len(token_ids) < 2:  # no position of the target's to draft from
+            return EMPTY_PROPOSAL
+        if self.sequence_id is None:
+            raise RuntimeError("HeadProposer.propose before follow(): the engine must say which "
+                               "target sequence it continues")
+        head, state = self.head, self._state
+        with torch.inference_mode():
+            hidden = self._sync(token_ids)
+            real_rows = len(state.cache)
+            drafted: list[int] = []
+            probs: list[torch.Tensor] = []
+            ids = head.draft_token_ids
+            for step in range(k):
+                draft_logits = head.logits(hidden)  # [1, V']
+                logits = draft_logits.new_full((1, self.target.vocab_size), float("-inf"))
+                logits[0, ids] = draft_logits[0]
+                processed = pipeline.process(logits, [*token_ids, *drafted])
+                best = float(processed.max())
+                if best == float("-inf") or (
+                        min_confidence and float(processed.softmax(-1).max()) < min_confidence):
+                    break
+                if pipeline.params.greedy:
+                    token = int(greedy_tokens(processed)[0])
+                else:
+                    q = pipeline.probs(processed)  # [1, target_vocab]
+                    token = int(sample_from_probs(q, rng)[0])
+                    probs.append(q[0])
+                drafted.append(token)
+                if step + 1 < k:
+                    hidden = head.extend(state.cache, hidden, torch.tensor([token]))
+            state.cache.crop(real_rows)
+        return Proposal(drafted, torch.stack(probs) if probs else None)
+
+    def _sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Bring the head's rows to the context (rolled back to the common prefix, then the
+        target's features of the new positions fed) and return the last row's output
+        ``[1, h]``, which drafts the token after ``token_ids``."""
+        state, head = self._state, self.head
+        new_tokens = list(token_ids[1:])  # row s's input token is the context's token s + 1
+        common, limit = 0, min(len(state.row_tokens), len(new_tokens))
+        while common < limit and state.row_tokens[common] == new_tokens[common]:
+            common += 1
+        if common == len(new_tokens) and common == len(state.row_tokens) and common:
+            return state.last_output
+        common = min(common, len(new_tokens) - 1)  # the last row is always fed again
+        state.cache.crop(common)
+        del state.row_tokens[common:]
+        features = self.target.hidden_features(self.sequence_id, common)
+        if features.shape[0] != len(new_tokens) - common:
+            raise RuntimeError(f"the target holds {common + features.shape[0]} positions of "
+                               f"this sequence, the context has {len(token_ids)} tokens: the "
+                               "target's cache must hold all but the last")
+        output = head.extend(state.cache, head.fc(features),
+                             torch.tensor(new_tokens[common:]))
+        state.row_tokens.extend(new_tokens[common:])
+        state.last_output = output[-1:]
+        return state.last_output

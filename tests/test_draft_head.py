@@ -1,0 +1,209 @@
+"""The draft head (exactspec.draft_head) and its proposer: the backend's hidden features, the
+head's training-time forward against its drafting, greedy identity (alone and batched),
+checkpoints that resume, the file format, and refusals. Its exactness under sampling is
+audited with the other proposers in test_audit.py."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from exactspec import SamplingParams, SpeculativeGenerator
+from exactspec.backends.base import UnsupportedModelError
+from exactspec.batching import BatchedGenerator
+from exactspec.draft_head.data import Conversation
+from exactspec.draft_head.model import (HeadCache, head_metadata, load_head, new_head, save_head,
+                                        shipped_head)
+from exactspec.draft_head.train import TrainingConfig, chained_acceptance, train
+from exactspec.proposers.head import HeadProposer
+from exactspec.proposers.spec import parse_proposer
+
+from conftest import tiny_backend
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_backend(0)
+
+
+def test_hidden_features_are_the_layer_outputs_of_the_positions_cached(target):
+    target.record_hidden_features((0, 1))
+    ids = [5, 9, 2, 7, 7, 1, 3]
+    target.prefill(101, ids[:3])
+    target.forward([(101, ids[3:5])])
+    target.forward([(101, ids[5:])])
+    features = target.hidden_features(101, 0)
+    with torch.no_grad():
+        states = target.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    assert features.shape == (len(ids), 64)
+    torch.testing.assert_close(features[:, :32], states[1][0], atol=1e-4, rtol=1e-4)
+    # the last layer's hidden state in transformers' tuple has the final norm applied
+    torch.testing.assert_close(target.model.model.norm(features[:, 32:]), states[2][0],
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(target.hidden_features(101, 4), features[4:])
+    target.rollback(101, 3)
+    assert target.hidden_features(101, 0).shape[0] == 4
+    torch.testing.assert_close(target.hidden_features(101, 2), features[2:4])
+    assert target.hidden_features(101, 4).shape == (0, 64)
+    with pytest.raises(ValueError, match="start = 5 is invalid"):
+        target.hidden_features(101, 5)
+    target.release(101)
+    with pytest.raises(ValueError, match="is not held"):
+        target.hidden_features(101, 0)
+    with pytest.raises(ValueError, match="records layers \\[0, 1\\] already"):
+        target.record_hidden_features((1,))
+    with pytest.raises(ValueError, match="decoder layers are 0 .. 1"):
+        tiny_backend(0).record_hidden_features((2,))
+
+
+def test_a_sequence_cached_before_recording_has_no_features():
+    backend = tiny_backend(0)
+    backend.prefill(7, [1, 2, 3])
+    backend.record_hidden_features((1,))
+    with pytest.raises(ValueError, match="before its hidden features were recorded"):
+        backend.hidden_features(7, 0)
+
+
+def test_packed_rows_get_their_own_features(target):
+    target.record_hidden_features((0, 1))
+    rows = {201: [4, 8, 15, 16], 202: [23, 42, 1]}
+    for sequence, ids in rows.items():
+        target.prefill(sequence, ids[:2])
+    target.forward([(sequence, ids[2:]) for sequence, ids in rows.items()])
+    for sequence, ids in rows.items():
+        alone = tiny_backend(0)
+        alone.record_hidden_features((0, 1))
+        alone.prefill(1, ids[:2])
+        alone.forward([(1, ids[2:])])
+        torch.testing.assert_close(target.hidden_features(sequence, 0),
+                                   alone.hidden_features(1, 0), atol=1e-5, rtol=1e-5)
+        target.release(sequence)
+
+
+@pytest.mark.parametrize("root", [0, 5, 10])
+def test_training_time_test_forward_equals_drafting(target, root):
+    """Step j of :meth:`DraftHead.unrolled` at row t is what drafting computes after
+    feeding rows 0..t and chaining j steps on its own outputs (same attention, positions)."""
+    head = new_head(target.model, torch.arange(40), "tiny", (0, 1), seed=3)
+    steps, length = 4, 11
+    generator = torch.Generator().manual_seed(root)
+    features = torch.randn(1, length, head.config.feature_size, generator=generator)
+    tokens = torch.randint(64, (1, length + steps - 1), generator=generator)
+    with torch.no_grad():
+        unrolled = head.unrolled(features, tokens, steps)
+        cache = HeadCache()
+        hidden = head.extend(cache, head.fc(features[0, :root + 1]), tokens[0, :root + 1])[-1:]
+        torch.testing.assert_close(hidden[0], unrolled[0][0, root], atol=1e-5, rtol=1e-5)
+        for step in range(1, steps):
+            hidden = head.extend(cache, hidden, tokens[0, root + step:root + step + 1])
+            torch.testing.assert_close(hidden[0], unrolled[step][0, root], atol=1e-5, rtol=1e-5)
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [9, 9, 8], [30, 31, 2, 2, 40, 41, 7, 1]]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_output_equals_plain_decoding(target, tiny_head_file, k):
+    proposer = HeadProposer(target, tiny_head_file)
+    speculative = SpeculativeGenerator(target, proposer, k, "constant")
+    plain = SpeculativeGenerator(target, None, 0)
+    params = SamplingParams(max_new_tokens=40)
+    for prompt in PROMPTS:
+        result = speculative.generate(prompt, params)
+        assert result.token_ids == plain.generate(prompt, params).token_ids
+        assert all(n > 0 for n in result.stats.drafted_per_position[:k])
+
+
+def test_batched_rows_each_keep_their_own_head_cache(target, tiny_head_file):
+    generator = SpeculativeGenerator(target, HeadProposer(target, tiny_head_file), 3, "constant")
+    plain = SpeculativeGenerator(target, None, 0)
+    params = [SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=20),
+              SamplingParams(temperature=0.9, seed=4, max_new_tokens=25)]
+    batched = BatchedGenerator(generator, 3).generate(PROMPTS, params)
+    for prompt, param, result in zip(PROMPTS, params, batched):
+        assert result.token_ids == generator.generate(prompt, param).token_ids
+        if param.greedy:
+            assert result.token_ids == plain.generate(prompt, param).token_ids
+        assert result.stats.drafted_tokens > 0
+
+
+def test_samples_after_the_first_restart_from_the_prompt(target, tiny_head_file):
+    generator = SpeculativeGenerator(target, HeadProposer(target, tiny_head_file), 3, "constant")
+    params = SamplingParams(temperature=1.0, seed=11, max_new_tokens=20)
+    together = generator.generate_samples(PROMPTS[0], params, n=3)
+    assert len({tuple(r.token_ids) for r in together}) > 1
+    again = generator.generate_samples(PROMPTS[0], params, n=3)
+    assert [r.token_ids for r in together] == [r.token_ids for r in again]
+
+
+def _conversations(count: int = 40) -> list[Conversation]:
+    rng = random.Random(0)
+    return [Conversation(i, "", [rng.randrange(64) for _ in range(4)],
+                         [rng.randrange(64) for _ in range(rng.randrange(8, 30))], "length")
+            for i in range(count)]
+
+
+def test_a_resumed_run_trains_the_same_head_as_an_uninterrupted_one(target, tmp_path):
+    config = TrainingConfig(draft_vocab_size=40, total_updates=8, batch_tokens=256,
+                            eval_every=4, eval_conversations=4, held_out_every=5,
+                            feature_layers=(0, 1))
+    whole = train(target.model, _conversations(), tmp_path / "whole", config, show_progress=False)
+    halves = tmp_path / "halves"
+    train(target.model, _conversations(), halves, config, max_minutes=1e-9,
+          show_progress=False)  # stops after its first update
+    assert json.loads((halves / "history.json").read_text())["updates"] == [1]
+    resumed = train(target.model, _conversations(), halves, None, show_progress=False)
+    one, other = load_head(whole, target.model), load_head(resumed, target.model)
+    for (name, a), (_, b) in zip(one.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(a, b), name
+    history = json.loads((halves / "history.json").read_text())
+    assert history["updates"] == [1, 4, 8]
+    assert len(history["held_out_agreement"][-1]) == config.eval_steps
+    assert (halves / "training.png").stat().st_size > 0
+    assert head_metadata(resumed)["updates"] == 8
+
+
+def test_a_head_file_holds_fp16_weights_loaded_exactly(target, tmp_path):
+    head = new_head(target.model, torch.arange(50).flip(0), "tiny", (0, 1), seed=5)
+    save_head(head, tmp_path / "h.safetensors", {"note": "test"})
+    loaded = load_head(tmp_path / "h.safetensors", target.model)
+    for name, parameter in head.named_parameters():
+        assert torch.equal(dict(loaded.named_parameters())[name],
+                           parameter.detach().half().float()), name
+    assert torch.equal(loaded.draft_token_ids, torch.arange(50).flip(0))
+    assert head_metadata(tmp_path / "h.safetensors") == {"note": "test"}
+    other = tiny_backend(0, model=None, vocab=64)
+    other.model.config.num_hidden_layers = 3
+    with pytest.raises(ValueError, match="trained for a target of 2 layers"):
+        load_head(tmp_path / "h.safetensors", other.model)
+    (tmp_path / "bad.safetensors").write_bytes(b"not a head")
+    with pytest.raises(ValueError, match="is not a draft head file"):
+        load_head(tmp_path / "bad.safetensors", target.model)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_head(tmp_path / "missing.safetensors", target.model)
+
+
+def test_refusals(target):
+    class NoFeatures:
+        name = "llama_cpp"
+        provides_hidden_features = False
+
+    with pytest.raises(UnsupportedModelError, match="--backend transformers"):
+        HeadProposer(NoFeatures())
+    with pytest.raises(UnsupportedModelError, match="no draft head is shipped for this target"):
+        shipped_head(target.model)
+    spec = parse_proposer("head:/some/where.safetensors")
+    assert (spec.kind, spec.head) == ("head", "/some/where.safetensors")
+    assert parse_proposer("head").head is None
+
+
+def test_chained_acceptance_stops_each_chain_at_its_first_miss():
+    flags = [torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([1.0, 0.0, 1.0]),
+             torch.tensor([1.0, 1.0])]
+    roots = [torch.tensor([0, 1, 2, 3]), torch.tensor([0, 1, 2]), torch.tensor([0, 2])]
+    # step 0: 3 of 4; step 1: roots 0..2 → 0 ok, 1 miss, 2 missed before → 1 of 3;
+    # step 2: roots 0, 2 → root 0 ok → 1 of 2
+    assert chained_acceptance(flags, roots) == [0.75, 1 / 3, 0.5]
