@@ -207,3 +207,55 @@ def test_chained_acceptance_stops_each_chain_at_its_first_miss():
     # step 0: 3 of 4; step 1: roots 0..2 → 0 ok, 1 miss, 2 missed before → 1 of 3;
     # step 2: roots 0, 2 → root 0 ok → 1 of 2
     assert chained_acceptance(flags, roots) == [0.75, 1 / 3, 0.5]
+
+
+def test_train_draft_command_trains_a_head_that_generate_uses(model_folder, tmp_path, capsys):
+    from exactspec import cli, load_model
+    from exactspec.draft_head.data import synthesize
+
+    data = tmp_path / "conversations.jsonl"
+    synthesize(load_model(str(model_folder), backend="transformers"), data, 8,
+               topics=["cats", "maps"], question_tokens=6, answer_tokens=24, show_progress=False)
+    run = tmp_path / "run"
+    args = ["train-draft", "--model", str(model_folder), "--data", str(data), "--output", str(run),
+            "--updates", "4", "--batch-tokens", "256", "--eval-every", "2",
+            "--draft-vocab-size", "40"]
+    assert cli.main(args) == 0
+    err = capsys.readouterr().err
+    assert f"head: {run / 'head.safetensors'} (4 of 4 steps" in err
+    assert "held-out greedy acceptance per drafted position" in err
+    assert json.loads((run / "history.json").read_text())["updates"] == [2, 4]
+    assert cli.main(args) == 0  # resumes: nothing left to do, the same head
+    assert "resuming the run" in capsys.readouterr().err
+    outputs = []
+    for proposer in (f"head:{run / 'head.safetensors'}", "none"):
+        assert cli.main(["generate", "tell me", "--model", str(model_folder), "--proposer",
+                         proposer, "--max-new-tokens", "30", "--json"]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[0]["token_ids"] == outputs[1]["token_ids"]
+    assert outputs[0]["stats"]["drafted_tokens"] > 0
+    assert outputs[0]["method"] == f"draft head {run / 'head.safetensors'}"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data", "/nowhere.jsonl"], "--data /nowhere.jsonl: no such file (add --synthesize N"),
+    (["--data", "x.jsonl", "--backend", "llama_cpp"], "a draft head is trained on the "
+                                                      "transformers backend"),
+    (["--data", "x.jsonl", "--minutes", "0"], "--minutes 0.0 is invalid"),
+])
+def test_train_draft_refuses_bad_arguments(model_folder, capsys, args, message):
+    from exactspec import cli
+
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["train-draft", "--model", str(model_folder), *args])
+    assert exit.value.code == 2
+    assert message in " ".join(capsys.readouterr().err.split())
+
+
+def test_generate_refuses_a_missing_head_file_before_loading(model_folder, capsys):
+    from exactspec import cli
+
+    assert cli.main(["generate", "hi", "--model", str(model_folder), "--proposer",
+                     "head:/no/such.safetensors"]) == 1
+    assert "--proposer head:/no/such.safetensors: draft head '/no/such.safetensors' does not " \
+           "exist" in " ".join(capsys.readouterr().err.split())

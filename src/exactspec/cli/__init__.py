@@ -1,6 +1,5 @@
 """The ``exactspec`` command line: ``generate``, ``bench``, ``audit``, ``serve`` and
-``train-draft``; each
-``exactspec COMMAND --help`` explains every option."""
+``train-draft``; each ``exactspec COMMAND --help`` explains every option."""
 
 from __future__ import annotations
 

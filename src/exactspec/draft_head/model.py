@@ -109,24 +109,43 @@ class HeadConfig:
 
 
 class HeadCache:
-    """The head's keys and values of one sequence, ``[n, num_key_value_heads, head_dim]``
-    each, row i at position i."""
+    """The head's keys and values of one sequence, row i at position i: ``keys`` and
+    ``values`` are ``[n, num_key_value_heads, head_dim]`` views of buffers that grow by
+    doubling (appending a row copies one row, not the whole cache)."""
 
     def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+        self._length = 0
 
     def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[0]
+        return self._length
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._keys[:self._length]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._values[:self._length]
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.keys = keys if self.keys is None else torch.cat([self.keys, keys])
-        self.values = values if self.values is None else torch.cat([self.values, values])
+        end = self._length + keys.shape[0]
+        if self._keys is None or end > self._keys.shape[0]:
+            size = max(end, 2 * (0 if self._keys is None else self._keys.shape[0]), 64)
+            grown_keys = keys.new_empty((size, *keys.shape[1:]))
+            grown_values = values.new_empty((size, *values.shape[1:]))
+            if self._length:
+                grown_keys[:self._length] = self.keys
+                grown_values[:self._length] = self.values
+            self._keys, self._values = grown_keys, grown_values
+        self._keys[self._length:end] = keys
+        self._values[self._length:end] = values
+        self._length = end
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` rows."""
-        if self.keys is not None:
-            self.keys, self.values = self.keys[:length], self.values[:length]
+        self._length = min(self._length, length)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -186,8 +205,20 @@ class DraftHead(nn.Module):
         self.embedding = embedding.detach()
         self.final_norm_weight = final_norm_weight.detach()
         self.lm_head = lm_head_weight.detach()[draft_token_ids].float().contiguous()  # [V', h]
+
         self.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).float()
                                                  / c.head_dim))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the head computes in (its weights' type)."""
+        return self.fc.weight.dtype
+
+    def to_dtype(self, dtype: torch.dtype) -> DraftHead:
+        """Compute in ``dtype`` from now on (weights and the LM head rows converted)."""
+        self.to(dtype)
+        self.lm_head = self.lm_head.to(dtype)
+        return self
 
     # -- the layer -----------------------------------------------------------------------
     def project(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor):
@@ -195,15 +226,15 @@ class DraftHead(nn.Module):
         ``token_ids [..., T]`` at ``positions [T]``): ``[..., T, heads, head_dim]`` each
         (keys and values with ``num_key_value_heads``)."""
         c = self.config
-        x = torch.cat([self.input_norm(F.embedding(token_ids, self.embedding).float()),
+        x = torch.cat([self.input_norm(F.embedding(token_ids, self.embedding).to(hidden.dtype)),
                        self.hidden_norm(hidden)], -1)
         shape = x.shape[:-1]
         q = self.q_proj(x).view(*shape, c.num_attention_heads, c.head_dim)
         k = self.k_proj(x).view(*shape, c.num_key_value_heads, c.head_dim)
         v = self.v_proj(x).view(*shape, c.num_key_value_heads, c.head_dim)
         angles = positions.float()[:, None] * self.inv_freq  # [T, D/2]
-        cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None]  # [T, 1, D]
-        sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None]
+        cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None].to(q.dtype)  # [T, 1, D]
+        sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None].to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
     def finish(self, hidden: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
@@ -216,7 +247,8 @@ class DraftHead(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., V']`` draft logits of the head's outputs ``[..., h]`` (the target's final
         norm and LM head rows of the draft vocabulary)."""
-        return _rms_norm(hidden, self.final_norm_weight, self.config.rms_norm_eps) @ self.lm_head.T
+        return (_rms_norm(hidden, self.final_norm_weight.to(hidden.dtype), self.config.rms_norm_eps)
+                @ self.lm_head.T).float()
 
     # -- training ------------------------------------------------------------------------
     def unrolled(self, features: torch.Tensor, token_ids: torch.Tensor,
