@@ -166,13 +166,13 @@ def test_a_resumed_run_trains_the_same_head_as_an_uninterrupted_one(target, tmp_
     assert head_metadata(resumed)["updates"] == 8
 
 
-def test_a_head_file_holds_fp16_weights_loaded_exactly(target, tmp_path):
+def test_a_head_file_holds_bf16_weights_loaded_exactly(target, tmp_path):
     head = new_head(target.model, torch.arange(50).flip(0), "tiny", (0, 1), seed=5)
     save_head(head, tmp_path / "h.safetensors", {"note": "test"})
     loaded = load_head(tmp_path / "h.safetensors", target.model)
     for name, parameter in head.named_parameters():
         assert torch.equal(dict(loaded.named_parameters())[name],
-                           parameter.detach().half().float()), name
+                           parameter.detach().bfloat16().float()), name
     assert torch.equal(loaded.draft_token_ids, torch.arange(50).flip(0))
     assert head_metadata(tmp_path / "h.safetensors") == {"note": "test"}
     other = tiny_backend(0, model=None, vocab=64)

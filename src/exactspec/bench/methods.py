@@ -6,7 +6,7 @@ A method is a proposer spec (grammar in :mod:`exactspec.proposers.spec`) with ``
     plain                        exactspec, plain decoding (the baseline)
     prompt-lookup:k=4[:ngram=2-3][:policy=auto]
     suffix:k=8[:ngram=1-8][:corpus=N]   (a corpus only ever holds other questions' outputs)
-    draft:MODEL:k=4, early-exit:L:k=4
+    draft:MODEL:k=4, early-exit:L:k=4, head[:PATH]:k=4
     hf-plain, hf-prompt-lookup:k=10, hf-assistant:MODEL[:k=N], hf-early-exit:L[:k=N]
                                  transformers ``generate()`` (transformers backend)
     llama-plain, llama-prompt-lookup:k=10

@@ -17,9 +17,10 @@ Sources (the choice is argued in docs/design.md, "The draft head"):
   elsewhere, which verification handles exactly (min(1, p/q) with the full-vocabulary p).
 
 Shapes: h = ``hidden_size``, F = ``len(feature_layers) · h``, V' = ``draft_vocab_size``.
-A head file (:func:`save_head`, :func:`load_head`) holds only the trained weights (fp16),
-the draft vocabulary and the config; the embedding, final norm and LM head are the target's.
-Loading converts fp16 → float32, which is exact.
+A head file (:func:`save_head`, :func:`load_head`) holds only the trained weights
+(bfloat16), the draft vocabulary and the config; the embedding, final norm and LM head are
+the target's. The head computes with the stored values exactly: in bfloat16 as they are, or
+in float32 after a conversion that is exact.
 """
 
 from __future__ import annotations
@@ -329,11 +330,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def target_fingerprint(model: nn.Module) -> str:
     """16 hex digits identifying a target's weights: a hash of its first 64 LM head rows
-    in float16 (the same for the same weights in float32, bfloat16 or float16)."""
+    rounded to bfloat16 (the same for the same weights loaded in float32 or bfloat16)."""
     import hashlib
 
-    rows = model.get_output_embeddings().weight[:64].detach().to(torch.float16).cpu()
-    return hashlib.sha256(rows.numpy().tobytes()).hexdigest()[:16]
+    rows = model.get_output_embeddings().weight[:64].detach().to(torch.bfloat16).cpu()
+    return hashlib.sha256(rows.view(torch.int16).numpy().tobytes()).hexdigest()[:16]
 
 
 def target_tensors(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -363,12 +364,12 @@ def new_head(model: nn.Module, draft_token_ids: torch.Tensor, target: str = "",
 
 
 def save_head(head: DraftHead, path: str | Path, metadata: dict | None = None) -> None:
-    """Write the head's trained weights (fp16), its draft vocabulary and config to a
-    safetensors file; ``metadata`` (JSON-serialisable) is kept with them (e.g. how it was
-    trained)."""
+    """Write the head's trained weights (rounded to bfloat16), its draft vocabulary and
+    config to a safetensors file; ``metadata`` (JSON-serialisable) is kept with them (e.g.
+    how it was trained)."""
     from safetensors.torch import save_file
 
-    tensors = {name: value.detach().to(torch.float16).contiguous()
+    tensors = {name: value.detach().to(torch.bfloat16).contiguous()
                for name, value in head.named_parameters()}
     tensors["draft_token_ids"] = head.draft_token_ids.to(torch.int32)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -378,7 +379,8 @@ def save_head(head: DraftHead, path: str | Path, metadata: dict | None = None) -
 
 
 def load_head(path: str | Path, model: nn.Module) -> DraftHead:
-    """The head in ``path`` (written by :func:`save_head`) on the target ``model``.
+    """The head in ``path`` (written by :func:`save_head`) on the target ``model``, in
+    float32 (the stored bfloat16 values, converted exactly; :meth:`DraftHead.to_dtype`).
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.

@@ -52,6 +52,7 @@ class TrainingConfig:
         eval_steps: drafted positions evaluated (may exceed num_steps).
         seed: the run's seed (initialisation, batch order).
         feature_layers: the target's layers fused (None: EAGLE-3's choice).
+        bfloat16: compute under bfloat16 autocast (weights and optimizer in float32).
     """
 
     draft_vocab_size: int = 16384
@@ -67,6 +68,7 @@ class TrainingConfig:
     eval_steps: int = 5
     seed: int = 0
     feature_layers: tuple[int, ...] | None = None
+    bfloat16: bool = True
 
 
 @dataclass
@@ -228,13 +230,13 @@ class History:
     seconds: list[float] = field(default_factory=list)
 
 
-def evaluate(head: DraftHead, examples: Sequence[Example], steps: int,
-             batch_size: int = 8) -> tuple[list[float], list[float], list[float]]:
+def evaluate(head: DraftHead, examples: Sequence[Example], steps: int, batch_size: int = 8,
+             bfloat16: bool = False) -> tuple[list[float], list[float], list[float]]:
     """Held-out per drafted position: cross-entropy, top-1 agreement (teacher-forced), and
     chained greedy acceptance (:func:`chained_acceptance`)."""
     sums = [[0.0, 0.0, 0] for _ in range(steps)]
     chained, chains = [0.0] * steps, 0
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bfloat16):
         for start in range(0, len(examples), batch_size):
             part = examples[start:start + batch_size]
             losses, agreements, roots = step_losses(head, make_batch(part, steps), steps)
@@ -331,7 +333,8 @@ def train(model, conversations: Sequence[Conversation], folder: str | Path,
     running = []
 
     def save() -> None:
-        losses, agreement, chained = evaluate(head.eval(), evaluation, config.eval_steps)
+        losses, agreement, chained = evaluate(head.eval(), evaluation, config.eval_steps,
+                                              bfloat16=config.bfloat16)
         head.train()
         history.updates.append(update)
         history.train_loss.append(sum(running) / max(len(running), 1))
@@ -359,9 +362,10 @@ def train(model, conversations: Sequence[Conversation], folder: str | Path,
         for batch_examples in _skip(batches, update):
             if update >= config.total_updates:
                 break
-            losses, _, _ = step_losses(head, make_batch(batch_examples, config.num_steps),
-                                       config.num_steps)
-            loss = sum(losses) / len(losses)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bfloat16):
+                losses, _, _ = step_losses(head, make_batch(batch_examples, config.num_steps),
+                                           config.num_steps)
+                loss = sum(losses) / len(losses)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)

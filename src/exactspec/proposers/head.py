@@ -29,6 +29,7 @@ from exactspec.draft_head.model import DraftHead, HeadCache, load_head, shipped_
 from exactspec.logits_pipeline import LogitsPipeline, greedy_tokens
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
 from exactspec.sampling import sample_from_probs
+from exactspec.threads import torch_threads
 
 
 class _SequenceState:
@@ -47,6 +48,10 @@ class HeadProposer(Proposer):
         target: the target's backend; it must provide hidden features (transformers).
         head: a :class:`DraftHead`, a head file, or None for the head shipped for this
             target (:func:`~exactspec.draft_head.model.shipped_head`).
+        dtype: what the head computes in (default bfloat16: a head file's bf16 weights as
+            stored, the half of the memory traffic of float32); q is whatever it computes,
+            so the choice changes acceptance and speed, never exactness.
+        threads: PyTorch threads while drafting (default: PyTorch's count at construction).
     Raises:
         UnsupportedModelError: on a backend without hidden features (llama.cpp), naming the
             transformers backend, or when no head is shipped for this target.
@@ -60,19 +65,22 @@ class HeadProposer(Proposer):
     """Each copy keeps its own head cache (:meth:`reset` makes a new one); the head's weights
     are shared and only read."""
 
-    def __init__(self, target: Backend, head: DraftHead | str | Path | None = None) -> None:
+    def __init__(self, target: Backend, head: DraftHead | str | Path | None = None, *,
+                 dtype: torch.dtype = torch.bfloat16, threads: int | None = None) -> None:
         if not target.provides_hidden_features:
             raise UnsupportedModelError(
                 f"a draft head reads the target's hidden features, which the {target.name} "
                 "backend cannot give; use the transformers backend (--backend transformers)")
         if not isinstance(head, DraftHead):
             head = load_head(shipped_head(target.model) if head is None else head, target.model)
+        head.to_dtype(dtype)
         if head.config.vocab_size != target.vocab_size:
             raise ValueError(f"the draft head drafts over a vocabulary of "
                              f"{head.config.vocab_size} tokens; the target has "
                              f"{target.vocab_size}")
         target.record_hidden_features(head.config.feature_layers)
         self.target, self.head = target, head
+        self.threads = threads or torch.get_num_threads()
         self.sequence_id: int | None = None
         self._state = _SequenceState()
 
@@ -90,7 +98,7 @@ class HeadProposer(Proposer):
             raise RuntimeError("HeadProposer.propose before follow(): the engine must say which "
                                "target sequence it continues")
         head, state = self.head, self._state
-        with torch.inference_mode():
+        with torch.inference_mode(), torch_threads(self.threads):
             hidden = self._sync(token_ids)
             real_rows = len(state.cache)
             drafted: list[int] = []
@@ -136,7 +144,7 @@ class HeadProposer(Proposer):
             raise RuntimeError(f"the target holds {common + features.shape[0]} positions of "
                                f"this sequence, the context has {len(token_ids)} tokens: the "
                                "target's cache must hold all but the last")
-        output = head.extend(state.cache, head.fc(features),
+        output = head.extend(state.cache, head.fc(features.to(head.dtype)),
                              torch.tensor(new_tokens[common:]))
         state.row_tokens.extend(new_tokens[common:])
         state.last_output = output[-1:]
