@@ -24,7 +24,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from exactspec.logits_pipeline import LogitsPipeline
+from exactspec.logits_pipeline import LogitsPipeline, greedy_tokens
+from exactspec.sampling import sample_from_probs
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,24 @@ class Proposer(Protocol):
         """A sample is complete: ``token_ids`` = prompt + output, the prompt being the first
         ``num_prompt_tokens`` (for proposers that learn across requests, in the scope given
         to :meth:`reset`; default: ignored)."""
+
+
+def draw_draft_token(logits: torch.Tensor, history: Sequence[int], pipeline: LogitsPipeline,
+                     rng: torch.Generator, min_confidence: float = 0.0,
+                     ) -> tuple[int, torch.Tensor | None] | None:
+    """One drafted token from a model proposer's ``logits`` ``[1, target_vocab]`` (−inf where
+    it cannot draft), after the request's logits pipeline over ``history`` (the context and
+    the tokens drafted so far): the argmax when greedy (q a point mass: None), else a draw
+    from q = the processed distribution, returned ``[target_vocab]``. None (stop drafting)
+    when no token is left or the top processed probability is below ``min_confidence``."""
+    processed = pipeline.process(logits, history)
+    if float(processed.max()) == float("-inf") or (
+            min_confidence and float(processed.softmax(-1).max()) < min_confidence):
+        return None
+    if pipeline.params.greedy:
+        return int(greedy_tokens(processed)[0]), None
+    q = pipeline.probs(processed)  # [1, target_vocab]
+    return int(sample_from_probs(q, rng)[0]), q[0]
 
 
 def check_ngram_sizes(low: int, high: int, names: tuple[str, str]) -> None:

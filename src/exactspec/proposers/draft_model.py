@@ -22,9 +22,8 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from exactspec.backends.base import Backend, UnsupportedModelError, forward_one, new_sequence_id
-from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
-from exactspec.logits_pipeline import LogitsPipeline, check_finite, greedy_tokens
-from exactspec.sampling import sample_from_probs
+from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer, draw_draft_token
+from exactspec.logits_pipeline import LogitsPipeline, check_finite
 
 
 class DraftModelProposer(Proposer):
@@ -77,16 +76,13 @@ class DraftModelProposer(Proposer):
             logits = self._to_target_vocab(forward_one(self.draft, self.sequence_id, pending,
                                                        num_logits=1))  # [1, V]
             self._cached.extend(pending)
-            processed = pipeline.process(logits, [*token_ids, *drafted])  # same history rules
-            if min_confidence and float(processed.softmax(-1).max()) < min_confidence:
+            draw = draw_draft_token(logits, [*token_ids, *drafted], pipeline, rng, min_confidence)
+            if draw is None:
                 break
-            if pipeline.params.greedy:
-                token = int(greedy_tokens(processed)[0])
-            else:
-                q = pipeline.probs(processed)  # [1, target_vocab]
-                token = int(sample_from_probs(q, rng)[0])
-                probs.append(q[0])
+            token, q = draw
             drafted.append(token)
+            if q is not None:
+                probs.append(q)
             pending = [token]
         return Proposal(drafted, torch.stack(probs) if probs else None)
 

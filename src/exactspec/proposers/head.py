@@ -26,9 +26,8 @@ import torch
 
 from exactspec.backends.base import Backend, UnsupportedModelError
 from exactspec.draft_head.model import DraftHead, HeadCache, load_head, shipped_head
-from exactspec.logits_pipeline import LogitsPipeline, greedy_tokens
-from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
-from exactspec.sampling import sample_from_probs
+from exactspec.logits_pipeline import LogitsPipeline
+from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer, draw_draft_token
 from exactspec.threads import torch_threads
 
 
@@ -108,18 +107,14 @@ class HeadProposer(Proposer):
                 draft_logits = head.logits(hidden)  # [1, V']
                 logits = draft_logits.new_full((1, self.target.vocab_size), float("-inf"))
                 logits[0, ids] = draft_logits[0]
-                processed = pipeline.process(logits, [*token_ids, *drafted])
-                best = float(processed.max())
-                if best == float("-inf") or (
-                        min_confidence and float(processed.softmax(-1).max()) < min_confidence):
+                draw = draw_draft_token(logits, [*token_ids, *drafted], pipeline, rng,
+                                        min_confidence)
+                if draw is None:
                     break
-                if pipeline.params.greedy:
-                    token = int(greedy_tokens(processed)[0])
-                else:
-                    q = pipeline.probs(processed)  # [1, target_vocab]
-                    token = int(sample_from_probs(q, rng)[0])
-                    probs.append(q[0])
+                token, q = draw
                 drafted.append(token)
+                if q is not None:
+                    probs.append(q)
                 if step + 1 < k:
                     hidden = head.extend(state.cache, hidden, torch.tensor([token]))
             state.cache.crop(real_rows)
