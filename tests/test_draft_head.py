@@ -259,3 +259,44 @@ def test_generate_refuses_a_missing_head_file_before_loading(model_folder, capsy
                      "head:/no/such.safetensors"]) == 1
     assert "--proposer head:/no/such.safetensors: draft head '/no/such.safetensors' does not " \
            "exist" in " ".join(capsys.readouterr().err.split())
+
+
+def test_the_head_stops_where_its_drafts_cumulative_probability_falls_below_the_threshold(
+        target, tiny_head_file):
+    from exactspec.logits_pipeline import LogitsPipeline
+
+    proposer = HeadProposer(target, tiny_head_file)
+    proposer.follow(301)
+    prompt = PROMPTS[2]
+    target.prefill(301, prompt[:-1])
+    pipeline = LogitsPipeline(SamplingParams(), prompt, target.vocab_size)
+    rng = torch.Generator()
+    full = proposer.propose(prompt, 6, pipeline, rng)
+    assert len(full) == 6
+    # the product of the top probabilities along the full draft, step by step
+    products, product = [], 1.0
+    for i in range(6):
+        proposer.reset()
+        logits = _head_logits(proposer, prompt, full.token_ids[:i])
+        product *= float(pipeline.process(logits, [*prompt, *full.token_ids[:i]])
+                         .softmax(-1).max())
+        products.append(product)
+    for threshold in (products[1] * 1.001, products[3] * 0.999):
+        proposer.reset()
+        stopped = proposer.propose(prompt, 6, pipeline, rng, min_confidence=threshold)
+        assert stopped.token_ids == full.token_ids[:sum(p >= threshold for p in products)]
+    target.release(301)
+
+
+def _head_logits(proposer, prompt, drafted):
+    """The target-vocabulary logits the head gives for the token after prompt + drafted."""
+    head = proposer.head
+    with torch.inference_mode():
+        hidden = proposer._sync(prompt)
+        cache_rows = len(proposer._state.cache)
+        for token in drafted:
+            hidden = head.extend(proposer._state.cache, hidden, torch.tensor([token]))
+        proposer._state.cache.crop(cache_rows)
+        logits = torch.full((1, proposer.target.vocab_size), float("-inf"))
+        logits[0, head.draft_token_ids] = head.logits(hidden)[0]
+    return logits

@@ -219,3 +219,30 @@ def test_a_free_proposer_is_peeked_at_every_eighth_plain_step_and_never_verified
     assert result.token_ids == plain and result.stats.drafted_tokens == 0
     assert oracle.calls == -(-20 // PEEK_INTERVAL)  # plain steps 0, 8, 16
     assert policy.tested[0] > 0 and policy.accepted[0] == policy.tested[0]  # oracle: all hits
+
+
+def test_auto_sets_the_break_even_confidence_of_a_draft_that_estimates_its_acceptance():
+    """With ``break_even`` (a draft head), each choice sets min_confidence to one more
+    token's marginal seconds times the expected tokens per second at the chosen k."""
+    forward = lambda n: 0.1 + 0.004 * n  # noqa: E731
+    policy = AutoPolicy(5, break_even=True)
+    chosen = run_trace(policy, 30, alpha=0.8, forward_seconds=forward,
+                       draft_seconds_per_token=0.01)
+    k = policy.choose().k
+    assert k == chosen[-1] > 0
+    expected = (policy.forward_cost(k + 1) - policy.forward_cost(k)
+                + policy.draft_seconds_per_token) * policy.expected_rates()[k]
+    assert policy.min_confidence == pytest.approx(expected)
+    assert 0.05 < policy.min_confidence < 0.5
+    costly = AutoPolicy(5, break_even=True)
+    run_trace(costly, 30, alpha=0.8, forward_seconds=forward, draft_seconds_per_token=0.03)
+    costly.choose()
+    assert costly.min_confidence > policy.min_confidence  # dearer drafts stop earlier
+    untimed = AutoPolicy(5, break_even=True)
+    untimed.reset(timed=False)  # seeded sampling: the prior costs, no wall time
+    k = untimed.choose().k
+    assert untimed.min_confidence == pytest.approx(0.1 * untimed.expected_rates()[k])
+    plain = AutoPolicy(5)
+    run_trace(plain, 30, alpha=0.8, forward_seconds=forward, draft_seconds_per_token=0.01)
+    plain.choose()
+    assert plain.min_confidence == 0.0

@@ -282,7 +282,8 @@ class SpeculativeGenerator:
         self.allow_batch_variance = allow_batch_variance
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.policy = (make_policy(policy, self.num_speculative_tokens,
-                                   proposer is not None and proposer.drafts_for_free)
+                                   proposer is not None and proposer.drafts_for_free,
+                                   proposer is not None and proposer.estimates_acceptance)
                        if isinstance(policy, str) else policy)
         if (self.policy.min_confidence and proposer is not None
                 and not proposer.supports_min_confidence):

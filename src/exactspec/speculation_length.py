@@ -198,6 +198,13 @@ class AutoPolicy(SpeculationLengthPolicy):
         peek: every :data:`PEEK_INTERVAL`-th plain step peeks (see the module docstring);
             only for a proposer that costs no model call
             (:attr:`~exactspec.proposers.base.Proposer.drafts_for_free`).
+        break_even: for a proposer whose confidence estimates that its draft so far is
+            accepted (:attr:`~exactspec.proposers.base.Proposer.estimates_acceptance`, a
+            draft head): each cycle sets ``min_confidence`` to the break-even probability
+            of one more drafted token, its marginal seconds (drafting it, and the longer
+            forward) times the committed tokens per second expected at the chosen k, so the
+            draft stops where its own probabilities say one more token does not pay
+            (EAGLE-2's confidence-driven draft length, from measured costs).
     """
 
     name = "auto"
@@ -206,8 +213,8 @@ class AutoPolicy(SpeculationLengthPolicy):
     def __init__(self, k_max: int, decay: float = 0.97,
                  prior_acceptance: float = PRIOR_ACCEPTANCE,
                  prior_weight: float = 1.0, cost_smoothing: float = 0.2, *,
-                 peek: bool = False) -> None:
-        self.k_max, self.peek = k_max, peek
+                 peek: bool = False, break_even: bool = False) -> None:
+        self.k_max, self.peek, self.break_even = k_max, peek, break_even
         self.decay, self.prior_acceptance, self.prior_weight = decay, prior_acceptance, prior_weight
         self.cost_smoothing = cost_smoothing
         self.costs = ForwardCost(k_max + 1, cost_smoothing)
@@ -268,6 +275,17 @@ class AutoPolicy(SpeculationLengthPolicy):
             k = max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
         return self.choice(k)
 
+    def break_even_confidence(self, k: int) -> float:
+        """The probability at which one more drafted token pays, at ``k`` drafts: its
+        marginal cost in seconds (``forward_cost(k + 1) − forward_cost(k)`` and the draft's
+        time per token) times the expected committed tokens per second at k; 0 for k = 0,
+        at most 0.99."""
+        if not k:
+            return 0.0
+        draft_cost = (self.draft_seconds_per_token or 0.0) if self.timed else 0.0
+        marginal = max(self.forward_cost(k + 1) - self.forward_cost(k), 0.0) + draft_cost
+        return min(0.99, marginal * self.expected_rates()[k])
+
     def observe(self, num_drafted: int, num_accepted: int, draft_seconds: float | None,
                 verify_seconds: float | None) -> None:
         if verify_seconds is not None:
@@ -297,6 +315,8 @@ class AutoPolicy(SpeculationLengthPolicy):
         """The :class:`Choice` for ``k`` chosen elsewhere (batched decoding's
         :func:`batch_speculation_lengths`): a plain step counts and may peek as in
         :meth:`choose`."""
+        if self.break_even:
+            self.min_confidence = self.break_even_confidence(k)
         if k:
             return Choice(k)
         self.plain_steps += 1
@@ -390,15 +410,18 @@ def batch_speculation_lengths(acceptances: Sequence[Sequence[float]], caps: Sequ
     return ks
 
 
-def make_policy(name: str, k_max: int, drafts_for_free: bool = False) -> SpeculationLengthPolicy:
+def make_policy(name: str, k_max: int, drafts_for_free: bool = False,
+                estimates_acceptance: bool = False) -> SpeculationLengthPolicy:
     """The policy called ``name`` (one of :data:`POLICIES`) for drafts of at most ``k_max``;
-    ``drafts_for_free``: the proposer costs no model call, so ``auto`` peeks at it.
+    ``drafts_for_free``: the proposer costs no model call, so ``auto`` peeks at it;
+    ``estimates_acceptance``: its confidence estimates acceptance, so ``auto`` stops it at
+    the break-even probability (:class:`AutoPolicy`).
 
     Raises:
         ValueError: for an unknown name.
     """
     if name == "auto":
-        return AutoPolicy(k_max, peek=drafts_for_free)
+        return AutoPolicy(k_max, peek=drafts_for_free, break_even=estimates_acceptance)
     policies = {"constant": ConstantPolicy, "heuristic": HeuristicPolicy,
                 "confidence": ConfidencePolicy}
     if name not in policies:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -86,6 +86,11 @@ class Proposer(Protocol):
     supports_min_confidence: bool = False
     """The proposer has probabilities of its own and stops drafting below ``min_confidence``
     (the ``confidence`` policy needs it)."""
+    estimates_acceptance: bool = False
+    """The confidence it compares with ``min_confidence`` estimates the probability that its
+    whole draft so far is accepted (the product of its tokens' probabilities, EAGLE-2's
+    value of a draft), so the ``auto`` policy sets ``min_confidence`` to the break-even
+    probability of its measured costs (:class:`~exactspec.speculation_length.AutoPolicy`)."""
     batchable: bool = False
     """A shallow copy per sequence, each ``reset`` on its own, drafts independently of the
     others (no model cache of its own), so batched decoding can give every row one
@@ -125,22 +130,38 @@ class Proposer(Protocol):
         to :meth:`reset`; default: ignored)."""
 
 
+class Draw(NamedTuple):
+    """One drafted token (:func:`draw_draft_token`).
+
+    Attributes:
+        token: its id.
+        q: ``[target_vocab]`` the distribution it was drawn from, None when greedy (a
+            point mass on it).
+        confidence: the top processed probability (1.0 when none was asked for).
+    """
+
+    token: int
+    q: torch.Tensor | None
+    confidence: float
+
+
 def draw_draft_token(logits: torch.Tensor, history: Sequence[int], pipeline: LogitsPipeline,
-                     rng: torch.Generator, min_confidence: float = 0.0,
-                     ) -> tuple[int, torch.Tensor | None] | None:
+                     rng: torch.Generator, min_confidence: float = 0.0) -> Draw | None:
     """One drafted token from a model proposer's ``logits`` ``[1, target_vocab]`` (−inf where
     it cannot draft), after the request's logits pipeline over ``history`` (the context and
-    the tokens drafted so far): the argmax when greedy (q a point mass: None), else a draw
-    from q = the processed distribution, returned ``[target_vocab]``. None (stop drafting)
-    when no token is left or the top processed probability is below ``min_confidence``."""
+    the tokens drafted so far): the argmax when greedy, else a draw from q = the processed
+    distribution. None (stop drafting) when no token is left or the top processed
+    probability is below ``min_confidence``."""
     processed = pipeline.process(logits, history)
-    if float(processed.max()) == float("-inf") or (
-            min_confidence and float(processed.softmax(-1).max()) < min_confidence):
+    if float(processed.max()) == float("-inf"):
+        return None
+    confidence = float(processed.softmax(-1).max()) if min_confidence else 1.0
+    if confidence < min_confidence:
         return None
     if pipeline.params.greedy:
-        return int(greedy_tokens(processed)[0]), None
+        return Draw(int(greedy_tokens(processed)[0]), None, confidence)
     q = pipeline.probs(processed)  # [1, target_vocab]
-    return int(sample_from_probs(q, rng)[0]), q[0]
+    return Draw(int(sample_from_probs(q, rng)[0]), q[0], confidence)
 
 
 def check_ngram_sizes(low: int, high: int, names: tuple[str, str]) -> None:

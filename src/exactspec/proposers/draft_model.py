@@ -79,11 +79,10 @@ class DraftModelProposer(Proposer):
             draw = draw_draft_token(logits, [*token_ids, *drafted], pipeline, rng, min_confidence)
             if draw is None:
                 break
-            token, q = draw
-            drafted.append(token)
-            if q is not None:
-                probs.append(q)
-            pending = [token]
+            drafted.append(draw.token)
+            if draw.q is not None:
+                probs.append(draw.q)
+            pending = [draw.token]
         return Proposal(drafted, torch.stack(probs) if probs else None)
 
     def reset(self, reproducible: bool = False, scope: Hashable = None) -> None:

@@ -59,7 +59,9 @@ class HeadProposer(Proposer):
     """
 
     supports_min_confidence = True
-    """Drafting stops once the head's top probability falls below ``min_confidence``."""
+    """Drafting stops once the product of the drafted tokens' top probabilities (EAGLE-2's
+    estimate that the whole draft is accepted) would fall below ``min_confidence``."""
+    estimates_acceptance = True
     batchable = True
     """Each copy keeps its own head cache (:meth:`reset` makes a new one); the head's weights
     are shared and only read."""
@@ -103,20 +105,21 @@ class HeadProposer(Proposer):
             drafted: list[int] = []
             probs: list[torch.Tensor] = []
             ids = head.draft_token_ids
+            confidence = 1.0  # the product of the drafted tokens' top probabilities
             for step in range(k):
                 draft_logits = head.logits(hidden)  # [1, V']
                 logits = draft_logits.new_full((1, self.target.vocab_size), float("-inf"))
                 logits[0, ids] = draft_logits[0]
                 draw = draw_draft_token(logits, [*token_ids, *drafted], pipeline, rng,
-                                        min_confidence)
+                                        min_confidence / confidence)
                 if draw is None:
                     break
-                token, q = draw
-                drafted.append(token)
-                if q is not None:
-                    probs.append(q)
+                confidence *= draw.confidence
+                drafted.append(draw.token)
+                if draw.q is not None:
+                    probs.append(draw.q)
                 if step + 1 < k:
-                    hidden = head.extend(state.cache, hidden, torch.tensor([token]))
+                    hidden = head.extend(state.cache, hidden, torch.tensor([draw.token]))
             state.cache.crop(real_rows)
         return Proposal(drafted, torch.stack(probs) if probs else None)
 
