@@ -10,8 +10,9 @@ verification rule is untouched, so every policy keeps the target's distribution 
                 [k_min, k_max].
     confidence  k_max, and a draft model stops drafting early once its own probability for
                 the token it drafts falls below a threshold (llama.cpp's ``--draft-p-min``;
-                transformers' ``assistant_confidence_threshold``). Prompt lookup has no
-                probabilities: it is refused there.
+                transformers' ``assistant_confidence_threshold``; a draft head: the product
+                of its drafted tokens' probabilities). Prompt lookup has no probabilities:
+                it is refused there.
     auto        a cost model (the default). Online, per generator: the cost of a target
                 forward over n = 1..k_max+1 tokens (exponential moving average of measured
                 verification time per n), the draft's time per drafted token, and per
@@ -34,6 +35,9 @@ verification rule is untouched, so every policy keeps the target's distribution 
                 token is never verified, but whether the plain step committed it is evidence
                 for α_1 (for a point-mass draft, P(committed = d) = p(d) is exactly its
                 acceptance probability), so drafting resumes when acceptance rises.
+                For a draft whose probabilities estimate its acceptance (a draft head),
+                auto also sets the break-even probability below which it stops drafting
+                (:meth:`AutoPolicy.break_even_confidence`).
 """
 
 from __future__ import annotations

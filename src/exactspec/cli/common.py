@@ -243,7 +243,8 @@ def add_policy_option(group, default: str | None = None, why: str = "") -> None:
     group.add_argument("--policy", choices=POLICIES, default=default,
                        help=f"speculation length per cycle (default {default}{why}): auto (the k, up to -k, "
                             "that maximises expected tokens/s from measured forward costs and "
-                            "acceptance; 0 = a plain step), constant (always -k), heuristic "
-                            "(+2 after a fully accepted cycle, -1 otherwise), confidence (draft "
-                            "models stop below probability 0.4). Never changes the output "
-                            "distribution")
+                            "acceptance; 0 = a plain step; a draft head also stops where its "
+                            "draft's probability falls below the break-even one), constant "
+                            "(always -k), heuristic (+2 after a fully accepted cycle, -1 "
+                            "otherwise), confidence (draft models and heads stop below "
+                            "probability 0.4). Never changes the output distribution")
