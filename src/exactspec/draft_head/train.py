@@ -261,21 +261,23 @@ def plot_history(history: History, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 5.5))
     if history.train_loss:
-        left.plot(history.updates, history.train_loss, label="training (all steps)")
+        left.plot(history.updates, history.train_loss, color="black",
+                  label="training (mean over the unrolled steps)")
     for j in range(len(history.held_out_loss[0]) if history.held_out_loss else 0):
-        left.plot(history.updates, [row[j] for row in history.held_out_loss],
+        color = f"C{j}"
+        left.plot(history.updates, [row[j] for row in history.held_out_loss], color=color,
                   label=f"held out, position {j + 1}", linestyle="--")
-        right.plot(history.updates, [row[j] for row in history.held_out_agreement],
-                   label=f"position {j + 1} (teacher-forced)")
-        right.plot(history.updates, [row[j] for row in history.held_out_chained],
-                   linestyle=":", label=f"position {j + 1} (chained, greedy)")
+        right.plot(history.updates, [row[j] for row in history.held_out_agreement], color=color,
+                   label=f"position {j + 1}, given the true tokens before")
+        right.plot(history.updates, [row[j] for row in history.held_out_chained], color=color,
+                   linestyle=":", label=f"position {j + 1}, chained (greedy acceptance)")
     left.set(xlabel="update", ylabel="cross-entropy vs the target (nats)", title="loss")
     right.set(xlabel="update", ylabel="top-1 agreement with the target", ylim=(0, 1),
               title="held-out agreement per drafted position")
     left.legend(fontsize=7)
-    right.legend(fontsize=7, ncol=2)
+    right.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.13))
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
