@@ -184,6 +184,7 @@ class LlamaCppBackend:
 
     def hidden_features(self, sequence_id: int, start: int) -> torch.Tensor:
         raise UnsupportedModelError(HIDDEN_FEATURES_REFUSAL)
+
     @functools.cached_property
     def sequences_invariant(self) -> bool:
         """Whether a batched forward scores each sequence bit for bit as alone (measured once,
