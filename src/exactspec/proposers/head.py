@@ -128,11 +128,15 @@ class HeadProposer(Proposer):
         target's features of the new positions fed) and return the last row's output
         ``[1, h]``, which drafts the token after ``token_ids``."""
         state, head = self._state, self.head
-        new_tokens = list(token_ids[1:])  # row s's input token is the context's token s + 1
-        common, limit = 0, min(len(state.row_tokens), len(new_tokens))
-        while common < limit and state.row_tokens[common] == new_tokens[common]:
-            common += 1
-        if common == len(new_tokens) and common == len(state.row_tokens) and common:
+        new_tokens = token_ids[1:]  # row s's input token is the context's token s + 1
+        rows = len(state.row_tokens)
+        if list(new_tokens[:rows]) == state.row_tokens:  # the usual case: one C-level compare
+            common = rows
+        else:
+            common, limit = 0, min(rows, len(new_tokens))
+            while common < limit and state.row_tokens[common] == new_tokens[common]:
+                common += 1
+        if common == len(new_tokens) == rows and common:
             return state.last_output
         common = min(common, len(new_tokens) - 1)  # the last row is always fed again
         state.cache.crop(common)
