@@ -895,3 +895,28 @@ def test_several_prompts_and_n_samples_in_a_batch_equal_the_library(library):
     params = SamplingParams(temperature=0.9, seed=3, max_new_tokens=15)
     expected = [r.text for p in prompts for r in library.generate_samples(p, params, n=2)]
     assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == expected
+
+
+def test_logprobs_of_tokens_outside_the_nucleus_are_json_numbers(server):
+    """top_p keeps one token: the alternatives have probability 0, written -9999.0 (vLLM's
+    convention: JSON has no -inf) rather than failing the response."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "top_p": 0.01, "logprobs": 5,
+            "seed": 1}
+    response = httpx.post(server + "/v1/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 200, response.text
+    top = response.json()["choices"][0]["logprobs"]["top_logprobs"][0]
+    assert sorted(top.values())[0] == -9999.0 and max(top.values()) == 0.0
+
+
+def test_return_token_ids_gives_the_prompt_and_generated_ids(server, library):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0.0,
+            "return_token_ids": True, "n": 2}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    choices = httpx.post(server + "/v1/completions", json=body, headers=headers).json()["choices"]
+    expected = library.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=6))
+    assert all(c["token_ids"] == expected.token_ids for c in choices)
+    assert choices[0]["prompt_token_ids"] == expected.prompt_token_ids
+    streamed = httpx.post(server + "/v1/completions", json=body | {"stream": True, "n": 1},
+                          headers=headers)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "return_token_ids"

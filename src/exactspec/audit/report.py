@@ -1,12 +1,16 @@
 """The audit's outputs: ``audit.json`` (every number), ``report.md`` (the tables and the
-verdict) and one PNG per prompt (empirical vs exact probability of the first token's
-likeliest values)."""
+verdict) and one PNG per prompt (the first token's likeliest values: empirical against
+exact probabilities, or A's frequencies against B's for a two-sample audit); for the local
+audit (:func:`write_audit_report`) and the endpoint audit (:func:`write_endpoint_report`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from exactspec.audit.endpoint import TOKEN_SOURCES
+from exactspec.audit.remote import EndpointAudit, TwoSampleTest
 from exactspec.audit.runner import AuditResult, EngineTest, PromptTest, describe_impossible
+from exactspec.audit.two_sample import PromptComparison
 from exactspec.files import readable_json, replaced_atomically, write_text_atomically
 
 TOP_OUTCOMES = 12
@@ -27,7 +31,8 @@ def write_audit_report(result: AuditResult, output: str | Path, decode) -> list[
     files = [output / "audit.json", output / "report.md"]
     write_text_atomically(files[0], readable_json(result.to_dict()))
     for test in result.distribution.prompts:
-        files.append(_plot(test, result, decode, output / f"prompt-{test.prompt_index}.png"))
+        files.append(_plot(test, result.distribution.engine, decode,
+                           output / f"prompt-{test.prompt_index}.png"))
     write_text_atomically(files[1], markdown(result, decode))
     return files
 
@@ -127,7 +132,7 @@ def _label(first, i: int, decode) -> str:
     return text + " and the rest" if first.merged and i == len(first.tokens) - 1 else text
 
 
-def _plot(test: PromptTest, result: AuditResult, decode, path: Path) -> Path:
+def _plot(test: PromptTest, engine: str, decode, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,13 +151,183 @@ def _plot(test: PromptTest, result: AuditResult, decode, path: Path) -> Path:
         ax.bar(x - 0.2, [first.exact[i] for i in shown], width=0.4,
                label="exact (target's processed probabilities)")
         ax.bar(x + 0.2, [first.counts[i] / n for i in shown], width=0.4,
-               label=f"{result.distribution.engine} ({n} samples)")
+               label=f"{engine} ({n} samples)")
         labels = [_label(first, i, decode) for i in shown]
         ax.set_xticks(x, labels, rotation=40, ha="right", fontsize=8)
         ax.legend(fontsize=8)
     ax.set_ylabel("probability")
     ax.set_title(f"prompt {test.prompt_index}, first token: p-value {position.p_value:.3g}, "
                  f"TV = {position.tv:.3f}")
+    fig.tight_layout()
+    with replaced_atomically(path) as partial:
+        fig.savefig(partial, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def write_endpoint_report(result: EndpointAudit, output: str | Path, describe) -> list[Path]:
+    """Write an endpoint audit's files into ``output``: ``audit.json``, ``report.md`` and a
+    plot per prompt (as :func:`write_audit_report`).
+
+    Args:
+        describe: a token (id or text) → how the report shows it.
+    Returns:
+        the paths written.
+    """
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    files = [output / "audit.json", output / "report.md"]
+    write_text_atomically(files[0], readable_json(result.to_dict()))
+    if result.two_sample is not None:
+        for prompt in result.two_sample.prompts:
+            files.append(_plot_two_sample(prompt, result.two_sample, describe,
+                                          output / f"prompt-{prompt.prompt_index}.png"))
+    elif result.reference is not None:
+        for test in result.reference.prompts:
+            files.append(_plot(test, result.reference.engine, lambda ids: describe(ids[0]),
+                               output / f"prompt-{test.prompt_index}.png"))
+    write_text_atomically(files[1], endpoint_markdown(result, describe))
+    return files
+
+
+def endpoint_markdown(result: EndpointAudit, describe) -> str:
+    """An endpoint audit's report as markdown text."""
+    lines = [f"# exactspec audit ({result.mode}, over HTTP): **{result.verdict}**", ""]
+    lines += [f"- {reason}" for reason in result.reasons]
+    lines += ["", "## Configuration", ""]
+    lines += [f"- {key}: {value}" for key, value in result.config.items() if key != "prompts"]
+    if result.token_source:
+        lines.append(f"- tokens read from: {TOKEN_SOURCES[result.token_source]}")
+    lines.append(f"- samples drawn: {result.samples_drawn} of {result.samples_asked}"
+                 + (" (interrupted)" if result.interrupted else ""))
+    if result.greedy:
+        other = "the local model" if result.mode == "reference" else "B"
+        same = sum(c.identical for c in result.greedy)
+        lines += ["", f"## Greedy identity: A against {other}", "",
+                  f"{same} of {len(result.greedy)} prompts token-for-token identical.", ""]
+        diverged = [c for c in result.greedy if not c.identical]
+        if diverged:
+            lines += [f"| prompt | tokens A / {other} | first divergence | A's token (logprob) "
+                      f"| {other}'s token (logprob) | A's logprob of {other}'s token "
+                      f"| {other}'s logprob of A's token |", "|---" * 7 + "|"]
+            for c in diverged:
+                if c.error:
+                    lines.append(f"| {c.prompt_index} | request failed: {c.error} ||||||")
+                    continue
+                show = lambda t: "–" if t is None else describe(t)
+                lines.append(f"| {c.prompt_index} | {c.num_tokens_a} / {c.num_tokens_b} "
+                             f"| {c.position} | {show(c.token_a)} ({_number(c.logprob_a)}) "
+                             f"| {show(c.token_b)} ({_number(c.logprob_b)}) "
+                             f"| {_number(c.a_logprob_of_b)} | {_number(c.b_logprob_of_a)} |")
+    if result.model_check is not None:
+        check = result.model_check
+        lines += ["", "## Is the local model the served one?", "",
+                  f"First greedy token equal on {check.first_tokens_equal} of "
+                  f"{check.num_prompts} prompts; largest difference of a greedy token's "
+                  f"log-probability before any divergence: "
+                  f"{_number(check.max_logprob_difference)} nats: "
+                  f"{'**passed**' if check.passed else '**failed**'}."]
+    for title, test in (("Distribution test", result.two_sample or result.reference),
+                        ("Power check: the control", result.control)):
+        if isinstance(test, TwoSampleTest):
+            lines += ["", f"## {title}: {test.engine_a} against {test.engine_b}", ""]
+            lines += _two_sample_table(test)
+        elif isinstance(test, EngineTest):
+            lines += ["", f"## {title}: {test.engine}", ""]
+            lines += _engine_test(test, lambda ids: describe(ids[0]) if len(ids) == 1
+                                  else " ".join(describe(t) for t in ids))
+    if result.power is not None:
+        power = result.power
+        lines += ["", "## The two tests' power on the control", "",
+                  f"On {power.subsamples} random halves of prompt 0's control and B samples "
+                  f"({power.size_a} and {power.size_b}), at level {power.alpha}: the "
+                  f"per-position conditional tests (Holm) caught the control in "
+                  f"{power.conditional:.0%} of them, the Hamming-kernel MMD test in "
+                  f"{power.mmd:.0%}. The verdict uses the conditional tests: they test the "
+                  "conditional distribution after each prefix, where a verification bug "
+                  "acts, say which token deviates, and state the deviation each rules out; "
+                  "the MMD test with this kernel compares each position's marginal "
+                  "distribution only (exactspec.audit.two_sample)."]
+    if result.two_sample is not None or result.reference is not None:
+        lines += ["", "**Power.** A deviation of A's next-token distribution at token j from "
+                  + ("B's" if result.two_sample is not None else "the exact one")
+                  + " by a mean total variation of at least the row's *detectable TV* (over "
+                  "the prefixes tested, on the bins tested) is caught with probability ≥ 0.8 "
+                  "in the least favourable direction, at Holm's first-step level."]
+    if result.failures:
+        lines += ["", f"## Failed requests ({len(result.failures)}, never counted as samples)",
+                  ""] + [f"- {f}" for f in result.failures[:50]]
+    lines += ["", "Prompts:", ""]
+    lines += [f"{i}. {prompt!r}" for i, prompt in enumerate(result.config.get("prompts", []))]
+    lines += [""] + [f"![prompt {i}](prompt-{i}.png)" for i in
+                     range(len(result.config.get("prompts", []))) if result.mode != "greedy"]
+    return "\n".join(lines) + "\n"
+
+
+def _number(value) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
+def _two_sample_table(test: TwoSampleTest) -> list[str]:
+    lines = []
+    if test.drafted is not None:
+        rate = test.accepted / test.drafted if test.drafted else float("nan")
+        lines += [f"A drafted {test.drafted} tokens while sampling, {test.accepted} accepted "
+                  f"(acceptance rate {rate:.3f}); per block position: drafted "
+                  f"{test.drafted_per_position}, accepted {test.accepted_per_position}.", ""]
+    else:
+        lines += ["A does not report how much it drafted.", ""]
+    lines += ["| prompt | token | samples A | samples B | prefixes tested | n_eff | dof | G "
+              "| p-value (permutations) | rejected (Holm) | mean TV | TV estimate [95 % CI] "
+              "| detectable TV |",
+              "|---" * 13 + "|"]
+    for prompt in test.prompts:
+        for p in prompt.positions:
+            detectable = "–" if p.detectable_tv == float("inf") else f"{p.detectable_tv:.3f}"
+            lines.append(
+                f"| {prompt.prompt_index} | {p.position} | {p.num_a} | {p.num_b} | {p.num_tables} "
+                f"| {p.effective_samples:.0f} | {p.dof} | {p.statistic:.1f} "
+                f"| {p.p_value:.3g} ({p.draws}) | {'**yes**' if p.rejected else 'no'} "
+                f"| {p.tv:.3f} | {p.tv_estimate:.3f} [{p.tv_interval[0]:.3f}, "
+                f"{p.tv_interval[1]:.3f}] | {detectable} |")
+    lines += ["", "Hamming-kernel MMD test on the same samples (reported, not the verdict's): "
+              + "; ".join(f"prompt {p.prompt_index}: MMD² {p.mmd.statistic:.2e}, p-value "
+                          f"{p.mmd.p_value:.3g}" for p in test.prompts) + ".", "",
+              "Each row tests one token position: at every prefix both engines reached, A's "
+              "next tokens against B's (2 × K table, bins from the pooled counts, G "
+              "statistic summed over the prefixes), p-value by permuting the A/B labels "
+              "within each prefix (exact at any count). *mean TV*: between A's and B's "
+              "observed conditionals (weighted by n_eff), > 0 at finite samples even for "
+              "equal engines; *TV estimate*: bias-corrected by the bootstrap, with its 95 % "
+              "basic bootstrap interval."]
+    return lines
+
+
+def _plot_two_sample(prompt: PromptComparison, test: TwoSampleTest, describe, path: Path
+                     ) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    table = prompt.first
+    if table is not None:
+        shown = list(range(min(TOP_OUTCOMES, len(table.bins))))
+        x = np.arange(len(shown))
+        for offset, counts, name in ((-0.2, table.counts_a, test.engine_a),
+                                     (0.2, table.counts_b, test.engine_b)):
+            ax.bar(x + offset, [counts[i] / counts.sum() for i in shown], width=0.4,
+                   label=f"{name[:50]} ({counts.sum()} samples)")
+        labels = ["(all others)" if table.bins[i] is None else describe(table.bins[i])[:28]
+                  for i in shown]
+        ax.set_xticks(x, labels, rotation=40, ha="right", fontsize=8)
+        ax.legend(fontsize=8)
+    first = prompt.positions[0]
+    ax.set_ylabel("frequency")
+    ax.set_title(f"prompt {prompt.prompt_index}, first token: p-value {first.p_value:.3g}, "
+                 f"TV = {first.tv:.3f}")
     fig.tight_layout()
     with replaced_atomically(path) as partial:
         fig.savefig(partial, dpi=90)

@@ -1,11 +1,14 @@
 """``exactspec audit``: test statistically that speculative decoding leaves the target's
-distribution unchanged, on exactspec or on transformers' own assisted generation."""
+distribution unchanged, on exactspec, on transformers' or llama-cpp-python's own assisted
+generation, or on any engine behind an OpenAI-compatible API (``--endpoint``:
+:mod:`exactspec.cli.audit_endpoint`)."""
 
 from __future__ import annotations
 
 import argparse
 import time
 
+from exactspec.cli.audit_endpoint import add_endpoint_options
 from exactspec.cli.common import (DEFAULT_K, add_model_options, add_policy_option,
                                   allows_batch_variance, check_proposer_before_loading,
                                   load_from_args, positive_int, seed)
@@ -90,6 +93,7 @@ def add_parser(commands) -> None:
                            "explicitly override these")
     audit.add_argument("--output", default="audit-results", metavar="DIR",
                        help="where audit.json, report.md and the plots go (default audit-results)")
+    add_endpoint_options(audit)
     audit.set_defaults(subparser=audit)
 
 
@@ -139,6 +143,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as error:
         parser.error(str(error).replace("SamplingParams.", "--").replace("_", "-"))
 
+    if args.endpoint:
+        from exactspec.cli import audit_endpoint
+
+        return audit_endpoint.run(args, parser, prompts, params)
     console = Console(stderr=True, soft_wrap=True)
     try:
         proposer_spec = parse_proposer(args.proposer)

@@ -71,6 +71,14 @@ def add_parser(commands) -> None:
     http.add_argument("--log-level", default="info",
                       choices=["critical", "error", "warning", "info", "debug"],
                       help="uvicorn's log level (default info)")
+    testing = serve.add_argument_group("testing audits")
+    testing.add_argument("--broken-verifier", choices=["accept-all", "no-residual"],
+                         default=None,
+                         help="NEVER for real use: verify drafts with a deliberately wrong rule "
+                              "(accept every draft, or resample from p instead of the "
+                              "residual), so that the output distribution is wrong whenever a "
+                              "request speculates; a known-broken server on which an audit "
+                              "(exactspec audit --endpoint) must fail")
     serve.set_defaults(subparser=serve)
 
 
@@ -107,6 +115,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                    f"{args.policy} policy" if proposer is not None and args.num_speculative_tokens
                    else "plain decoding")
     batch = 1 if proposer is not None and not proposer.batchable else args.max_batch_size
+    if args.broken_verifier:
+        console.print(f"[bold red]warning:[/] --broken-verifier {args.broken_verifier}: "
+                      "speculative requests get a WRONG output distribution (for testing "
+                      "audits only)", highlight=False)
     console.print(f"starting {args.served_model_name or args.model} ({target.description}; "
                   f"{speculation}; up to {batch} request{'s' if batch > 1 else ''} at once, "
                   f"{target.max_context_length} tokens each) on "
@@ -130,5 +142,6 @@ def _app(args: argparse.Namespace, target, proposer):
                       api_key=args.api_key or os.environ.get(API_KEY_VARIABLE),
                       max_queue=args.max_queue, max_request_bytes=args.max_request_bytes,
                       max_batch_size=args.max_batch_size,
-                      allow_batch_variance=allows_batch_variance(args))
+                      allow_batch_variance=allows_batch_variance(args),
+                      broken_verifier=args.broken_verifier)
 

@@ -49,7 +49,8 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
                speculation: SpeculationSettings, api_key: str | Sequence[str] | None = None,
                max_queue: int = 64, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-               allow_batch_variance: bool = False) -> FastAPI:
+               allow_batch_variance: bool = False,
+               broken_verifier: str | None = None) -> FastAPI:
     """The server for one loaded ``target`` (and proposer), named ``model_name`` in the API.
 
     Args:
@@ -64,6 +65,8 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
         max_batch_size: most prompts decoded together, in one target forward per cycle
             (:class:`~exactspec.batching.BatchedGenerator`).
         allow_batch_variance: as :class:`~exactspec.engine.SpeculativeGenerator`.
+        broken_verifier: for testing audits only (``serve --broken-verifier``): as
+            :class:`~exactspec.server.worker.EngineWorker`; the output is then wrong.
     Returns:
         the FastAPI application; ``app.state.worker`` is its
         :class:`~exactspec.server.worker.EngineWorker`.
@@ -78,7 +81,8 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
         metrics.watch_corpus(proposer.corpus)
     worker = EngineWorker(target, proposer, speculation, metrics, max_queue=max_queue,
                           max_batch_size=max_batch_size,
-                          allow_batch_variance=allow_batch_variance)
+                          allow_batch_variance=allow_batch_variance,
+                          broken_verifier=broken_verifier)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -13,8 +13,10 @@ Field names and meanings follow the OpenAI API reference (``/v1/completions``,
 ``/v1/chat/completions``) and vLLM's extra sampling parameters (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``bad_words``).
 vLLM's ``cache_salt`` scopes what a request may draft from earlier requests' outputs.
-exactspec adds ``banned_token_ids`` and ``speculation`` (per-request speculation settings)
-to requests and ``speculation`` (the request's figures) to responses.
+vLLM's ``return_token_ids`` adds each choice's ``prompt_token_ids`` and ``token_ids`` (the
+generated ids, ending with the EOS that ended it) to a response. exactspec adds
+``banned_token_ids`` and ``speculation`` (per-request speculation settings) to requests and
+``speculation`` (the request's figures) to responses.
 """
 
 from __future__ import annotations
@@ -135,6 +137,8 @@ class SamplingRequest(BaseModel):
     # vLLM's cache isolation: only requests with the same salt (and API key) share what the
     # suffix proposer's corpus learnt from earlier outputs
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # vLLM's: each choice carries its prompt's and its own token ids
+    return_token_ids: bool = False
 
     def prompts(self) -> list[Prompt]:
         """The prompts, one per choice set, as the engine takes them (text, token ids, or
@@ -163,9 +167,11 @@ class SamplingRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ServerError(400, "stream_options is only allowed with stream: true",
                               "stream_options")
-        if self.stream and self.asked_logprobs() is not None:
-            raise ServerError(400, "logprobs with stream is not supported yet: ask for them "
-                                   "without streaming", "logprobs")
+        for field, asked in (("logprobs", self.asked_logprobs() is not None),
+                             ("return_token_ids", self.return_token_ids)):
+            if self.stream and asked:
+                raise ServerError(400, f"{field} with stream is not supported yet: ask for "
+                                       "them without streaming", field)
 
     def sampling_params(self, prompt_lengths: Sequence[int], context: int | None
                         ) -> SamplingParams:
@@ -226,6 +232,13 @@ class SamplingRequest(BaseModel):
         """One finished choice of the response (``params``: the request's, as
         :meth:`sampling_params` made them)."""
         raise NotImplementedError
+
+    def token_ids(self, result: GenerationResult) -> dict:
+        """vLLM's ``prompt_token_ids`` and ``token_ids`` of a choice, when asked."""
+        if not self.return_token_ids:
+            return {}
+        return {"prompt_token_ids": list(result.prompt_token_ids),
+                "token_ids": list(result.token_ids)}
 
     def chunk_choice(self, index: int, text: str, params: SamplingParams,
                      result: GenerationResult | None = None, first: bool = False) -> dict:
@@ -290,7 +303,7 @@ class CompletionRequest(SamplingRequest):
                decode: Decode) -> dict:
         return {"index": index, "text": final_text(result)} | finish(result, params) | {
             "logprobs": None if result.logprobs is None
-            else completion_logprobs(result.logprobs, decode)}
+            else completion_logprobs(result.logprobs, decode)} | self.token_ids(result)
 
     def chunk_choice(self, index: int, text: str, params: SamplingParams,
                      result: GenerationResult | None = None, first: bool = False) -> dict:
@@ -403,7 +416,8 @@ class ChatCompletionRequest(SamplingRequest):
                decode: Decode) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": final_text(result)}
                 } | finish(result, params) | {"logprobs": None if result.logprobs is None
-                                      else chat_logprobs(result.logprobs, decode)}
+                                      else chat_logprobs(result.logprobs, decode)
+                                      } | self.token_ids(result)
 
     def chunk_choice(self, index: int, text: str, params: SamplingParams,
                      result: GenerationResult | None = None, first: bool = False) -> dict:
@@ -464,6 +478,16 @@ def usage(results: list[GenerationResult], prompt_lengths: list[int]) -> dict[st
             "total_tokens": prompt + completion}
 
 
+LOWEST_LOGPROB = -9999.0
+"""A log-probability of -inf (a token outside top-k/top-p, or one a wrong engine produced)
+as JSON writes it, which has no infinity (vLLM's convention)."""
+
+
+def json_logprob(value: float) -> float:
+    """``value``, with -inf (and anything lower) as :data:`LOWEST_LOGPROB`."""
+    return max(value, LOWEST_LOGPROB)
+
+
 def completion_logprobs(logprobs: list[TokenLogprob], decode) -> dict:
     """The completions API's ``logprobs`` object: tokens, token_logprobs, top_logprobs
     (token text → logprob), text_offset. A chosen token's text is its share of the output
@@ -474,8 +498,9 @@ def completion_logprobs(logprobs: list[TokenLogprob], decode) -> dict:
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{decode([t]): v for t, v in lp.top} for lp in logprobs],
+    return {"tokens": tokens, "token_logprobs": [json_logprob(lp.logprob) for lp in logprobs],
+            "top_logprobs": [{decode([t]): json_logprob(v) for t, v in lp.top}
+                             for lp in logprobs],
             "text_offset": offsets}
 
 
@@ -484,7 +509,8 @@ def chat_logprobs(logprobs: list[TokenLogprob], decode) -> dict:
     (its share of the output, as in :func:`completion_logprobs`), logprob, UTF-8 bytes and
     ``top_logprobs`` (alternatives decoded alone)."""
     def entry(text: str, value: float) -> dict:
-        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": json_logprob(value),
+                "bytes": list(text.encode("utf-8"))}
 
     pieces = token_pieces([lp.token_id for lp in logprobs], decode)
     return {"content": [entry(piece, lp.logprob)

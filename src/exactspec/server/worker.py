@@ -22,6 +22,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from exactspec.audit.broken import BrokenGenerator
 from exactspec.backends.base import Backend
 from exactspec.batching import DEFAULT_MAX_BATCH_SIZE, BatchedGenerator
 from exactspec.engine import GenerationResult, SpeculativeGenerator
@@ -105,16 +106,20 @@ class EngineWorker:
         max_batch_size: most prompts decoded together (1 with a proposer that is not
             ``batchable``: a draft model's cache follows one sequence).
         allow_batch_variance: as :class:`~exactspec.engine.SpeculativeGenerator`.
+        broken_verifier: for testing audits only: a name from
+            :data:`~exactspec.audit.broken.BROKEN_VERIFIERS`, whose deliberately wrong
+            verification every speculative request then gets (None: the exact one).
     """
 
     def __init__(self, target: Backend, proposer: Proposer | None,
                  speculation: SpeculationSettings, metrics: ServerMetrics, *,
                  max_queue: int = 64, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-                 allow_batch_variance: bool = False) -> None:
+                 allow_batch_variance: bool = False, broken_verifier: str | None = None) -> None:
         self.target, self.proposer = target, proposer
         self.default_speculation = speculation
         self.metrics = metrics
         self.allow_batch_variance = allow_batch_variance
+        self.broken_verifier = broken_verifier
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._generators: dict[SpeculationSettings, SpeculativeGenerator] = {}
         self._generators_lock = threading.Lock()  # the HTTP thread checks settings too
@@ -140,10 +145,13 @@ class EngineWorker:
         with self._generators_lock:
             if speculation not in self._generators:
                 plain = speculation.num_speculative_tokens == 0 or self.proposer is None
-                self._generators[speculation] = SpeculativeGenerator(
+                broken = {} if plain or self.broken_verifier is None else {
+                    "broken": self.broken_verifier}
+                self._generators[speculation] = (BrokenGenerator if broken else
+                                                 SpeculativeGenerator)(
                     self.target, None if plain else self.proposer,
                     speculation.num_speculative_tokens, speculation.policy,
-                    allow_batch_variance=self.allow_batch_variance)
+                    allow_batch_variance=self.allow_batch_variance, **broken)
             return self._generators[speculation]
 
     def submit(self, job: Job) -> None:
