@@ -16,7 +16,7 @@ from conftest import tiny_backend
 from exactspec import PromptLookupProposer, SamplingParams
 from exactspec.audit.endpoint import END, Endpoint, EndpointError
 from exactspec.audit.remote import (EndpointAudit, compare_greedy, draw_interleaved,
-                                    reference_test, two_sample_test, verdict)
+                                    reference_test, verdict)
 from exactspec.audit.two_sample import (compare_prompt, decide, hamming_mmd, max_draws_for,
                                         permutation_p_value, tables)
 from exactspec.cli import main

@@ -158,11 +158,7 @@ def _plot(test: PromptTest, engine: str, decode, path: Path) -> Path:
     ax.set_ylabel("probability")
     ax.set_title(f"prompt {test.prompt_index}, first token: p-value {position.p_value:.3g}, "
                  f"TV = {position.tv:.3f}")
-    fig.tight_layout()
-    with replaced_atomically(path) as partial:
-        fig.savefig(partial, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def write_endpoint_report(result: EndpointAudit, output: str | Path, describe) -> list[Path]:
@@ -328,6 +324,13 @@ def _plot_two_sample(prompt: PromptComparison, test: TwoSampleTest, describe, pa
     ax.set_ylabel("frequency")
     ax.set_title(f"prompt {prompt.prompt_index}, first token: p-value {first.p_value:.3g}, "
                  f"TV = {first.tv:.3f}")
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    """Write a figure's PNG whole or not at all, and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     with replaced_atomically(path) as partial:
         fig.savefig(partial, dpi=90)

@@ -24,8 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from exactspec.audit.reference import next_token_probs
-from exactspec.audit.stats import (Impossible, NodeFit, PositionFit, detectable_tv, fit_tree,
-                                   holm)
+from exactspec.audit.stats import Impossible, NodeFit, PositionFit, decide_family, fit_tree
 from exactspec.backends.base import Backend, forward_one, new_sequence_id
 from exactspec.engine import SpeculativeGenerator
 from exactspec.engines import Engine
@@ -187,14 +186,11 @@ def fit_prompt(target: Backend, prompt_ids: Sequence[int], params: SamplingParam
 
 
 def decide(tests: Sequence[PromptTest], alpha: float) -> float:
-    """Holm at ``alpha`` over every position test with something to test; fill each one's
-    ``rejected`` and ``detectable_tv`` (at the level of Holm's first step, returned)."""
-    family = [p for test in tests for p in test.positions if p.dof]
-    level = alpha / max(1, len(family))
-    for position, rejected in zip(family, holm([p.p_value for p in family], alpha)):
-        position.rejected = rejected
-        position.detectable_tv = detectable_tv(position.dof, position.num_tested, level)
-    return level
+    """Holm at ``alpha`` over every position test of ``tests`` with something to test; fill
+    each one's ``rejected`` and ``detectable_tv`` (at the level of Holm's first step,
+    returned)."""
+    return decide_family([p for test in tests for p in test.positions], alpha,
+                         lambda position: position.num_tested)
 
 
 def _speculation_counts(engine: Engine) -> list:

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from exactspec.audit.stats import detectable_tv, holm
+from exactspec.audit.stats import decide_family, holm
 
 MIN_POOLED = 5
 """A token drawn fewer times than this by A and B together shares the pooled bin."""
@@ -332,13 +332,9 @@ def compare_prompt(samples_a: Sequence[Sample], samples_b: Sequence[Sample], num
 
 def decide(prompts: Sequence[PromptComparison], alpha: float) -> float:
     """Holm at ``alpha`` over every position with something to test; fill ``rejected`` and
-    ``detectable_tv`` (at the level of Holm's first step, returned)."""
-    family = [p for prompt in prompts for p in prompt.positions if p.dof]
-    level = alpha / max(1, len(family))
-    for position, rejected in zip(family, holm([p.p_value for p in family], alpha)):
-        position.rejected = rejected
-        position.detectable_tv = detectable_tv(position.dof, position.effective_samples, level)
-    return level
+    ``detectable_tv`` (for Σ n_eff samples, at the level of Holm's first step, returned)."""
+    return decide_family([p for prompt in prompts for p in prompt.positions], alpha,
+                         lambda position: position.effective_samples)
 
 
 def max_draws_for(alpha: float, num_tests: int) -> int:

@@ -31,7 +31,8 @@ def add_parser(commands) -> None:
                     "summed per position, Holm's correction over prompts and positions; a "
                     "token of probability 0 fails at once), with the smallest deviation each "
                     "test detects; (3) a power check: the same test on a deliberately broken "
-                    "verifier must fail. Writes audit.json, "
+                    "verifier must fail. With --endpoint, an engine behind an OpenAI-compatible "
+                    "API instead (see that group below). Writes audit.json, "
                     "report.md and one plot per prompt to --output. Exit status 0 only for the "
                     "verdict 'exact'.")
     add_model_options(audit)
@@ -85,7 +86,9 @@ def add_parser(commands) -> None:
     test.add_argument("--alpha", type=float, default=0.01,
                       help="false-alarm rate of the whole audit (default 0.01)")
     test.add_argument("--chat", action="store_true",
-                      help="wrap prompts in the model's chat template (default: raw text)")
+                      help="wrap prompts in the model's chat template (default: raw text); "
+                           "with --endpoint, send each as one user message to "
+                           "/v1/chat/completions")
     test.add_argument("--quick", action="store_true",
                       help=f"{QUICK['num_prompts']} prompts, {QUICK['samples']} samples, "
                            f"{QUICK['greedy_tokens']} greedy tokens: a few minutes on the "

@@ -1,0 +1,110 @@
+"""``exactspec audit --endpoint`` on other engines' own servers over the embedded model,
+started here on loopback: llama-cpp-python's OpenAI server with its prompt-lookup draft,
+and llama.cpp's ``llama-server`` (built by scripts/build_llama_server.sh) with a draft model
+and with n-gram speculation, each against itself without speculation. Whatever their
+verdict, the audit must run to its end on them: every sample read, none failed, the greedy
+outputs compared, and a control (a temperature far off) caught. Marked real_model."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from exactspec.cli import main
+from exactspec.model_files import DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotFoundError
+
+pytestmark = pytest.mark.real_model
+
+try:
+    GGUF = str(EMBEDDED_MODELS[DEFAULT_MODEL].path())
+except ModelNotFoundError as error:
+    pytest.skip(str(error), allow_module_level=True)
+
+PROMPT = "Monday, Tuesday, Wednesday, Thursday, Friday, Monday, Tuesday,"
+"""Prompt lookup and n-gram speculation draft here from the first token."""
+LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", Path(__file__).parents[1]
+                                   / ".cache/llama-server/bin/llama-server"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def started(command: list[str], port: int):
+    """Run a server command; yields its base URL once GET /v1/models answers."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "the server did not start in 120 s"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                    break
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=30)
+        process.kill()
+
+
+def audit(tmp_path, a: str, b: str, *extra: str) -> dict:
+    status = main(["audit", "--endpoint", a, "--against", b, "--prompt", PROMPT,
+                   "--tokens", "3", "--samples", "300", "--greedy-tokens", "24",
+                   "--control-body", '{"temperature": 2.0}', "--output", str(tmp_path),
+                   *extra])
+    result = json.loads((tmp_path / "audit.json").read_text())
+    assert status == (0 if result["verdict"] == "exact" else 1)
+    assert result["samples_drawn"] == result["samples_asked"] == 900, result["failures"]
+    assert not result["failures"] and len(result["greedy"]) == 1
+    assert result["control"]["prompts"][0]["positions"][0]["rejected"], "control not caught"
+    assert (tmp_path / "report.md").read_text().startswith("# exactspec audit (two-sample")
+    return result
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sse_starlette") is None
+                    or importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama-cpp-python's server is not installed "
+                           "(pip install 'llama-cpp-python[server]')")
+def test_llama_cpp_python_server_with_prompt_lookup_against_itself_without(tmp_path):
+    ports = free_port(), free_port()
+    server = [sys.executable, "-m", "llama_cpp.server", "--model", GGUF, "--n_threads", "1",
+              "--model_alias", "smollm2"]
+    with (started(server + ["--port", str(ports[0]), "--draft_model", "prompt-lookup-decoding",
+                            "--draft_model_num_pred_tokens", "10"], ports[0]) as a,
+          started(server + ["--port", str(ports[1])], ports[1]) as b):
+        result = audit(tmp_path, a, b, "--extra-body", '{"repeat_penalty": 1.0}',
+                       "--no-logprobs", "--backend", "llama_cpp")
+    assert result["token_source"] == "text"  # no ids: the text re-tokenised
+
+
+@pytest.mark.skipif(not LLAMA_SERVER.is_file(),
+                    reason=f"llama-server is not built at {LLAMA_SERVER} "
+                           "(scripts/build_llama_server.sh builds it)")
+@pytest.mark.parametrize("speculation", [
+    ["-md", GGUF, "--spec-type", "draft-simple", "--spec-draft-n-max", "4"],
+    ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+     "--spec-ngram-simple-size-m", "8"]], ids=["draft-model", "ngram"])
+def test_llama_server_with_speculation_against_itself_without(tmp_path, speculation):
+    ports = free_port(), free_port()
+    server = [str(LLAMA_SERVER), "-m", GGUF, "-t", "1", "-fa", "off", "--host", "127.0.0.1"]
+    with (started(server + ["--port", str(ports[0]), *speculation], ports[0]) as a,
+          started(server + ["--port", str(ports[1])], ports[1]) as b):
+        result = audit(tmp_path, a, b, "--no-token-ids")
+    assert result["token_source"] == "logprob_ids"  # llama-server's logprobs carry ids
