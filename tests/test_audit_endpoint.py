@@ -295,3 +295,17 @@ def test_an_endpoint_that_keeps_failing_stops_the_audit():
                              concurrency=1)
     with pytest.raises(EndpointError, match="requests failed in a row, the last with: 500"):
         endpoint.sample("x", SamplingParams(max_new_tokens=2), 30)
+
+
+def test_requests_of_n_choices_get_seeds_n_apart():
+    """llama-server seeds choice i with seed + i: requests' seeds must be n apart."""
+    seeds = []
+
+    def handler(request):
+        body = json.loads(request.content)
+        seeds.append(body["seed"])
+        return httpx.Response(200, json={"choices": [choice(i, ["a"]) for i in range(body["n"])]})
+
+    endpoint = mock_endpoint(handler, samples_per_request=4, seed_offset=1000)
+    assert len(endpoint.sample("x", SamplingParams(max_new_tokens=1, seed=2), 12)) == 12
+    assert sorted(seeds) == [(2 * 64 + r) * 4 + 1000 for r in range(3)]

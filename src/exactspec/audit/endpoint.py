@@ -253,8 +253,9 @@ class Endpoint:
     def sample(self, prompt: str | Sequence[int], params: SamplingParams, num_samples: int,
                progress: Callable[[int], None] = lambda n: None) -> list[tuple[Symbol, ...]]:
         """``num_samples`` continuations of ``prompt`` with ``params``, requests in parallel;
-        request r is seeded ``(params.seed · 64 + r + seed_offset) mod 2**31`` (no seed when
-        ``params.seed`` is None). Failed requests are recorded in :attr:`failures` and left
+        request r is seeded ``((params.seed · 64 + r) · samples_per_request + seed_offset)
+        mod 2**31`` (no seed when ``params.seed`` is None): seeds n apart, so that an engine
+        seeding choice i of a request with seed + i (llama-server) never repeats a sample. Failed requests are recorded in :attr:`failures` and left
         out, so fewer samples may come back. On Ctrl-C the requests not yet sent are
         dropped and KeyboardInterrupt goes on to the caller.
 
@@ -267,7 +268,7 @@ class Endpoint:
             raise ValueError(f"{num_samples} samples in one call: at most {64 * per}")
 
         def request(r: int) -> list[Completion]:
-            seed = None if params.seed is None else (params.seed * 64 + r
+            seed = None if params.seed is None else ((params.seed * 64 + r) * per
                                                       + self.seed_offset) % SEED_SPACE
             return self.complete(prompt, params, seed, sizes[r])
 
