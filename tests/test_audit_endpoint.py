@@ -309,3 +309,19 @@ def test_requests_of_n_choices_get_seeds_n_apart():
     endpoint = mock_endpoint(handler, samples_per_request=4, seed_offset=1000)
     assert len(endpoint.sample("x", SamplingParams(max_new_tokens=1, seed=2), 12)) == 12
     assert sorted(seeds) == [(2 * 64 + r) * 4 + 1000 for r in range(3)]
+
+
+def test_chat_requests_send_one_user_message_and_read_the_chat_logprobs():
+    def handler(request):
+        assert request.url.path.endswith("/chat/completions")
+        body = json.loads(request.content)
+        assert body["messages"] == [{"role": "user", "content": "hi"}]
+        assert body["logprobs"] is True and body["top_logprobs"] == 1
+        content = [{"token": t, "logprob": -0.1, "top_logprobs": [{"token": t, "logprob": -0.1}]}
+                   for t in ("a", "b")]
+        return httpx.Response(200, json={"choices": [{
+            "index": 0, "message": {"role": "assistant", "content": "ab"},
+            "finish_reason": "stop", "logprobs": {"content": content}}]})
+
+    completion = mock_endpoint(handler, chat=True).complete("hi", SamplingParams(max_new_tokens=4))[0]
+    assert completion.tokens == ("a", "b", END) and completion.logprobs == [-0.1, -0.1]

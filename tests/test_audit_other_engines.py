@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,13 +45,17 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def started(command: list[str], port: int):
-    """Run a server command; yields its base URL once GET /v1/models answers."""
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    """Run a server command (its log in a temporary file: a pipe nobody reads would fill
+    and stall it); yields its base URL once GET /v1/models answers."""
+    log = tempfile.TemporaryFile()
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
         while True:
-            assert process.poll() is None, process.stderr.read().decode()[-2000:]
+            if process.poll() is not None:
+                log.seek(0)
+                raise AssertionError(log.read().decode(errors="replace")[-2000:])
             assert time.monotonic() < deadline, "the server did not start in 120 s"
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
@@ -62,6 +67,7 @@ def started(command: list[str], port: int):
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=30)
         process.kill()
+        log.close()
 
 
 def audit(tmp_path, a: str, b: str, *extra: str) -> dict:
