@@ -183,8 +183,11 @@ class Endpoint:
         try:
             models = list(self._client.models.list())
         except openai.APIError as error:
+            if getattr(error, "status_code", None) is None:
+                raise EndpointError(f"cannot reach {self.url}: {describe(error)}",
+                                    fatal=True) from None
             raise EndpointError(f"{self.url}/models: {describe(error)}: give the model's name "
-                                "(--endpoint-model)") from None
+                                "(--endpoint-model)", fatal=True) from None
         if not models:
             raise EndpointError(f"{self.url}/models lists no model: give the model's name "
                                 "(--endpoint-model)")

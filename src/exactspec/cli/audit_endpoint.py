@@ -8,9 +8,11 @@ import json
 import os
 
 from exactspec.audit.remote import MODES
+from exactspec.cli.common import DEFAULT_K
 
 EXACTSPEC_ONLY = {"engine": "exactspec", "proposer": "prompt-lookup", "policy": "constant",
-                  "max_batch_size": None, "broken": "accept-all"}
+                  "num_speculative_tokens": DEFAULT_K, "max_batch_size": None,
+                  "broken": "accept-all"}
 """Options of the local audit that do not apply to an endpoint, with their defaults."""
 SPECULATION_OFF = {"exactspec": '{"speculation": {"enabled": false}}'}
 
@@ -121,6 +123,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, prompts: list
                      f"'{SPECULATION_OFF['exactspec']}')")
     console = Console(stderr=True, soft_wrap=True)
     mode = args.mode
+    if mode == "greedy":
+        try:
+            questions = load_questions(args.questions
+                                       or files("exactspec.bench") / "prompts.jsonl",
+                                       per_group=args.per_category)
+        except (FileNotFoundError, ValueError) as error:
+            parser.error(f"--questions: {error}")
+        prompts = [q.prompt for q in questions]
     target = tokenizer = None
     try:
         if mode == "reference" or args.no_logprobs:
@@ -152,10 +162,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, prompts: list
         console.print(f"[bold red]error:[/] {error}", highlight=False)
         return 1
 
-    if mode == "greedy":
-        questions = load_questions(args.questions or files("exactspec.bench") / "prompts.jsonl",
-                                   per_group=args.per_category)
-        prompts = [q.prompt for q in questions]
     if args.chat and mode == "reference":
         prompt_ids = [tokenizer.apply_chat_template(p) for p in prompts]
     elif mode == "reference":
