@@ -58,7 +58,8 @@ def test_false_alarm_rate_is_at_most_the_level():
 def test_a_conditional_deviation_with_equal_marginals_is_caught_only_by_the_conditional_test():
     """B swaps the second token's conditionals between the first token's values 0 and 1
     with FIRST's mass of 0 and 1 equal: every position's marginal is unchanged (the MMD
-    test with a Hamming kernel cannot see it), the conditional at token 2 is not."""
+    test with a Hamming kernel cannot see it), the conditional at token 2 is not; and a
+    shift of the marginals alone is the MMD test's."""
     first = np.array([0.5, 0.5])
     second = np.array([[0.8, 0.2], [0.2, 0.8]])
     rng = np.random.default_rng(1)
@@ -119,7 +120,7 @@ def test_permutation_p_value_is_exact_for_a_tiny_table():
 def test_mmd_is_about_zero_for_equal_samples():
     rng = np.random.default_rng(3)
     a, b = chain(rng, 400, FIRST, SECOND), chain(rng, 400, FIRST, SECOND)
-    result = hamming_mmd(a, b, 2, rng, 200)
+    result = hamming_mmd(a, b, 2, rng, 2000)
     assert result.p_value > 0.01 and abs(result.statistic) < 0.01
 
 

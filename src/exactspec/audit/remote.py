@@ -264,7 +264,7 @@ def two_sample_test(a: Endpoint, b: Endpoint, samples_a: Sequence[Sequence[tuple
                     samples_b: Sequence[Sequence[tuple]], num_tokens: int, alpha: float,
                     seed: int, drafts_before: tuple | None = None) -> TwoSampleTest:
     """A's samples against B's, prompt by prompt, Holm over everything."""
-    max_draws = max_draws_for(alpha, len(samples_a) * num_tokens)
+    max_draws = max_draws_for(alpha, len(samples_a) * (num_tokens + 1))
     prompts = [compare_prompt(sa, sb, num_tokens, max_draws, i, seed)
                for i, (sa, sb) in enumerate(zip(samples_a, samples_b))]
     level = decide_two_sample(prompts, alpha)
@@ -342,6 +342,10 @@ def verdict(result: EndpointAudit, describe_token: Callable[[Symbol], str] = rep
                     deviations.append(
                         f"prompt {prompt.prompt_index}, token {p.position}: the next-token "
                         f"distribution deviates (p-value {p.p_value:.2e}, mean TV {p.tv:.3f})")
+            mmd = getattr(prompt, "mmd", None)
+            if mmd is not None and mmd.rejected:
+                deviations.append(f"prompt {prompt.prompt_index}: the MMD test (Hamming kernel) "
+                                  f"finds A's and B's samples differ (p-value {mmd.p_value:.2e})")
         if result.control is None:
             doubts.append("no control was run, so the test's power is unchecked")
         elif not result.control.rejected:

@@ -5,6 +5,7 @@ audit (:func:`write_audit_report`) and the endpoint audit (:func:`write_endpoint
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from exactspec.audit.endpoint import TOKEN_SOURCES
@@ -161,12 +162,15 @@ def _plot(test: PromptTest, engine: str, decode, path: Path) -> Path:
     return _save(fig, path)
 
 
-def write_endpoint_report(result: EndpointAudit, output: str | Path, describe) -> list[Path]:
-    """Write an endpoint audit's files into ``output``: ``audit.json``, ``report.md`` and a
-    plot per prompt (as :func:`write_audit_report`).
+def write_endpoint_report(result: EndpointAudit, output: str | Path, describe,
+                          samples: dict | None = None) -> list[Path]:
+    """Write an endpoint audit's files into ``output``: ``audit.json``, ``report.md``, a
+    plot per prompt (as :func:`write_audit_report`) and ``samples.json``.
 
     Args:
         describe: a token (id or text) → how the report shows it.
+        samples: engine name → ``[prompt][sample]`` the samples drawn (tokens, ``<end>``
+            where one stopped early), kept for re-analysis (None: not written).
     Returns:
         the paths written.
     """
@@ -174,6 +178,9 @@ def write_endpoint_report(result: EndpointAudit, output: str | Path, describe) -
     output.mkdir(parents=True, exist_ok=True)
     files = [output / "audit.json", output / "report.md"]
     write_text_atomically(files[0], readable_json(result.to_dict()))
+    if samples:
+        files.append(output / "samples.json")
+        write_text_atomically(files[-1], json.dumps(samples))
     if result.two_sample is not None:
         for prompt in result.two_sample.prompts:
             files.append(_plot_two_sample(prompt, result.two_sample, describe,
@@ -239,11 +246,13 @@ def endpoint_markdown(result: EndpointAudit, describe) -> str:
                   f"({power.size_a} and {power.size_b}), at level {power.alpha}: the "
                   f"per-position conditional tests (Holm) caught the control in "
                   f"{power.conditional:.0%} of them, the Hamming-kernel MMD test in "
-                  f"{power.mmd:.0%}. The verdict uses the conditional tests: they test the "
-                  "conditional distribution after each prefix, where a verification bug "
-                  "acts, say which token deviates, and state the deviation each rules out; "
-                  "the MMD test with this kernel compares each position's marginal "
-                  "distribution only (exactspec.audit.two_sample)."]
+                  f"{power.mmd:.0%}. The verdict uses both, in one Holm family: the "
+                  "conditional tests catch deviations of the conditionals after some prefixes "
+                  "that leave the marginals alone, say which token deviates and state the "
+                  "deviation each position rules out; the MMD test, which compares each "
+                  "position's marginal distribution, all positions at once, catches a "
+                  "deviation spread over every position in one direction (such as this "
+                  "control's) with fewer samples (exactspec.audit.two_sample)."]
     if result.two_sample is not None or result.reference is not None:
         lines += ["", "**Power.** A deviation of A's next-token distribution at token j from "
                   + ("B's" if result.two_sample is not None else "the exact one")
@@ -286,9 +295,11 @@ def _two_sample_table(test: TwoSampleTest) -> list[str]:
                 f"| {p.p_value:.3g} ({p.draws}) | {'**yes**' if p.rejected else 'no'} "
                 f"| {p.tv:.3f} | {p.tv_estimate:.3f} [{p.tv_interval[0]:.3f}, "
                 f"{p.tv_interval[1]:.3f}] | {detectable} |")
-    lines += ["", "Hamming-kernel MMD test on the same samples (reported, not the verdict's): "
+    lines += ["", "Hamming-kernel MMD test on the same samples (in the same Holm family): "
               + "; ".join(f"prompt {p.prompt_index}: MMD² {p.mmd.statistic:.2e}, p-value "
-                          f"{p.mmd.p_value:.3g}" for p in test.prompts) + ".", "",
+                          f"{p.mmd.p_value:.3g} ({p.mmd.permutations} permutations), rejected: "
+                          f"{'**yes**' if p.mmd.rejected else 'no'}" for p in test.prompts)
+              + ".", "",
               "Each row tests one token position: at every prefix both engines reached, A's "
               "next tokens against B's (2 × K table, bins from the pooled counts, G "
               "statistic summed over the prefixes), p-value by permuting the A/B labels "

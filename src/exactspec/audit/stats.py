@@ -328,17 +328,20 @@ def detectable_tv(dof: int, num_samples: int, level: float, power: float = POWER
     return min(1.0, float(np.sqrt(noncentrality(dof, level, power) / num_samples)) / 2)
 
 
-def decide_family(positions: Sequence, alpha: float, sample_size: Callable[[object], float]
-                  ) -> float:
-    """Holm at ``alpha`` over every position test with something to test (``dof`` > 0):
-    fill each one's ``rejected``, and its ``detectable_tv`` at the level of Holm's first
-    step (returned) for ``sample_size(position)`` samples. Positions are the one-sample
+def decide_family(positions: Sequence, alpha: float, sample_size: Callable[[object], float],
+                  extra: Sequence = ()) -> float:
+    """Holm at ``alpha`` over every position test with something to test (``dof`` > 0) and
+    the ``extra`` tests (anything with ``p_value`` and ``rejected``): fill each one's
+    ``rejected``, and each position's ``detectable_tv`` at the level of Holm's first step
+    (returned) for ``sample_size(position)`` samples. Positions are the one-sample
     :class:`PositionFit` or the two-sample
     :class:`~exactspec.audit.two_sample.PositionComparison`."""
-    family = [p for p in positions if p.dof]
+    tested = [p for p in positions if p.dof]
+    family = tested + list(extra)
     level = alpha / max(1, len(family))
-    for position, rejected in zip(family, holm([p.p_value for p in family], alpha)):
-        position.rejected = rejected
+    for test, rejected in zip(family, holm([t.p_value for t in family], alpha)):
+        test.rejected = rejected
+    for position in tested:
         position.detectable_tv = detectable_tv(position.dof, sample_size(position), level)
     return level
 

@@ -30,15 +30,19 @@ samples of n each give n_eff = n / 2: a two-sample audit needs about twice the s
 of a one-sample audit against exact probabilities for the same detectable deviation.
 
 **The MMD test with a Hamming kernel** (Gao, Liang & Guestrin 2024, "Model Equality
-Testing", arXiv 2410.20247), reported beside it on the same samples: k(x, y) = (1/m)
-Σ_j [x_j = y_j] over the first m tokens (padded), the unbiased MMD² and a permutation
-p-value over the pooled samples. With this kernel MMD² is (1/m) Σ_j ‖f_A,j − f_B,j‖²
-(minus the diagonal terms), f_·,j the frequencies of each token at position j: it
-compares the marginal distribution of each position and nothing else, one test for the
-whole sample. The verdict uses the per-position conditional tests: a speculative
-decoding bug shows in the conditional distribution after the prefixes where drafts are
-accepted or rejected, a deviation the marginals can blur, and the conditional tests say
-where it is and how large a deviation each position rules out.
+Testing", arXiv 2410.20247) on the same samples: k(x, y) = (1/m) Σ_j [x_j = y_j] over the
+first m tokens (padded), the unbiased MMD² and a permutation p-value over the pooled
+samples (sequential as above). With this kernel MMD² is (1/m) Σ_j ‖f_A,j − f_B,j‖² (minus
+the diagonal terms), f_·,j the frequencies of each token at position j: it compares the
+marginal distribution of each position, all positions in one test. The two tests are
+powerful against different deviations: the conditional tests against a deviation of the
+conditionals after some prefixes, which the marginals can blur or cancel (a test here
+builds one with equal marginals: only they catch it), and they say where it is and how
+large a deviation each position rules out; the MMD test against a deviation spread over
+every position in one direction, such as a temperature shift, which it pools into one
+test where the conditional tests split it over positions and prefixes (measured on the
+audit's temperature control: ``subsample_power``). So the verdict uses both: each
+prompt's MMD test joins its position tests in one Holm family.
 """
 
 from __future__ import annotations
@@ -59,8 +63,6 @@ BATCH = 500
 """Permutation draws per round."""
 BOOTSTRAP = 200
 """Bootstrap draws for the TV's interval."""
-MMD_PERMUTATIONS = 1000
-"""Permutations of the MMD test."""
 
 Sample = Sequence[Hashable]
 
@@ -139,12 +141,13 @@ class PositionComparison:
 
 @dataclass
 class MMDTest:
-    """The Hamming-kernel MMD permutation test (module docstring): unbiased MMD² and its
-    p-value over ``permutations`` relabellings."""
+    """The Hamming-kernel MMD permutation test (module docstring): unbiased MMD², its
+    p-value, the permutations drawn and Holm's decision (:func:`decide`)."""
 
     statistic: float
     p_value: float
     permutations: int
+    rejected: bool = False
 
 
 @dataclass
@@ -165,7 +168,7 @@ class PromptComparison:
 
     @property
     def rejected(self) -> bool:
-        return any(p.rejected for p in self.positions)
+        return self.mmd.rejected or any(p.rejected for p in self.positions)
 
 
 def tables(samples_a: Sequence[Sample], samples_b: Sequence[Sample], num_tokens: int
@@ -260,10 +263,10 @@ def bootstrap_tv(position_tables: Sequence[Table], observed: float, rng: np.rand
 
 
 def hamming_mmd(samples_a: Sequence[Sample], samples_b: Sequence[Sample], num_tokens: int,
-                rng: np.random.Generator, permutations: int = MMD_PERMUTATIONS) -> MMDTest:
+                rng: np.random.Generator, max_draws: int) -> MMDTest:
     """The MMD test with the Hamming kernel over the first ``num_tokens`` tokens (module
-    docstring), padded after a sample's end; p = (1 + #{permuted ≥ observed}) /
-    (1 + permutations)."""
+    docstring), padded after a sample's end; permutations stopped as in
+    :func:`permutation_p_value`."""
     n_a, n_b = len(samples_a), len(samples_b)
     if n_a < 2 or n_b < 2:
         return MMDTest(float("nan"), 1.0, 0)
@@ -290,9 +293,12 @@ def hamming_mmd(samples_a: Sequence[Sample], samples_b: Sequence[Sample], num_to
     labels = np.zeros(n_a + n_b, dtype=bool)
     labels[:n_a] = True
     observed = statistic(labels)
-    exceed = sum(statistic(rng.permutation(labels)) >= observed - 1e-12
-                 for _ in range(permutations))
-    return MMDTest(float(observed), float((1 + exceed) / (1 + permutations)), permutations)
+    exceed = drawn = 0
+    while drawn < max_draws and exceed < EXCEEDANCES:
+        exceed += statistic(rng.permutation(labels)) >= observed - 1e-12
+        drawn += 1
+    p_value = exceed / drawn if exceed >= EXCEEDANCES else (exceed + 1) / (drawn + 1)
+    return MMDTest(float(observed), float(p_value), drawn)
 
 
 def compare_prompt(samples_a: Sequence[Sample], samples_b: Sequence[Sample], num_tokens: int,
@@ -327,19 +333,24 @@ def compare_prompt(samples_a: Sequence[Sample], samples_b: Sequence[Sample], num
             statistic, p_value, draws, tv, *bootstrap_tv(found, tv, rng)))
     first = (by_depth.get(0) or [None])[0]
     return PromptComparison(index, len(samples_a), len(samples_b), positions,
-                            hamming_mmd(samples_a, samples_b, num_tokens, rng), first)
+                            hamming_mmd(samples_a, samples_b, num_tokens, rng, max_draws), first)
 
 
 def decide(prompts: Sequence[PromptComparison], alpha: float) -> float:
-    """Holm at ``alpha`` over every position with something to test; fill ``rejected`` and
-    ``detectable_tv`` (for Σ n_eff samples, at the level of Holm's first step, returned)."""
-    return decide_family([p for prompt in prompts for p in prompt.positions], alpha,
-                         lambda position: position.effective_samples)
+    """Holm at ``alpha`` over every position with something to test and every prompt's MMD
+    test (one family); fill ``rejected``, and the positions' ``detectable_tv`` (for Σ n_eff
+    samples, at the level of Holm's first step, returned)."""
+    mmd = [p.mmd for p in prompts if p.mmd.permutations]
+    positions = [p for prompt in prompts for p in prompt.positions]
+    level = decide_family(positions, alpha, lambda position: position.effective_samples,
+                          extra=mmd)
+    return level
 
 
 def max_draws_for(alpha: float, num_tests: int) -> int:
     """Permutations enough to resolve p-values at Holm's first-step level:
-    ``EXCEEDANCES / (alpha / num_tests)``, at least 1,000."""
+    ``EXCEEDANCES / (alpha / num_tests)``, at least 1,000 (``num_tests``: positions and
+    MMD tests together)."""
     return max(1000, int(np.ceil(EXCEEDANCES * max(1, num_tests) / alpha)))
 
 
@@ -360,7 +371,7 @@ def subsample_power(samples_a: Sequence[Sample], samples_b: Sequence[Sample], nu
                     alpha: float, subsamples: int = 10, seed: int = 0) -> PowerEstimate:
     """How often each test catches the difference between ``samples_a`` and ``samples_b``
     (a control's) on random halves of them: the two tests' power compared on the same
-    samples (MMD with :data:`MMD_PERMUTATIONS` // 5 permutations)."""
+    samples."""
     rng = np.random.default_rng([seed, 7])
     half_a, half_b = len(samples_a) // 2, len(samples_b) // 2
     caught = [0, 0]
@@ -376,6 +387,7 @@ def subsample_power(samples_a: Sequence[Sample], samples_b: Sequence[Sample], nu
                 p_values.append(permutation_p_value(found, statistic, rng,
                                                     max_draws_for(alpha, num_tokens))[0])
         caught[0] += any(holm(p_values, alpha))
-        caught[1] += hamming_mmd(a, b, num_tokens, rng, MMD_PERMUTATIONS // 5).p_value <= alpha
+        caught[1] += hamming_mmd(a, b, num_tokens, rng,
+                                 max_draws_for(alpha, 1)).p_value <= alpha
     return PowerEstimate(subsamples, half_a, half_b, float(caught[0] / subsamples),
                          float(caught[1] / subsamples), alpha)

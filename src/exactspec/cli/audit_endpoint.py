@@ -175,6 +175,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, prompts: list
               "concurrency": args.concurrency, "samples_per_request": args.samples_per_request,
               "local_model": args.model if tokenizer is not None else None, "prompts": prompts}
     result = EndpointAudit(mode, config, [])
+    samples: list = []
     start = time.perf_counter()
     try:
         with LoggedProgress(console=console, transient=True) as progress:
@@ -243,7 +244,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, prompts: list
     describe = (lambda t: repr(tokenizer.decode([t])) if isinstance(t, int) and tokenizer
                 else repr(t))
     verdict(result, describe)
-    files_written = write_endpoint_report(result, args.output, describe)
+    drawn = {engine.name: per_prompt for engine, per_prompt
+             in zip([e for e in (a, b, control) if e is not None], samples)}
+    files_written = write_endpoint_report(result, args.output, describe, drawn)
     print(files_written[1].read_text())
     console.print(f"wrote {', '.join(str(f) for f in files_written)}", highlight=False)
     console.print(verdict_line(result), highlight=False, style="bold")
