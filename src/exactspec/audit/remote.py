@@ -352,9 +352,10 @@ def verdict(result: EndpointAudit, describe_token: Callable[[Symbol], str] = rep
             doubts.append(f"the control ({result.control_name()}) was not caught: the sample size "
                           "is too small to trust a pass")
         drafted = tested.drafted
-        if drafted is not None and drafted < result.samples_drawn // 2:
-            doubts.append(f"A drafted {drafted} tokens in {result.samples_drawn} samples: "
-                          "speculation was barely exercised")
+        samples = sum(getattr(p, "num_a", getattr(p, "num_samples", 0)) for p in tested.prompts)
+        if drafted is not None and drafted < samples // 2:
+            doubts.append(f"A drafted {drafted} tokens in {samples} samples: speculation was "
+                          "barely exercised")
     if result.interrupted:
         doubts.append(f"interrupted: {result.samples_drawn} of {result.samples_asked} samples "
                       "drawn and tested")
