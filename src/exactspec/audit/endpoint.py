@@ -131,7 +131,9 @@ class Endpoint:
         token_source: where the samples' tokens came from (key of :data:`TOKEN_SOURCES`),
             None before the first sample.
         drafted, accepted, drafted_per_position, accepted_per_position: summed from the
-            responses' ``speculation`` figures (exactspec serve), None where none came.
+            responses' ``speculation`` figures (exactspec serve) or, for requests of one
+            choice, ``timings.draft_n`` and ``draft_n_accepted`` (llama-server, which
+            reports one choice's only), None where none came.
     """
 
     url: str
@@ -251,6 +253,10 @@ class Endpoint:
             raise EndpointError(f"asked for n = {n} choices, got {len(choices)}: this engine "
                                 "ignores n (use --samples-per-request 1)", fatal=True)
         self._count_drafts(data.get("speculation"))
+        timings = data.get("timings")
+        if n == 1 and isinstance(timings, dict) and "draft_n" in timings:  # llama-server's
+            self._count_drafts({"drafted_tokens": timings["draft_n"],
+                                "accepted_tokens": timings.get("draft_n_accepted", 0)})
         return [self._completion(choice, params.max_new_tokens) for choice in choices]
 
     def sample(self, prompt: str | Sequence[int], params: SamplingParams, num_samples: int,

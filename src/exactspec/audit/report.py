@@ -277,9 +277,10 @@ def _two_sample_table(test: TwoSampleTest) -> list[str]:
     lines = []
     if test.drafted is not None:
         rate = test.accepted / test.drafted if test.drafted else float("nan")
+        per = (f"; per block position: drafted {test.drafted_per_position}, accepted "
+               f"{test.accepted_per_position}" if test.drafted_per_position else "")
         lines += [f"A drafted {test.drafted} tokens while sampling, {test.accepted} accepted "
-                  f"(acceptance rate {rate:.3f}); per block position: drafted "
-                  f"{test.drafted_per_position}, accepted {test.accepted_per_position}.", ""]
+                  f"(acceptance rate {rate:.3f}){per}.", ""]
     else:
         lines += ["A does not report how much it drafted.", ""]
     lines += ["| prompt | token | samples A | samples B | prefixes tested | n_eff | dof | G "
