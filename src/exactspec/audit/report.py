@@ -27,15 +27,22 @@ def write_audit_report(result: AuditResult, output: str | Path, decode) -> list[
     Returns:
         the paths written.
     """
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
-    files = [output / "audit.json", output / "report.md"]
-    write_text_atomically(files[0], readable_json(result.to_dict()))
+    output, files = _begin(output, result)
     for test in result.distribution.prompts:
         files.append(_plot(test, result.distribution.engine, decode,
                            output / f"prompt-{test.prompt_index}.png"))
     write_text_atomically(files[1], markdown(result, decode))
     return files
+
+
+def _begin(output: str | Path, result) -> tuple[Path, list[Path]]:
+    """Create ``output``, write ``audit.json`` (every number of ``result``); returns the
+    folder and the files every audit writes, ``audit.json`` and ``report.md``."""
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    files = [output / "audit.json", output / "report.md"]
+    write_text_atomically(files[0], readable_json(result.to_dict()))
+    return output, files
 
 
 def markdown(result: AuditResult, decode) -> str:
@@ -174,10 +181,7 @@ def write_endpoint_report(result: EndpointAudit, output: str | Path, describe,
     Returns:
         the paths written.
     """
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
-    files = [output / "audit.json", output / "report.md"]
-    write_text_atomically(files[0], readable_json(result.to_dict()))
+    output, files = _begin(output, result)
     if samples:
         files.append(output / "samples.json")
         write_text_atomically(files[-1], json.dumps(samples))
