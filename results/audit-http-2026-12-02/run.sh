@@ -2,7 +2,7 @@
 # Audits over HTTP (exactspec audit --endpoint) behind results/audit-http-2026-12-02/README.md.
 # Usage: results/audit-http-2026-12-02/run.sh CONFIGURATION, one of exactspec, exactspec-broken,
 #   exactspec-reference, llama-cpp-python, llama-cpp-python-top-p, llama-server-draft,
-#   llama-server-ngram
+#   llama-server-ngram, greedy-exactspec, greedy-llama-server-draft
 # Each configuration starts its servers on loopback, audits, and stops them.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -57,5 +57,25 @@ llama-server-draft|llama-server-ngram)
   wait_for http://127.0.0.1:8024; wait_for http://127.0.0.1:8025
   $EXACTSPEC audit --endpoint http://127.0.0.1:8024 --against http://127.0.0.1:8025 \
       --no-token-ids "${SIZE[@]}" "${SMALL[@]}" --tokens 3 --output "$OUT/$1" || true ;;
+greedy-exactspec|greedy-llama-server-draft)
+  # greedy mode over Spec-Bench (read from the shared data folder, never copied), chat
+  QUESTIONS=${QUESTIONS:-../shared/data/spec_bench/question.jsonl}
+  GREEDY=(--mode greedy --chat --questions "$QUESTIONS" --per-category 5 --greedy-tokens 64)
+  if [ "$1" = greedy-exactspec ]; then
+    $EXACTSPEC serve --port 8021 --proposer prompt-lookup -k 4 --policy constant \
+        --log-level warning & pids+=($!)
+    wait_for http://127.0.0.1:8021
+    $EXACTSPEC audit --endpoint http://127.0.0.1:8021 \
+        --against-body '{"speculation": {"enabled": false}}' "${GREEDY[@]}" --output "$OUT/$1" || true
+  else
+    SERVER=${LLAMA_SERVER:-.cache/llama-server/bin/llama-server}
+    common=(-m "$GGUF" -t 1 -fa off --host 127.0.0.1)
+    "$SERVER" "${common[@]}" --port 8024 -md "$GGUF" --spec-type draft-simple \
+        --spec-draft-n-max 4 >/dev/null 2>&1 & pids+=($!)
+    "$SERVER" "${common[@]}" --port 8025 >/dev/null 2>&1 & pids+=($!)
+    wait_for http://127.0.0.1:8024; wait_for http://127.0.0.1:8025
+    $EXACTSPEC audit --endpoint http://127.0.0.1:8024 --against http://127.0.0.1:8025 \
+        --no-token-ids "${GREEDY[@]}" --output "$OUT/$1" || true
+  fi ;;
 *) echo "unknown configuration $1" >&2; exit 2 ;;
 esac

@@ -173,7 +173,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, prompts: list
               "tokens_per_sample": args.tokens, "alpha": args.alpha,
               "greedy_tokens": args.greedy_tokens, "chat": args.chat,
               "concurrency": args.concurrency, "samples_per_request": args.samples_per_request,
-              "local_model": args.model if tokenizer is not None else None, "prompts": prompts}
+              "local_model": args.model if tokenizer is not None else None,
+              # benchmark questions are named, not copied into the report
+              "prompts": prompts if mode != "greedy" else
+              [f"question {q.question_id} ({q.category})" for q in questions]}
     result = EndpointAudit(mode, config, [])
     samples: list = []
     start = time.perf_counter()
