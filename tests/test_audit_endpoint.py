@@ -274,7 +274,7 @@ def test_greedy_mode_reports_the_first_divergence_with_both_logprobs(server):
                             speculation=SpeculationSettings(0, "constant"))) as other:
         a, b = Endpoint(server), Endpoint(other)
         params = SamplingParams(temperature=0.0, max_new_tokens=8)
-        found = compare_greedy(lambda i: a.complete(PROMPT, params, top_logprobs=5)[0],
+        found, _, _ = compare_greedy(lambda i: a.complete(PROMPT, params, top_logprobs=5)[0],
                                lambda i: b.complete(PROMPT, params, top_logprobs=5)[0], 1)
     assert not found[0].identical and found[0].position is not None
     assert found[0].logprob_a is not None and found[0].logprob_b is not None

@@ -31,8 +31,10 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from exactspec.audit.endpoint import END, TOKEN_SOURCES, Completion, Endpoint, Symbol
-from exactspec.audit.runner import EngineTest, decide as decide_reference, fit_prompt
+from exactspec.audit.endpoint import (END, TOKEN_SOURCES, Completion, Endpoint, EndpointError,
+                                      Symbol)
+from exactspec.audit.runner import (EngineTest, decide as decide_reference, describe_impossible,
+                                    fit_prompt)
 from exactspec.audit.two_sample import (PowerEstimate, PromptComparison, compare_prompt,
                                         decide as decide_two_sample, max_draws_for)
 from exactspec.sampling import SamplingParams
@@ -176,22 +178,30 @@ def draw_interleaved(engines: Sequence[Endpoint], prompts: Sequence[str | Sequen
 
 def compare_greedy(a: Callable[[int], Completion], b: Callable[[int], Completion],
                    num_prompts: int, progress: Progress = lambda n: None
-                   ) -> list[GreedyComparison]:
-    """Greedy outputs of A and B (prompt index → its :class:`Completion`) token for
-    token."""
-    comparisons = []
+                   ) -> tuple[list[GreedyComparison], list[Completion | None],
+                              list[Completion | None]]:
+    """Greedy outputs of A and B (prompt index → its :class:`Completion`) token for token.
+
+    Returns:
+        the comparisons, and A's and B's completions (None where a request failed).
+    Raises:
+        EndpointError: a request was refused (the audit cannot go on).
+    """
+    comparisons, answers_a, answers_b = [], [], []
     for index in range(num_prompts):
+        one = other = None
         try:
             one, other = a(index), b(index)
-        except Exception as error:  # noqa: BLE001  a failed request is reported, not fatal
-            if getattr(error, "refused", False):
+        except EndpointError as error:  # a failed request is reported, not fatal
+            if error.refused:
                 raise
             comparisons.append(GreedyComparison(index, False, error=str(error)))
-            progress(1)
-            continue
-        comparisons.append(greedy_comparison(index, one, other))
+        else:
+            comparisons.append(greedy_comparison(index, one, other))
+        answers_a.append(one)
+        answers_b.append(other)
         progress(1)
-    return comparisons
+    return comparisons, answers_a, answers_b
 
 
 def greedy_comparison(index: int, a: Completion, b: Completion) -> GreedyComparison:
@@ -332,30 +342,30 @@ def verdict(result: EndpointAudit, describe_token: Callable[[Symbol], str] = rep
                       f"logprob difference {_fmt(check.max_logprob_difference)} (tolerance "
                       f"{LOGPROB_TOLERANCE}): give --model the served model's weights")
     tested = result.two_sample or result.reference
-    if tested is not None:
-        for prompt in tested.prompts:
-            for impossible in getattr(prompt, "impossible", []):
-                deviations.append(f"prompt {prompt.prompt_index}: impossible continuation in "
-                                  f"{impossible.count} samples (probability 0 under the model)")
-            for p in prompt.positions:
-                if p.rejected:
-                    deviations.append(
-                        f"prompt {prompt.prompt_index}, token {p.position}: the next-token "
-                        f"distribution deviates (p-value {p.p_value:.2e}, mean TV {p.tv:.3f})")
-            mmd = getattr(prompt, "mmd", None)
-            if mmd is not None and mmd.rejected:
+    if result.two_sample is not None:
+        samples = sum(prompt.num_a for prompt in result.two_sample.prompts)
+        for prompt in result.two_sample.prompts:
+            deviations += _rejected_positions(prompt.prompt_index, prompt.positions)
+            if prompt.mmd.rejected:
                 deviations.append(f"prompt {prompt.prompt_index}: the MMD test (Hamming kernel) "
-                                  f"finds A's and B's samples differ (p-value {mmd.p_value:.2e})")
+                                  f"finds A's and B's samples differ (p-value "
+                                  f"{prompt.mmd.p_value:.2e})")
+    if result.reference is not None:
+        samples = sum(prompt.num_samples for prompt in result.reference.prompts)
+        for prompt in result.reference.prompts:
+            deviations += [f"prompt {prompt.prompt_index}: impossible continuation in "
+                           f"{impossible.count} samples: {describe_impossible(impossible)}"
+                           for impossible in prompt.impossible]
+            deviations += _rejected_positions(prompt.prompt_index, prompt.positions)
+    if tested is not None:
         if result.control is None:
             doubts.append("no control was run, so the test's power is unchecked")
         elif not result.control.rejected:
             doubts.append(f"the control ({result.control_name()}) was not caught: the sample size "
                           "is too small to trust a pass")
-        drafted = tested.drafted
-        samples = sum(getattr(p, "num_a", getattr(p, "num_samples", 0)) for p in tested.prompts)
-        if drafted is not None and drafted < samples // 2:
-            doubts.append(f"A drafted {drafted} tokens in {samples} samples: speculation was "
-                          "barely exercised")
+        if tested.drafted is not None and tested.drafted < samples // 2:
+            doubts.append(f"A drafted {tested.drafted} tokens in {samples} samples: speculation "
+                          "was barely exercised")
     if result.interrupted:
         doubts.append(f"interrupted: {result.samples_drawn} of {result.samples_asked} samples "
                       "drawn and tested")
@@ -374,6 +384,12 @@ def verdict(result: EndpointAudit, describe_token: Callable[[Symbol], str] = rep
 
 def _fmt(value: float | None) -> str:
     return "–" if value is None else f"{value:.3f}"
+
+
+def _rejected_positions(prompt_index: int, positions: Sequence) -> list[str]:
+    """A deviation line for each rejected position test (one-sample or two-sample)."""
+    return [f"prompt {prompt_index}, token {p.position}: the next-token distribution deviates "
+            f"(p-value {p.p_value:.2e}, mean TV {p.tv:.3f})" for p in positions if p.rejected]
 
 
 def verdict_line(result: EndpointAudit) -> str:

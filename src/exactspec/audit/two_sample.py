@@ -15,8 +15,9 @@ labels are permuted within each prefix (for each table, A's row drawn from the
 multivariate hypergeometric law of its margins; the bins depend only on the pooled
 counts, which permuting leaves alone). This is exact at any count, however small, with
 Monte Carlo draws stopped sequentially (Besag & Clifford 1991, *Biometrika* 78: 301: stop
-after :data:`EXCEEDANCES` draws at least as large as the observed statistic, p = h / l;
-else after ``max_draws``, p = (g + 1) / (max_draws + 1)). Holm over every (prompt,
+at the draw l that brings the :data:`EXCEEDANCES`-th permuted statistic at least as large
+as the observed one, p = h / l; else after ``max_draws``, p = (g + 1) / (max_draws + 1):
+:func:`sequential_p_value`). Holm over every (prompt,
 position), as in the one-sample audit.
 
 **Power.** The asymptotic noncentrality of the homogeneity test at one prefix is
@@ -48,7 +49,7 @@ prompt's MMD test joins its position tests in one Holm family.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,7 +118,9 @@ class PositionComparison:
         tv_estimate: the same, bias-corrected by the bootstrap (2 tv − mean of the
             bootstrap tvs, at least 0).
         tv_interval: its 95 % basic bootstrap interval (2 tv − the 97.5 % and 2.5 %
-            bootstrap quantiles, at least 0), which corrects the plug-in's upward bias.
+            bootstrap quantiles, at least 0), which corrects the plug-in's upward bias; a
+            description of the estimate's spread, not a test (at TV = 0, the edge of its
+            range, the bootstrap covers badly and the interval can exclude 0).
         detectable_tv: the mean TV detected with power 0.8 in the least favourable
             direction at Holm's first-step level (set by :func:`decide`).
         rejected: Holm's decision.
@@ -227,23 +230,44 @@ def tv_rows(counts_a: np.ndarray, counts_b: np.ndarray) -> np.ndarray:
                         - counts_b / counts_b.sum(-1, keepdims=True)).sum(-1)
 
 
+def sequential_p_value(exceeds: Callable[[int], np.ndarray], max_draws: int,
+                       batch: int = BATCH) -> tuple[float, int]:
+    """A Monte Carlo permutation p-value stopped sequentially (Besag & Clifford 1991):
+    ``exceeds(size)`` draws ``size`` permuted statistics and says which are at least the
+    observed one; stop at the draw l that brings the :data:`EXCEEDANCES`-th exceedance,
+    p = h / l, else after ``max_draws``, p = (g + 1) / (max_draws + 1). Returns the
+    p-value and the draws made."""
+    exceed = drawn = 0
+    while drawn < max_draws:
+        found = exceeds(min(batch, max_draws - drawn))
+        hits = np.flatnonzero(found)
+        if exceed + len(hits) >= EXCEEDANCES:
+            at = drawn + int(hits[EXCEEDANCES - exceed - 1]) + 1
+            return EXCEEDANCES / at, at
+        exceed, drawn = exceed + len(hits), drawn + len(found)
+    return (exceed + 1) / (drawn + 1), drawn
+
+
 def permutation_p_value(position_tables: Sequence[Table], observed: float,
                         rng: np.random.Generator, max_draws: int) -> tuple[float, int]:
     """The permutation p-value of a position's summed G (module docstring) and the draws
     it took."""
-    exceed, drawn = 0, 0
-    while drawn < max_draws:
-        size = min(BATCH, max_draws - drawn)
+    def exceeds(size: int) -> np.ndarray:
         total = np.zeros(size)
         for table in position_tables:
             colours = table.counts_a + table.counts_b
             a = rng.multivariate_hypergeometric(colours, table.n_a, size=size)
             total += g_statistics(a, colours - a)
-        exceed += int((total >= observed - 1e-9 * max(1.0, observed)).sum())
-        drawn += size
-        if exceed >= EXCEEDANCES:
-            return exceed / drawn, drawn
-    return (exceed + 1) / (drawn + 1), drawn
+        return total >= observed - 1e-9 * max(1.0, observed)
+
+    return sequential_p_value(exceeds, max_draws)
+
+
+def position_test(position_tables: Sequence[Table], rng: np.random.Generator,
+                  max_draws: int) -> tuple[float, float, int]:
+    """A position's summed G, its permutation p-value and the draws it took."""
+    statistic = float(sum(g_statistics(t.counts_a, t.counts_b) for t in position_tables))
+    return (statistic, *permutation_p_value(position_tables, statistic, rng, max_draws))
 
 
 def bootstrap_tv(position_tables: Sequence[Table], observed: float, rng: np.random.Generator
@@ -265,8 +289,8 @@ def bootstrap_tv(position_tables: Sequence[Table], observed: float, rng: np.rand
 def hamming_mmd(samples_a: Sequence[Sample], samples_b: Sequence[Sample], num_tokens: int,
                 rng: np.random.Generator, max_draws: int) -> MMDTest:
     """The MMD test with the Hamming kernel over the first ``num_tokens`` tokens (module
-    docstring), padded after a sample's end; permutations stopped as in
-    :func:`permutation_p_value`."""
+    docstring), padded after a sample's end; permutations stopped by
+    :func:`sequential_p_value`."""
     n_a, n_b = len(samples_a), len(samples_b)
     if n_a < 2 or n_b < 2:
         return MMDTest(float("nan"), 1.0, 0)
@@ -293,11 +317,9 @@ def hamming_mmd(samples_a: Sequence[Sample], samples_b: Sequence[Sample], num_to
     labels = np.zeros(n_a + n_b, dtype=bool)
     labels[:n_a] = True
     observed = statistic(labels)
-    exceed = drawn = 0
-    while drawn < max_draws and exceed < EXCEEDANCES:
-        exceed += statistic(rng.permutation(labels)) >= observed - 1e-12
-        drawn += 1
-    p_value = exceed / drawn if exceed >= EXCEEDANCES else (exceed + 1) / (drawn + 1)
+    p_value, drawn = sequential_p_value(
+        lambda size: np.array([statistic(rng.permutation(labels)) >= observed - 1e-12
+                               for _ in range(size)]), max_draws, batch=50)
     return MMDTest(float(observed), float(p_value), drawn)
 
 
@@ -324,8 +346,7 @@ def compare_prompt(samples_a: Sequence[Sample], samples_b: Sequence[Sample], num
             positions.append(PositionComparison(j + 1, *reach[j], 0, 0.0, 0, 0.0, 1.0, 0,
                                                 0.0, 0.0, (0.0, 0.0)))
             continue
-        statistic = float(sum(g_statistics(t.counts_a, t.counts_b) for t in found))
-        p_value, draws = permutation_p_value(found, statistic, rng, max_draws)
+        statistic, p_value, draws = position_test(found, rng, max_draws)
         effective = sum(t.effective for t in found)
         tv = float(sum(t.effective * t.tv() for t in found) / effective)
         positions.append(PositionComparison(
@@ -378,14 +399,8 @@ def subsample_power(samples_a: Sequence[Sample], samples_b: Sequence[Sample], nu
     for s in range(subsamples):
         a = [samples_a[i] for i in rng.choice(len(samples_a), half_a, replace=False)]
         b = [samples_b[i] for i in rng.choice(len(samples_b), half_b, replace=False)]
-        by_depth = tables(a, b, num_tokens)
-        p_values = []
-        for j in range(num_tokens):
-            found = by_depth.get(j, [])
-            if found:
-                statistic = float(sum(g_statistics(t.counts_a, t.counts_b) for t in found))
-                p_values.append(permutation_p_value(found, statistic, rng,
-                                                    max_draws_for(alpha, num_tokens))[0])
+        p_values = [position_test(found, rng, max_draws_for(alpha, num_tokens))[1]
+                    for found in tables(a, b, num_tokens).values()]
         caught[0] += any(holm(p_values, alpha))
         caught[1] += hamming_mmd(a, b, num_tokens, rng,
                                  max_draws_for(alpha, 1)).p_value <= alpha

@@ -93,7 +93,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, prompts: list
 
     from rich.console import Console
 
-    from exactspec.audit.endpoint import Endpoint, EndpointError
+    from exactspec.audit.endpoint import TRANSLATED, Endpoint, EndpointError
     from exactspec.audit.remote import (EndpointAudit, compare_greedy, draw_interleaved,
                                         drafting_counts, local_greedy, model_check,
                                         reference_test, two_sample_test, verdict, verdict_line)
@@ -166,9 +166,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, prompts: list
         prompt_ids = [tokenizer.apply_chat_template(p) for p in prompts]
     elif mode == "reference":
         prompt_ids = [tokenizer.encode(p) for p in prompts]
-    config = {"mode": mode, "A": a.name, "A_model": a.model, "B": b.name if b else None,
-              "control": control.name, "extra_body": args.extra_body,
-              "sampling": vars(params), "samples_per_prompt": args.samples,
+    config = {"mode": mode, "A": a.url, "A_model": a.model,
+              "B": None if b is None else b.name.removeprefix("B "),
+              "control": control.name.removeprefix("control: "), "extra_body": args.extra_body,
+              "sampling (sent)": {name: getattr(params, name) for name in TRANSLATED},
+              "samples_per_prompt": args.samples,
               "control_samples_per_prompt": args.control_samples or args.samples,
               "tokens_per_sample": args.tokens, "alpha": args.alpha,
               "greedy_tokens": args.greedy_tokens, "chat": args.chat,
@@ -187,33 +189,25 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, prompts: list
                 task = progress.add_task("greedy", total=len(prompts))
                 greedy_params = dataclasses.replace(params, temperature=0.0, top_p=1.0, top_k=0,
                                                     min_p=0.0, seed=None, max_new_tokens=tokens)
-                answers: dict = {"a": {}, "b": {}, "local": {}}
-
-                def remembered(key, complete):
-                    def one(i):
-                        answers[key][i] = complete(i)
-                        return answers[key][i]
-                    return one
 
                 def ask(endpoint):
                     return lambda i: endpoint.complete(prompts[i], greedy_params,
                                                        top_logprobs=5)[0]
 
-                other = (remembered("b", ask(b)) if b is not None else
-                         remembered("local", local_greedy(target, prompt_ids, greedy_params)))
-                result.greedy = compare_greedy(remembered("a", ask(a)), other, len(prompts),
-                                               lambda n: progress.advance(task, n))
+                other = (ask(b) if b is not None
+                         else local_greedy(target, prompt_ids, greedy_params))
+                result.greedy, answers, references = compare_greedy(
+                    ask(a), other, len(prompts), lambda n: progress.advance(task, n))
                 progress.remove_task(task)
                 if mode == "reference":
-                    result.model_check = model_check(
-                        result.greedy, [answers["a"].get(i) for i in range(len(prompts))],
-                        [answers["local"].get(i) for i in range(len(prompts))])
+                    result.model_check = model_check(result.greedy, answers, references)
             if mode != "greedy":
                 engines = [a, b, control] if b is not None else [a, control]
                 sizes = [args.samples] * (len(engines) - 1) + [args.control_samples
                                                                or args.samples]
                 result.samples_asked = sum(sizes) * len(prompts)
-                task = progress.add_task("sampling " + ", ".join(e.name[:24] for e in engines),
+                task = progress.add_task("sampling " + ", ".join(
+                    ["A", "B", "control"] if b is not None else ["A", "control"]),
                                          total=result.samples_asked)
                 before = drafting_counts(a)
                 samples, result.interrupted = draw_interleaved(
