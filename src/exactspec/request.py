@@ -38,6 +38,9 @@ class RequestError(ValueError):
         super().__init__(message)
         self.field = field
 
+    def __reduce__(self):  # picklable (raised on a Ray worker, re-raised in the driver)
+        return type(self), (self.field, str(self))
+
 
 @dataclass
 class Request:

@@ -7,8 +7,8 @@ peers of :mod:`exactspec.peers`."""
 from exactspec.audit.broken import BROKEN_VERIFIERS, BrokenGenerator
 from exactspec.audit.reference import next_token_probs
 from exactspec.audit.report import write_audit_report
-from exactspec.audit.runner import (AuditResult, audit_distribution, check_greedy, fit_prompt,
-                                    verdict, verdict_line)
+from exactspec.audit.runner import (AuditResult, AuditSetup, audit_distribution, check_greedy,
+                                    fit_prompt, run_greedy_checks, verdict, verdict_line)
 from exactspec.engines import BatchedEngine, Engine, ExactspecEngine
 
 AUDIT_PROMPTS = (
@@ -20,7 +20,7 @@ AUDIT_PROMPTS = (
 )
 """Default prompts: repetitive enough that prompt lookup drafts from the first token."""
 
-__all__ = ["AUDIT_PROMPTS", "AuditResult", "BROKEN_VERIFIERS", "BrokenGenerator",
+__all__ = ["AUDIT_PROMPTS", "AuditResult", "AuditSetup", "BROKEN_VERIFIERS", "BrokenGenerator",
            "BatchedEngine", "Engine", "ExactspecEngine", "audit_distribution",
-           "check_greedy", "fit_prompt", "next_token_probs", "verdict", "verdict_line",
+           "check_greedy", "fit_prompt", "next_token_probs", "run_greedy_checks", "verdict", "verdict_line",
            "write_audit_report"]

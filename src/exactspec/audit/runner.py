@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from exactspec.audit.reference import next_token_probs
 from exactspec.audit.stats import Impossible, NodeFit, PositionFit, decide_family, fit_tree
 from exactspec.backends.base import Backend, forward_one, new_sequence_id
+from exactspec.distributed import Executor, LocalExecutor, Missing
 from exactspec.engine import SpeculativeGenerator
 from exactspec.engines import Engine
 from exactspec.logits_pipeline import LogitsPipeline
@@ -94,6 +95,7 @@ class EngineTest:
     drafted_per_position: list[int] | None = None
     accepted_per_position: list[int] | None = None
     level: float | None = None
+    missing: list[str] = field(default_factory=list)
 
     @property
     def rejected(self) -> bool:
@@ -109,6 +111,7 @@ class AuditResult:
     greedy: list[GreedyCheck]
     distribution: EngineTest
     control: EngineTest | None
+    missing: list[str] = field(default_factory=list)  # greedy checks not made (worker lost)
     verdict: str = ""
     reasons: list[str] = field(default_factory=list)
 
@@ -116,59 +119,137 @@ class AuditResult:
         return dataclasses.asdict(self)
 
 
+@dataclass
+class AuditSetup:
+    """What an audit runs on, loaded once per process (with ``--ray``, once per worker).
+
+    Attributes:
+        target: the target model (the reference conditionals and plain decoding).
+        engines: the engines tested, by role: ``engine`` and, when run, ``control``.
+        prompt_ids: ``[prompts][tokens]`` the prompts, tokenised.
+        params: the sampling parameters of the distribution test (seeded).
+    """
+
+    target: Backend
+    engines: dict[str, Engine]
+    prompt_ids: list[list[int]]
+    params: SamplingParams
+
+
+@dataclass
+class SampledChunk:
+    """One unit of the distribution test: ``samples`` of one prompt drawn with one seed,
+    and the drafting counts of this unit alone (as :func:`_speculation_counts`)."""
+
+    samples: list[tuple[int, ...]]
+    counts: list
+
+
 def check_greedy(target: Backend, engine: Engine, prompts: Sequence[Sequence[int]],
                  num_tokens: int) -> list[GreedyCheck]:
-    """Compare the engine's greedy output with plain decoding on ``target``."""
+    """Compare the engine's greedy output with plain decoding on ``target``, here."""
+    setup = AuditSetup(target, {"engine": engine}, [list(p) for p in prompts], SamplingParams())
+    return run_greedy_checks(LocalExecutor(setup), len(prompts), num_tokens)[0]
+
+
+def run_greedy_checks(executor: Executor, num_prompts: int, num_tokens: int
+                      ) -> tuple[list[GreedyCheck], list[str]]:
+    """Greedy identity of each prompt as units of work run by ``executor``
+    (:mod:`exactspec.distributed`); returns the checks made, and which prompts could not
+    be checked (their worker died twice), in words."""
+    outcomes = executor.map(greedy_unit, [(index, num_tokens) for index in range(num_prompts)])
+    return ([o for o in outcomes if not isinstance(o, Missing)],
+            [f"greedy identity of prompt {o.unit[0]}: {o.reason}" for o in outcomes
+             if isinstance(o, Missing)])
+
+
+def greedy_unit(setup: AuditSetup, index: int, num_tokens: int) -> GreedyCheck:
+    """Greedy identity of prompt ``index`` (a unit of work, :mod:`exactspec.distributed`)."""
+    target, engine = setup.target, setup.engines["engine"]
+    prompt_ids = setup.prompt_ids[index]
     plain = SpeculativeGenerator(target, None)
     params = SamplingParams(temperature=0.0, max_new_tokens=num_tokens)
-    checks = []
-    for index, prompt_ids in enumerate(prompts):
-        expected = plain.generate(list(prompt_ids), params).token_ids
-        got = list(engine.sample(prompt_ids, params, 1)[0])
-        if got == expected:
-            checks.append(GreedyCheck(index, True, len(expected)))
-            continue
-        position = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b),
-                        min(len(expected), len(got)))
-        check = GreedyCheck(index, False, len(expected), position)
-        if position < min(len(expected), len(got)):
-            context = list(prompt_ids) + expected[:position]
-            sequence = new_sequence_id()
-            try:
-                target.prefill(sequence, context[:-1])
-                logits = forward_one(target, sequence, context[-1:])[0]
-            finally:
-                target.release(sequence)
-            check.plain_token, check.engine_token = expected[position], got[position]
-            check.plain_logit = float(logits[check.plain_token])
-            check.engine_logit = float(logits[check.engine_token])
-        checks.append(check)
-    return checks
+    expected = plain.generate(list(prompt_ids), params).token_ids
+    got = list(engine.sample(prompt_ids, params, 1)[0])
+    if got == expected:
+        return GreedyCheck(index, True, len(expected))
+    position = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b),
+                    min(len(expected), len(got)))
+    check = GreedyCheck(index, False, len(expected), position)
+    if position < min(len(expected), len(got)):
+        context = list(prompt_ids) + expected[:position]
+        sequence = new_sequence_id()
+        try:
+            target.prefill(sequence, context[:-1])
+            logits = forward_one(target, sequence, context[-1:])[0]
+        finally:
+            target.release(sequence)
+        check.plain_token, check.engine_token = expected[position], got[position]
+        check.plain_logit = float(logits[check.plain_token])
+        check.engine_logit = float(logits[check.engine_token])
+    return check
 
 
 def audit_distribution(target: Backend, engine: Engine, prompts: Sequence[Sequence[int]],
                        params: SamplingParams, num_samples: int, alpha: float,
-                       progress: Progress = lambda n: None, chunk: int = 50) -> EngineTest:
+                       progress: Progress = lambda n: None, chunk: int = 50, *,
+                       executor: Executor | None = None, role: str = "engine") -> EngineTest:
     """Sample ``num_samples`` continuations of ``params.max_new_tokens`` tokens per prompt
     from ``engine`` and test each position of each prompt against the exact conditionals;
     Holm over every (prompt, position) test. The drafting counts are this phase's only.
 
-    Seeds: chunk c of prompt i uses seed ``params.seed + 1000 * i + c``.
+    The work is split in units (:mod:`exactspec.distributed`): chunks of ``chunk`` samples,
+    chunk c of prompt i seeded with ``params.seed + 1000 * i + c``, then one fit per prompt;
+    ``executor`` runs them (default: here), on the engine of ``role`` in its state
+    (:class:`AuditSetup`). Chunks whose worker died twice are named in ``missing``; the
+    prompts are tested on the samples drawn.
     """
-    before = _speculation_counts(engine)
+    executor = executor or LocalExecutor(AuditSetup(target, {role: engine},
+                                                    [list(p) for p in prompts], params))
+    units = [(role, index, c, min(chunk, num_samples - start))
+             for index in range(len(prompts))
+             for c, start in enumerate(range(0, num_samples, chunk))]
+    chunks = executor.map(sample_unit, units, lambda i, result: progress(units[i][3]))
+    samples: list[list[tuple[int, ...]]] = [[] for _ in prompts]
+    counts, missing = None, []
+    for unit, outcome in zip(units, chunks):
+        if isinstance(outcome, Missing):
+            missing.append(f"{engine.name}: prompt {unit[1]}, samples {unit[2] * chunk}–"
+                           f"{unit[2] * chunk + unit[3] - 1}: {outcome.reason}")
+            continue
+        samples[unit[1]] += outcome.samples
+        counts = outcome.counts if counts is None else [
+            None if a is None else _plus(a, b) for a, b in zip(counts, outcome.counts)]
+    fits = executor.map(fit_unit, [(index, drawn) for index, drawn in enumerate(samples)
+                                   if drawn])
     tests = []
-    for index, prompt_ids in enumerate(prompts):
-        samples: list[tuple[int, ...]] = []
-        for c, start in enumerate(range(0, num_samples, chunk)):
-            size = min(chunk, num_samples - start)
-            seeded = dataclasses.replace(params, seed=(params.seed or 0) + 1000 * index + c)
-            samples += engine.sample(prompt_ids, seeded, size)
-            progress(size)
-        tests.append(fit_prompt(target, prompt_ids, params, samples, index))
+    for fit in fits:
+        if isinstance(fit, Missing):
+            missing.append(f"{engine.name}: the test of prompt {fit.unit[0]}: {fit.reason}")
+        else:
+            tests.append(fit)
     level = decide(tests, alpha)
+    counts = counts or [None] * 4
+    return EngineTest(engine.name, tests, *counts, level=level, missing=missing)
+
+
+def sample_unit(setup: AuditSetup, role: str, index: int, chunk: int, size: int
+                ) -> SampledChunk:
+    """``size`` samples of prompt ``index`` from the engine of ``role``, seeded for chunk
+    ``chunk`` (a unit of work of :func:`audit_distribution`)."""
+    engine = setup.engines[role]
+    seeded = dataclasses.replace(setup.params, seed=(setup.params.seed or 0) + 1000 * index
+                                 + chunk)
+    before = _speculation_counts(engine)
+    samples = engine.sample(setup.prompt_ids[index], seeded, size)
     after = _speculation_counts(engine)
-    counts = [None if a is None else _minus(a, b) for a, b in zip(after, before)]
-    return EngineTest(engine.name, tests, *counts, level=level)
+    return SampledChunk(samples, [None if a is None else _minus(a, b)
+                                  for a, b in zip(after, before)])
+
+
+def fit_unit(setup: AuditSetup, index: int, samples: list[tuple[int, ...]]) -> PromptTest:
+    """:func:`fit_prompt` of prompt ``index`` (a unit of work of :func:`audit_distribution`)."""
+    return fit_prompt(setup.target, setup.prompt_ids[index], setup.params, samples, index)
 
 
 def fit_prompt(target: Backend, prompt_ids: Sequence[int], params: SamplingParams,
@@ -205,6 +286,13 @@ def _minus(after, before):
     return after - before
 
 
+def _plus(a, b):
+    """``a + b`` for counts or lists of counts."""
+    if isinstance(a, list):
+        return [x + y for x, y in zip(a, b)]
+    return a + b
+
+
 def verdict(result: AuditResult, decode: Callable[[list[int]], str] | None = None) -> AuditResult:
     """Fill ``result.verdict`` and ``result.reasons`` (see module docstring); ``decode``
     (token ids → text) names impossible continuations in words."""
@@ -224,6 +312,11 @@ def verdict(result: AuditResult, decode: Callable[[list[int]], str] | None = Non
                     f"prompt {test.prompt_index}, token {position.position}: the next-token "
                     f"distribution deviates from the target's (p-value {position.p_value:.2e}, "
                     f"mean TV = {position.tv:.3f})")
+    missing = result.missing + result.distribution.missing + (
+        result.control.missing if result.control else [])
+    if missing:
+        doubts.append(f"{len(missing)} part(s) of the audit were not run, so it tested less "
+                      f"than asked: {'; '.join(missing)}")
     if result.control is None:
         doubts.append("no broken control was run, so the test's power is unchecked")
     elif not result.control.rejected:

@@ -9,6 +9,7 @@ Ctrl-C keeps what was measured: every method's runs on the questions finished so
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import statistics
@@ -20,6 +21,7 @@ import torch
 from exactspec.backends.base import Backend, forward_one, new_sequence_id
 from exactspec.bench.methods import Method
 from exactspec.bench.questions import Question
+from exactspec.distributed import Executor, LocalExecutor, Missing
 from exactspec.progress import LoggedProgress
 from exactspec.sampling import SamplingParams
 
@@ -37,6 +39,7 @@ class Record:
     token_ids: list[int]
     stats: dict | None
     matches_plain: bool | None = None  # greedy only: token-identical to plain decoding
+    worker: str | None = None  # with Ray: the worker (host:pid) that ran it
 
 
 @dataclass
@@ -131,17 +134,27 @@ def measure_host_seconds(target: Backend, trials: int = 30) -> float:
     return statistics.median(times)
 
 
-def run_bench(target: Backend, questions: list[Question], methods: list[Method], *,
-              params: SamplingParams, repetitions: int, chat: bool, config: dict,
-              show_progress: bool = True) -> BenchResults:
-    """Run every method on every question ``repetitions`` times, interleaved.
+@dataclass
+class BenchSetup:
+    """What a bench runs on, loaded and calibrated once per process (with ``--ray``, once
+    per worker): the target, the methods, each question's prompt tokenised (``prompts``, by
+    question id), and the calibrations measured after a warm-up generation per method."""
 
-    On Ctrl-C during the runs, returns what was measured with ``incomplete`` saying so:
-    every method's runs of each (question, repetition) finished, none of the one under way.
+    target: Backend
+    questions: list[Question]
+    methods: list[Method]
+    params: SamplingParams
+    prompts: dict[int, list[int]]
+    forward_seconds: dict[int, float]
+    host_seconds: float
+
+
+def prepare_bench(target: Backend, questions: list[Question], methods: list[Method], *,
+                  params: SamplingParams, chat: bool) -> BenchSetup:
+    """Tokenise the prompts, warm every method up, measure the cost model.
 
     Raises:
         ValueError: if no method is ``plain`` (the baseline every speedup is relative to).
-        KeyboardInterrupt: on Ctrl-C before one question was run by every method.
     """
     if not any(m.kind == "plain" for m in methods):
         raise ValueError("the methods must include 'plain' (the baseline)")
@@ -153,43 +166,117 @@ def run_bench(target: Backend, questions: list[Question], methods: list[Method],
         method.run(prompts[questions[0].question_id], warm_up)
     max_k = max(m.k for m in methods)
     median_prompt = int(statistics.median(len(p) for p in prompts.values()))
-    results = BenchResults(config, machine_info(),
-                           measure_forward_cost(target, median_prompt, max_k + 1),
-                           host_seconds_at_start=measure_host_seconds(target))
+    return BenchSetup(target, questions, methods, params, prompts,
+                      measure_forward_cost(target, median_prompt, max_k + 1),
+                      measure_host_seconds(target))
 
-    total = len(questions) * repetitions * len(methods)
-    blocks = 0
+
+def run_bench(target: Backend, questions: list[Question], methods: list[Method], *,
+              params: SamplingParams, repetitions: int, chat: bool, config: dict,
+              show_progress: bool = True, executor: Executor | None = None) -> BenchResults:
+    """Run every method on every question ``repetitions`` times, interleaved.
+
+    The unit of work is one *question run*: every method once on one question, in turn, in
+    one process, so each ratio is measured side by side. ``executor``
+    (:mod:`exactspec.distributed`) runs the question runs on workers, each holding its own
+    :func:`prepare_bench` state; without it they run here on ``target`` and ``methods``.
+    With workers, each worker's cost model and calibration go to ``machine["workers"]``,
+    each record names its worker, and the report's cost model is the per-size median over
+    workers.
+
+    On Ctrl-C during the runs, returns what was measured with ``incomplete`` saying so:
+    every method's runs of each question run finished, none of the one under way. A
+    question run whose worker died twice is named in ``incomplete`` too.
+
+    Raises:
+        ValueError: if no method is ``plain`` (the baseline every speedup is relative to).
+        KeyboardInterrupt: on Ctrl-C before one question was run by every method.
+    """
+    local = executor is None
+    setup = None
+    if local:
+        setup = prepare_bench(target, questions, methods, params=params, chat=chat)
+        executor = LocalExecutor(setup)
+    elif not any(m.kind == "plain" for m in methods):
+        raise ValueError("the methods must include 'plain' (the baseline)")
+    units = [(index, repetition) for index in range(len(questions))
+             for repetition in range(repetitions)]
+    done: dict[int, tuple[list[Record], dict] | Missing] = {}
     with LoggedProgress(disable=not show_progress, transient=False) as progress:
-        task = progress.add_task("benchmark", total=total)
+        task = progress.add_task("benchmark", total=len(units) * len(methods))
+
+        def finished(index: int, outcome) -> None:
+            done[index] = outcome
+            if not local:
+                progress.update(task, advance=len(methods),
+                                description=f"{len(done)} of {len(units)} question runs")
+        advance = (lambda description: progress.update(task, advance=1, description=description)
+                   ) if local else None
         try:
-            for question in questions:
-                for repetition in range(repetitions):
-                    block = _run_block(question, repetition, prompts[question.question_id],
-                                       methods, params, progress, task)
-                    results.records.extend(block)
-                    blocks += 1
+            executor.map(functools.partial(bench_unit, advance=advance), units, finished)
+            incomplete = None
         except KeyboardInterrupt:
-            if not results.records:
+            if not done:
                 raise
-            results.incomplete = (f"interrupted (Ctrl-C) after {blocks} of "
-                                  f"{len(questions) * repetitions} question runs")
+            incomplete = f"interrupted (Ctrl-C) after {len(done)} of {len(units)} question runs"
+    workers, records, missing = {}, [], []
+    for index in sorted(done):
+        if isinstance(done[index], Missing):
+            question = questions[units[index][0]]
+            missing.append(f"question {question.question_id} (repetition {units[index][1]}) "
+                           f"was not run: {done[index].reason}")
+            continue
+        block, worker = done[index]
+        records += block
+        workers[worker["worker"]] = worker
+    if local:
+        results = BenchResults(config, machine_info(), setup.forward_seconds,
+                               host_seconds_at_start=setup.host_seconds)
+    else:
+        calibrations = list(workers.values())
+        results = BenchResults(config, machine_info() | {"workers": calibrations},
+                               _median_costs([w["forward_seconds"] for w in calibrations]),
+                               host_seconds_at_start=statistics.median(
+                                   w["host_seconds"] for w in calibrations) if calibrations
+                               else None)
+    results.records = records
+    results.incomplete = "; ".join(([incomplete] if incomplete else []) + missing) or None
     return results
 
 
+def _median_costs(costs: list[dict[int, float]]) -> dict[int, float]:
+    """The per-size median of several cost models."""
+    return {n: statistics.median(cost[n] for cost in costs) for n in costs[0]} if costs else {}
+
+
+def bench_unit(setup: BenchSetup, index: int, repetition: int, advance=None
+               ) -> tuple[list[Record], dict]:
+    """One question run (a unit of work of :func:`run_bench`): every method once on question
+    ``index``; returns its records and the worker that ran them with its calibration.
+    ``advance(description)`` after each method's run, when given (here)."""
+    question = setup.questions[index]
+    block = _run_block(question, repetition, setup.prompts[question.question_id],
+                       setup.methods, setup.params, advance or (lambda description: None))
+    worker = None if advance is not None else f"{platform.node()}:{os.getpid()}"
+    for record in block:
+        record.worker = worker
+    return block, {"worker": worker, "forward_seconds": setup.forward_seconds,
+                   "host_seconds": setup.host_seconds}
+
+
 def _run_block(question: Question, repetition: int, prompt_ids: list[int],
-               methods: list[Method], params: SamplingParams, progress, task) -> list[Record]:
-    """Every method once on one question; greedy outputs compared with plain decoding's."""
+               methods: list[Method], params: SamplingParams, advance) -> list[Record]:
+    """Every method once on one question; greedy outputs compared with plain decoding's.
+    ``advance(description)`` after each method's run."""
     block, plain_ids = [], None
     for method in methods:
-        progress.update(task, description=f"{question.group} #{question.question_id} "
-                                          f"{method.name}")
         outcome = method.run(prompt_ids, params, question.question_id)
         block.append(Record(question.question_id, question.group, method.name, repetition,
                             len(outcome.token_ids), outcome.seconds, outcome.token_ids,
                             outcome.stats))
         if method.kind == "plain":
             plain_ids = outcome.token_ids
-        progress.advance(task)
+        advance(f"{question.group} #{question.question_id} {method.name}")
     if params.greedy:
         for record in block:
             record.matches_plain = record.token_ids == plain_ids

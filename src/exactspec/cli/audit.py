@@ -6,13 +6,19 @@ generation, or on any engine behind an OpenAI-compatible API (``--endpoint``:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 from exactspec.cli.audit_endpoint import add_endpoint_options
 from exactspec.cli.common import (DEFAULT_K, add_model_options, add_policy_option,
-                                  allows_batch_variance, check_proposer_before_loading,
-                                  load_from_args, positive_int, seed)
-from exactspec.proposers.spec import FORMS
+                                  add_ray_options, allows_batch_variance,
+                                  check_proposer_before_loading, load_from_args, positive_int,
+                                  seed, start_workers, worker_args)
+from exactspec.proposers.spec import FORMS, parse_proposer
+
+if TYPE_CHECKING:
+    from exactspec.audit import AuditSetup
 
 PEER = {"transformers": "hf", "llama_cpp": "llama"}
 """--engine → the peer (:mod:`exactspec.peers`) that runs it."""
@@ -96,28 +102,26 @@ def add_parser(commands) -> None:
                            "explicitly override these")
     audit.add_argument("--output", default="audit-results", metavar="DIR",
                        help="where audit.json, report.md and the plots go (default audit-results)")
+    add_ray_options(audit, "greedy checks, sample chunks and per-prompt tests")
     add_endpoint_options(audit)
     audit.set_defaults(subparser=audit)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import dataclasses
     import functools
     from pathlib import Path
 
     from rich.console import Console
 
-    from exactspec import SamplingParams, SpeculativeGenerator
-    from exactspec.audit import (AUDIT_PROMPTS, AuditResult, BatchedEngine, BrokenGenerator,
-                                 ExactspecEngine, audit_distribution, check_greedy, verdict,
-                                 verdict_line, write_audit_report)
-    from exactspec.batching import BatchedGenerator
+    from exactspec import SamplingParams
+    from exactspec.audit import (AUDIT_PROMPTS, AuditResult, audit_distribution,
+                                 run_greedy_checks, verdict, verdict_line, write_audit_report)
     from exactspec.backends.base import UnsupportedModelError
     from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
+    from exactspec.distributed import LocalExecutor, RayExecutor, RayNotInstalledError
     from exactspec.model_files import ModelNotFoundError
-    from exactspec.peers import check_peer_runs, make_peer
+    from exactspec.peers import check_peer_runs
     from exactspec.progress import LoggedProgress
-    from exactspec.proposers.spec import build_proposer, parse_proposer
 
     for name in FULL:  # explicit flags win over --quick's sizes
         if getattr(args, name) is None:
@@ -149,70 +153,107 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.endpoint:
         from exactspec.cli import audit_endpoint
 
+        if args.ray is not None:
+            parser.error("--ray shards a local audit; --endpoint audits a server (raise "
+                         "--concurrency, or give the server replicas: serve --replicas)")
+
         return audit_endpoint.run(args, parser, prompts, params)
     console = Console(stderr=True, soft_wrap=True)
+    if args.max_batch_size and args.engine != "exactspec":
+        parser.error(f"--max-batch-size audits exactspec's batched decoding, not --engine "
+                     f"{args.engine}")
+    executor = None
     try:
         proposer_spec = parse_proposer(args.proposer)
         if args.engine != "exactspec":
             check_peer_runs(dataclasses.replace(proposer_spec, peer=PEER[args.engine]))
         check_proposer_before_loading(args, parser, proposer_spec, f"--proposer {args.proposer}")
         with console.status(f"Loading {args.model} …"):
-            target = load_from_args(args)
-            load = functools.cache(lambda name: load_from_args(args, name))  # one draft model
-            proposer = build_proposer(proposer_spec, target, load)
-        k = args.num_speculative_tokens
-        tokenizer = target.tokenizer
-        prompt_ids = [tokenizer.apply_chat_template(p) if args.chat else tokenizer.encode(p)
-                      for p in prompts]
-        batch = args.max_batch_size
-        if batch and args.engine != "exactspec":
-            parser.error(f"--max-batch-size audits exactspec's batched decoding, not --engine "
-                         f"{args.engine}")
-        as_engine = ExactspecEngine if not batch else (
-            lambda generator, name: BatchedEngine(BatchedGenerator(generator, batch),
-                                                  f"{name}, batched ×{batch}"))
-        if args.engine == "exactspec":
-            engine = as_engine(SpeculativeGenerator(
-                target, proposer, k, args.policy, allow_batch_variance=allows_batch_variance(args)),
-                               f"exactspec {args.proposer} k={k} {args.policy}")
-        else:
-            engine = make_peer(dataclasses.replace(proposer_spec, peer=PEER[args.engine]), target,
-                               load, k)
-            engine.name = f"{engine.label} {args.proposer} k={k}"
-        control = None
-        if args.broken != "none" and proposer is not None:
-            control = as_engine(BrokenGenerator(
-                target, proposer, k, "constant", broken=args.broken,
-                allow_batch_variance=allows_batch_variance(args)),
-                                f"broken control: {args.broken}, {args.proposer} k={k}")
+            setup = build_audit(args, prompts, params)
+        if args.ray is not None:
+            executor = start_workers(args, functools.partial(build_audit, worker_args(args),
+                                                             prompts, params), console)
+        engine, control = setup.engines["engine"], setup.engines.get("control")
+        target, k = setup.target, args.num_speculative_tokens
         config = {"model": args.model, "backend": target.description, "engine": engine.name,
                   "proposer": args.proposer, "k": k, "policy": args.policy, "sampling": vars(params),
                   "samples_per_prompt": args.samples, "tokens_per_sample": args.tokens,
                   "alpha": args.alpha, "greedy_tokens": args.greedy_tokens, "chat": args.chat,
-                  "max_batch_size": batch,
-                  "prompts": prompts}
+                  "max_batch_size": args.max_batch_size, "prompts": prompts}
+        executor = executor or LocalExecutor(setup)
         start = time.perf_counter()
         with LoggedProgress(console=console, transient=True) as progress:
-            greedy = []
+            greedy, missing = [], []
             if args.greedy_tokens:
-                task = progress.add_task("greedy identity", total=None)
-                greedy = check_greedy(target, engine, prompt_ids, args.greedy_tokens)
+                task = progress.add_task("greedy identity", total=len(prompts))
+                greedy, missing = run_greedy_checks(executor, len(prompts), args.greedy_tokens)
                 progress.remove_task(task)
             tests = []
-            for tested in [engine] + ([control] if control else []):
+            for role, tested in [("engine", engine)] + ([("control", control)] if control else []):
                 task = progress.add_task(tested.name[:60], total=args.samples * len(prompts))
-                tests.append(audit_distribution(target, tested, prompt_ids, params, args.samples,
-                                                args.alpha, lambda n: progress.advance(task, n)))
+                tests.append(audit_distribution(target, tested, setup.prompt_ids, params,
+                                                args.samples, args.alpha,
+                                                lambda n: progress.advance(task, n),
+                                                executor=executor, role=role))
         config["seconds"] = round(time.perf_counter() - start, 1)
+        config["ran_on"] = executor.description
     except (ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError,
-            ValueError) as error:
+            RayNotInstalledError, ConnectionError, RuntimeError, ValueError) as error:
         console.print(f"[bold red]error:[/] {error}", highlight=False)
         return 1
-    result = verdict(AuditResult(config, greedy, tests[0], tests[1] if control else None),
-                     tokenizer.decode)
+    finally:
+        if isinstance(executor, RayExecutor):
+            executor.close()
+    tokenizer = target.tokenizer
+    result = verdict(AuditResult(config, greedy, tests[0], tests[1] if control else None,
+                                 missing), tokenizer.decode)
     files = write_audit_report(result, args.output, tokenizer.decode)
     print(files[1].read_text())
     console.print(f"wrote {', '.join(str(f) for f in files)}", highlight=False)
     console.print(verdict_line(result, quick=args.quick), highlight=False, style="bold")
     return 0 if result.verdict == "exact" else 1
 
+
+def build_audit(args: argparse.Namespace, prompts: list[str], params) -> "AuditSetup":
+    """Load what the audit runs on (:class:`~exactspec.audit.runner.AuditSetup`): the
+    target, the engine and the broken control, the prompts tokenised. With ``--ray`` each
+    worker runs this once, in its own process.
+
+    Raises:
+        ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError, ValueError:
+            as loading the models and proposer does.
+    """
+    import functools
+
+    from exactspec import SpeculativeGenerator
+    from exactspec.audit import AuditSetup, BatchedEngine, BrokenGenerator, ExactspecEngine
+    from exactspec.batching import BatchedGenerator
+    from exactspec.peers import make_peer
+    from exactspec.proposers.spec import build_proposer
+
+    proposer_spec = parse_proposer(args.proposer)
+    target = load_from_args(args)
+    load = functools.cache(lambda name: load_from_args(args, name))  # one draft model
+    proposer = build_proposer(proposer_spec, target, load)
+    k, batch = args.num_speculative_tokens, args.max_batch_size
+    as_engine = ExactspecEngine if not batch else (
+        lambda generator, name: BatchedEngine(BatchedGenerator(generator, batch),
+                                              f"{name}, batched ×{batch}"))
+    if args.engine == "exactspec":
+        engine = as_engine(SpeculativeGenerator(
+            target, proposer, k, args.policy, allow_batch_variance=allows_batch_variance(args)),
+                           f"exactspec {args.proposer} k={k} {args.policy}")
+    else:
+        engine = make_peer(dataclasses.replace(proposer_spec, peer=PEER[args.engine]), target,
+                           load, k)
+        engine.name = f"{engine.label} {args.proposer} k={k}"
+    engines = {"engine": engine}
+    if args.broken != "none" and proposer is not None:
+        engines["control"] = as_engine(BrokenGenerator(
+            target, proposer, k, "constant", broken=args.broken,
+            allow_batch_variance=allows_batch_variance(args)),
+                                       f"broken control: {args.broken}, {args.proposer} k={k}")
+    tokenizer = target.tokenizer
+    prompt_ids = [tokenizer.apply_chat_template(p) if args.chat else tokenizer.encode(p)
+                  for p in prompts]
+    return AuditSetup(target, engines, prompt_ids, params)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 
 from exactspec.cli.common import (EXIT_STATUSES, EXIT_UNSTABLE, add_model_options,
-                                  allows_batch_variance, check_models_before_loading,
-                                  load_from_args, seed)
+                                  add_ray_options, allows_batch_variance,
+                                  check_models_before_loading, load_from_args, seed,
+                                  start_workers, worker_args)
 
 DEFAULT_BENCH_METHODS = {
     "transformers": ("plain", "prompt-lookup:k=4", "prompt-lookup:k=6:policy=auto", "hf-plain",
@@ -85,7 +87,30 @@ def add_parser(commands) -> None:
                             "repetition; --per-category, --max-new-tokens and --repetitions "
                             "given explicitly override these")
     add_model_options(bench)
+    add_ray_options(bench, "question runs (every method once on one question, side by side "
+                           "on one worker, so each ratio is measured within one worker)")
     bench.set_defaults(subparser=bench)
+
+
+def load_methods(args: argparse.Namespace) -> tuple:
+    """The target and the methods compared (``--method``, else the backend's defaults)."""
+    from exactspec.bench import parse_method
+
+    target = load_from_args(args)
+    defaults = CONCURRENCY_METHODS if args.concurrency else DEFAULT_BENCH_METHODS
+    methods = [parse_method(spec, target, lambda name: load_from_args(args, name),
+                            allow_batch_variance=allows_batch_variance(args))
+               for spec in args.method or defaults[target.name]]
+    return target, methods
+
+
+def build_bench(args: argparse.Namespace, questions, params):
+    """A Ray worker's bench state: the target and methods loaded, warmed up and calibrated
+    (:func:`~exactspec.bench.runner.prepare_bench`)."""
+    from exactspec.bench.runner import prepare_bench
+
+    target, methods = load_methods(args)
+    return prepare_bench(target, questions, methods, params=params, chat=not args.no_chat)
 
 
 def concurrency_list(text: str) -> list[int]:
@@ -108,9 +133,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from exactspec import SamplingParams
     from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
-    from exactspec.bench import load_questions, parse_method, run_bench, write_report
+    from exactspec.bench import load_questions, run_bench, write_report
     from exactspec.bench.methods import is_peer, parse_method_spec
     from exactspec.bench.report import UNSTABLE_HEADLINE, verdict_line
+    from exactspec.distributed import RayNotInstalledError
 
     for name in FULL:  # explicit flags win over --quick's sizes
         if getattr(args, name) is None:
@@ -118,7 +144,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for name in ("per_category", "repetitions"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: it must be ≥ 1")
+    if args.ray is not None and args.concurrency:
+        parser.error("--ray shards question runs over workers; --concurrency measures one "
+                     "process under load: give one of them")
     console = Console(stderr=True, soft_wrap=True)
+    executor = None
     try:
         params = SamplingParams(temperature=args.temperature, seed=args.seed,
                                 max_new_tokens=args.max_new_tokens)
@@ -128,12 +158,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         check_models_before_loading(args, {f"--method {spec.spec}": spec.model
                                            for spec in specs if spec.model})
         with console.status(f"Loading {args.model} …"):
-            target = load_from_args(args)
-            load = lambda name: load_from_args(args, name)
-            defaults = (CONCURRENCY_METHODS if args.concurrency else DEFAULT_BENCH_METHODS)
-            methods = [parse_method(spec, target, load,
-                                    allow_batch_variance=allows_batch_variance(args))
-                       for spec in args.method or defaults[target.name]]
+            target, methods = load_methods(args)
         config = {"model": args.model, "backend": target.description, "device": str(target.device),
                   "questions": str(args.questions or "exactspec prompts.jsonl"),
                   "groups": args.category or "all", "per_category": args.per_category,
@@ -143,11 +168,20 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         config |= {f"{m.name}: how": m.notes for m in methods if m.notes}
         if args.concurrency:
             return _run_concurrency(args, target, questions, methods, params, config, console)
+        if args.ray is not None:
+            executor = start_workers(args, functools.partial(
+                build_bench, worker_args(args), questions, params), console)
+            config["ran_on"] = executor.description
         results = run_bench(target, questions, methods, params=params,
-                            repetitions=args.repetitions, chat=not args.no_chat, config=config)
-    except (ValueError, FileNotFoundError, LlamaCppNotInstalledError) as error:
+                            repetitions=args.repetitions, chat=not args.no_chat, config=config,
+                            executor=executor)
+    except (ValueError, FileNotFoundError, LlamaCppNotInstalledError, RayNotInstalledError,
+            ConnectionError, RuntimeError) as error:
         console.print(f"[bold red]error:[/] {error}", highlight=False)
         return 1
+    finally:
+        if executor is not None:
+            executor.close()
     summary = write_report(results, args.output)
     console.print(f"wrote {', '.join(summary['files'])}", highlight=False)
     print((Path(args.output) / "report.md").read_text())

@@ -248,3 +248,43 @@ def add_policy_option(group, default: str | None = None, why: str = "") -> None:
                             "(always -k), heuristic (+2 after a fully accepted cycle, -1 "
                             "otherwise), confidence (draft models and heads stop below "
                             "probability 0.4). Never changes the output distribution")
+
+
+def add_ray_options(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--ray [ADDRESS]`` and ``--workers N``: shard ``what`` over Ray workers."""
+    group = parser.add_argument_group("Ray (the optional extra: pip install 'exactspec[ray]')")
+    group.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                       help=f"shard the {what} over Ray workers, each loading the model once "
+                            "(docs/distributed.md): alone, a new local Ray instance on this "
+                            "machine's cores (or $RAY_ADDRESS's cluster); auto: the cluster "
+                            "this machine joined with 'ray start'; ray://HOST:10001: a remote "
+                            "cluster through Ray Client. Seeded, the results equal the run "
+                            "without Ray. A worker that dies is restarted and its work "
+                            "retried once; what is still missing is reported")
+    group.add_argument("--workers", type=positive_int, default=None, metavar="N",
+                       help="Ray workers, each with --threads CPUs (default 1) (default: as "
+                            "many as the cluster's CPUs hold)")
+
+
+def worker_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` as a Ray worker loads from them: picklable (no parser), ``--threads`` the
+    CPUs Ray reserves for it (default 1)."""
+    return argparse.Namespace(**{**{k: v for k, v in vars(args).items() if k != "subparser"},
+                                 "threads": args.threads or 1})
+
+
+def start_workers(args: argparse.Namespace, build, console):
+    """The Ray workers of ``--ray``/``--workers``, each having run ``build()`` (loaded).
+
+    Raises:
+        RayNotInstalledError, ConnectionError, RuntimeError: see
+            :mod:`exactspec.distributed`.
+    """
+    from exactspec.distributed import RayExecutor, connect, default_workers
+
+    connect(args.ray or None)
+    threads = args.threads or 1
+    workers = args.workers or default_workers(threads)
+    with console.status(f"Starting {workers} Ray worker{'s' if workers > 1 else ''} "
+                        f"(each loads {args.model}) …"):
+        return RayExecutor(build, workers, threads)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 
 from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_model_options,
@@ -71,6 +70,16 @@ def add_parser(commands) -> None:
     http.add_argument("--log-level", default="info",
                       choices=["critical", "error", "warning", "info", "debug"],
                       help="uvicorn's log level (default info)")
+    ray = serve.add_argument_group("replicas (the optional extra: pip install 'exactspec[ray]')")
+    ray.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                     help="serve the same API from N Ray Serve replicas, each loading the "
+                          "model once and using --threads CPUs (default 1), behind Ray "
+                          "Serve's HTTP proxy on --host:--port (docs/distributed.md); default: "
+                          "one process, no Ray")
+    ray.add_argument("--ray-address", metavar="ADDRESS", default=None,
+                     help="with --replicas: the Ray cluster to deploy on (auto: the one this "
+                          "machine joined with 'ray start'; default: $RAY_ADDRESS, else a new "
+                          "local instance)")
     testing = serve.add_argument_group("testing audits")
     testing.add_argument("--broken-verifier", choices=["accept-all", "no-residual"],
                          default=None,
@@ -88,8 +97,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from exactspec import UnsupportedModelError
     from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
     from exactspec.model_files import ModelNotFoundError
-    from exactspec.proposers.spec import build_proposer
-
     if args.num_speculative_tokens < 0:
         parser.error(f"-k {args.num_speculative_tokens} is invalid: it must be ≥ 0 "
                      "(0 = plain decoding)")
@@ -97,31 +104,20 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--port {args.port} is invalid: it must be in [0, 65535]")
     console = Console(stderr=True, soft_wrap=True)
     proposer_spec = args.proposer
+    if args.replicas:
+        return _run_replicas(args, parser, console)
     try:
         check_proposer_before_loading(args, parser, proposer_spec, f"--proposer {proposer_spec.spec}")
         with console.status(f"Loading {args.model} …"):
-            target = load_from_args(args)
-        with (console.status(f"Loading draft {proposer_spec.model} …") if proposer_spec.model
-              else contextlib.nullcontext()):
-            proposer = build_proposer(proposer_spec, target, lambda name: load_from_args(args, name))
-        app = _app(args, target, proposer)
+            app = build_app(args)
     except (ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError,
             ValueError) as error:
         console.print(f"[bold red]error:[/] {error}", highlight=False)
         return 1
     import uvicorn
 
-    speculation = (f"proposer {proposer_spec.description}, k ≤ {args.num_speculative_tokens}, "
-                   f"{args.policy} policy" if proposer is not None and args.num_speculative_tokens
-                   else "plain decoding")
-    batch = 1 if proposer is not None and not proposer.batchable else args.max_batch_size
-    if args.broken_verifier:
-        console.print(f"[bold red]warning:[/] --broken-verifier {args.broken_verifier}: "
-                      "speculative requests get a WRONG output distribution (for testing "
-                      "audits only)", highlight=False)
-    console.print(f"starting {args.served_model_name or args.model} ({target.description}; "
-                  f"{speculation}; up to {batch} request{'s' if batch > 1 else ''} at once, "
-                  f"{target.max_context_length} tokens each) on "
+    _warn_broken(args, console)
+    console.print(f"starting {_describe(args, app.state.worker)} on "
                   f"http://{args.host}:{args.port}/v1", highlight=False)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -133,9 +129,45 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def _app(args: argparse.Namespace, target, proposer):
+def _run_replicas(args: argparse.Namespace, parser, console) -> int:
+    """``--replicas N``: the application on N Ray Serve replicas until Ctrl-C."""
+    import time
+
+    from exactspec.distributed import RayNotInstalledError
+    from exactspec.server import replicas
+
+    check_proposer_before_loading(args, parser, args.proposer, f"--proposer {args.proposer.spec}")
+    _warn_broken(args, console)
+    try:
+        with console.status(f"Starting {args.replicas} replicas (each loads {args.model}) …"):
+            replicas.start(args)
+    except (RayNotInstalledError, ConnectionError, RuntimeError) as error:
+        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        return 1
+    console.print(f"serving {args.served_model_name or args.model} on {args.replicas} Ray Serve "
+                  f"replicas ({args.threads or 1} CPU each) on http://{args.host}:{args.port}/v1;"
+                  " Ctrl-C stops them", highlight=False)
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        replicas.stop()
+
+
+def build_app(args: argparse.Namespace, ray_metrics: bool = False):
+    """Load the target and proposer ``args`` name and build the server's application (one
+    process, or one Ray Serve replica: ``ray_metrics`` then records every metric as a Ray
+    metric too).
+
+    Raises:
+        ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError, ValueError:
+            as loading does.
+    """
+    from exactspec.proposers.spec import build_proposer
     from exactspec.server import SpeculationSettings, create_app
 
+    target = load_from_args(args)
+    proposer = build_proposer(args.proposer, target, lambda name: load_from_args(args, name))
     k = args.num_speculative_tokens if proposer is not None else 0
     return create_app(target, proposer, model_name=args.served_model_name or args.model,
                       speculation=SpeculationSettings(k, args.policy),
@@ -143,5 +175,24 @@ def _app(args: argparse.Namespace, target, proposer):
                       max_queue=args.max_queue, max_request_bytes=args.max_request_bytes,
                       max_batch_size=args.max_batch_size,
                       allow_batch_variance=allows_batch_variance(args),
-                      broken_verifier=args.broken_verifier)
+                      broken_verifier=args.broken_verifier, ray_metrics=ray_metrics)
 
+
+def _warn_broken(args: argparse.Namespace, console) -> None:
+    if args.broken_verifier:
+        console.print(f"[bold red]warning:[/] --broken-verifier {args.broken_verifier}: "
+                      "speculative requests get a WRONG output distribution (for testing "
+                      "audits only)", highlight=False)
+
+
+def _describe(args: argparse.Namespace, worker) -> str:
+    """E.g. ``smollm2 (transformers …; proposer …, k ≤ 4, auto policy; up to 8 requests at
+    once, 8192 tokens each)``."""
+    target, proposer = worker.target, worker.proposer
+    speculation = (f"proposer {args.proposer.description}, k ≤ {args.num_speculative_tokens}, "
+                   f"{args.policy} policy" if proposer is not None and args.num_speculative_tokens
+                   else "plain decoding")
+    batch = 1 if proposer is not None and not proposer.batchable else args.max_batch_size
+    return (f"{args.served_model_name or args.model} ({target.description}; {speculation}; up "
+            f"to {batch} request{'s' if batch > 1 else ''} at once, "
+            f"{target.max_context_length} tokens each)")

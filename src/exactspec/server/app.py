@@ -50,7 +50,7 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
                max_queue: int = 64, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
                allow_batch_variance: bool = False,
-               broken_verifier: str | None = None) -> FastAPI:
+               broken_verifier: str | None = None, ray_metrics: bool = False) -> FastAPI:
     """The server for one loaded ``target`` (and proposer), named ``model_name`` in the API.
 
     Args:
@@ -67,6 +67,8 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
         allow_batch_variance: as :class:`~exactspec.engine.SpeculativeGenerator`.
         broken_verifier: for testing audits only (``serve --broken-verifier``): as
             :class:`~exactspec.server.worker.EngineWorker`; the output is then wrong.
+        ray_metrics: record every metric as a Ray Serve metric too (a replica of ``serve
+            --replicas``: :mod:`exactspec.server.replicas`).
     Returns:
         the FastAPI application; ``app.state.worker`` is its
         :class:`~exactspec.server.worker.EngineWorker`.
@@ -76,7 +78,7 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if any(not key for key in api_keys):
         raise ValueError("an API key is empty: give a non-empty string")
-    metrics = ServerMetrics(model_name)
+    metrics = ServerMetrics(model_name, ray=ray_metrics)
     if proposer is not None and proposer.corpus is not None:
         metrics.watch_corpus(proposer.corpus)
     worker = EngineWorker(target, proposer, speculation, metrics, max_queue=max_queue,

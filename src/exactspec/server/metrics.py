@@ -31,42 +31,54 @@ TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 
 
 class ServerMetrics:
     """Every metric of one server, in its own registry (several servers can live in one
-    process, e.g. in tests). Thread-safe (prometheus-client's metrics are)."""
+    process, e.g. in tests). Thread-safe (prometheus-client's metrics are).
 
-    def __init__(self, model: str) -> None:
+    Args:
+        model: the served model's name (``model_info``).
+        ray: also record each metric as a Ray Serve metric (a replica of ``serve
+            --replicas``: :class:`RayMirrored`).
+    """
+
+    def __init__(self, model: str, ray: bool = False) -> None:
         self.registry = CollectorRegistry()
-        r, p = self.registry, "exactspec:"
-        self.requests = Counter(p + "request_success", "Finished requests by finish reason "
-                                "(length if any choice hit the length limit, else stop)",
-                                ["finished_reason"], registry=r)
-        self.aborted = Counter(p + "request_aborted", "Requests cancelled (client gone)",
-                               registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated",
-                                         registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds",
-                              "Time to first token, from the request's arrival (seconds)",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram(p + "time_per_output_token_seconds",
-                              "Time per output token after the first, per request: its "
-                              "latency after the first token over its other tokens (seconds)",
-                              buckets=TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds",
-                             "Request latency from arrival to its last token (seconds)",
-                             buckets=TTFT_BUCKETS, registry=r)
-        self.waiting = Gauge(p + "num_requests_waiting", "Requests queued", registry=r)
-        self.running = Gauge(p + "num_requests_running", "Requests being generated", registry=r)
-        self.drafts = Counter(p + "spec_decode_num_drafts", "Cycles that drafted ≥ 1 token",
-                              registry=r)
-        self.draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Tokens drafted",
-                                    registry=r)
-        self.accepted_tokens = Counter(p + "spec_decode_num_accepted_tokens",
-                                       "Drafted tokens accepted", registry=r)
-        self.accepted_per_position = Counter(
-            p + "spec_decode_num_accepted_tokens_per_pos",
-            "Drafted tokens accepted at each draft position (0-based)", ["position"],
-            registry=r)
-        Gauge(p + "model_info", "The served model", ["model"], registry=r).labels(model).set(1)
+        self.ray = ray
+        metric = self._metric
+        self.requests = metric(Counter, "request_success", "Finished requests by finish "
+                               "reason (length if any choice hit the length limit, else stop)",
+                               ["finished_reason"])
+        self.aborted = metric(Counter, "request_aborted", "Requests cancelled (client gone)")
+        self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = metric(Counter, "generation_tokens", "Tokens generated")
+        self.ttft = metric(Histogram, "time_to_first_token_seconds",
+                           "Time to first token, from the request's arrival (seconds)",
+                           buckets=TTFT_BUCKETS)
+        self.tpot = metric(Histogram, "time_per_output_token_seconds",
+                           "Time per output token after the first, per request: its latency "
+                           "after the first token over its other tokens (seconds)",
+                           buckets=TPOT_BUCKETS)
+        self.e2e = metric(Histogram, "e2e_request_latency_seconds",
+                          "Request latency from arrival to its last token (seconds)",
+                          buckets=TTFT_BUCKETS)
+        self.waiting = metric(Gauge, "num_requests_waiting", "Requests queued")
+        self.running = metric(Gauge, "num_requests_running", "Requests being generated")
+        self.drafts = metric(Counter, "spec_decode_num_drafts", "Cycles that drafted ≥ 1 token")
+        self.draft_tokens = metric(Counter, "spec_decode_num_draft_tokens", "Tokens drafted")
+        self.accepted_tokens = metric(Counter, "spec_decode_num_accepted_tokens",
+                                      "Drafted tokens accepted")
+        self.accepted_per_position = metric(
+            Counter, "spec_decode_num_accepted_tokens_per_pos",
+            "Drafted tokens accepted at each draft position (0-based)", ["position"])
+        metric(Gauge, "model_info", "The served model", ["model"]).labels(model).set(1)
+
+    def _metric(self, kind, name: str, documentation: str, labels: Sequence[str] = (),
+                buckets: Sequence[float] | None = None):
+        """A prometheus-client metric ``exactspec:NAME`` in this registry (and its Ray
+        twin when ``self.ray``)."""
+        extra = {} if buckets is None else {"buckets": buckets}
+        local = kind("exactspec:" + name, documentation, list(labels), registry=self.registry,
+                     **extra)
+        return RayMirrored.create(local, kind, name, documentation, labels, buckets) \
+            if self.ray else local
 
     def watch_corpus(self, corpus: Corpus) -> None:
         """Report a suffix proposer's corpus of earlier outputs: tokens kept (bounded) and
@@ -102,3 +114,42 @@ class ServerMetrics:
             for position, accepted in enumerate(stats.accepted_per_position):
                 if accepted:
                     self.accepted_per_position.labels(str(position)).inc(accepted)
+
+
+class RayMirrored:
+    """A prometheus-client metric and its Ray Serve twin (``ray.serve.metrics``, named
+    ``exactspec_NAME``: Ray forbids ``:``; tagged by Ray Serve with its deployment and
+    replica; its description in ASCII, as Ray requires), updated together: ``labels``, ``inc``, ``observe`` and ``set`` as
+    prometheus-client's."""
+
+    def __init__(self, local, twin, tag_keys: tuple[str, ...], tags: dict | None = None) -> None:
+        self.local, self.twin, self.tag_keys, self.tags = local, twin, tag_keys, tags
+
+    @classmethod
+    def create(cls, local, kind, name: str, documentation: str, labels: Sequence[str],
+               buckets: Sequence[float] | None) -> RayMirrored:
+        """``local`` and a new Ray metric of the same ``kind`` (Counter, Gauge, Histogram)."""
+        from ray.serve import metrics as ray_metrics
+
+        extra = {} if buckets is None else {"boundaries": list(buckets)}
+        ascii_only = documentation.replace("≥", ">=").encode("ascii", "replace").decode()
+        twin = getattr(ray_metrics, kind.__name__)("exactspec_" + name, ascii_only,
+                                                   tag_keys=tuple(labels), **extra)
+        return cls(local, twin, tuple(labels))
+
+    def labels(self, *values: str) -> RayMirrored:
+        return RayMirrored(self.local.labels(*values), self.twin, self.tag_keys,
+                           dict(zip(self.tag_keys, values)))
+
+    def inc(self, amount: float = 1) -> None:
+        self.local.inc(amount)
+        if amount > 0:  # a Ray counter refuses 0
+            self.twin.inc(amount, tags=self.tags)
+
+    def observe(self, value: float) -> None:
+        self.local.observe(value)
+        self.twin.observe(value, tags=self.tags)
+
+    def set(self, value: float) -> None:
+        self.local.set(value)
+        self.twin.set(value, tags=self.tags)

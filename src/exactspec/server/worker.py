@@ -254,8 +254,11 @@ class EngineWorker:
         if not self._outstanding[id(job)]:
             del self._outstanding[id(job)]
             now = time.perf_counter()
-            self.metrics.record(job.results, sum(job.prompt_lengths),
-                                (job.first_token or now) - job.arrival, now - job.arrival)
+            try:
+                self.metrics.record(job.results, sum(job.prompt_lengths),
+                                    (job.first_token or now) - job.arrival, now - job.arrival)
+            except Exception:  # a metric must never cost a client its answer
+                logger.exception("recording a request's metrics failed")
             job.put("end", None, None)
 
     def _fail(self, job: Job, error: Exception) -> None:
