@@ -10,8 +10,8 @@ what the run's ``build()`` loaded (the model, the engines). An :class:`Executor`
   i mod N (fixed, so which units share an actor does not depend on timing), and an actor
   runs its units in the order given. An actor that dies (its process killed, its machine
   lost) is restarted once by Ray and its unfinished units are retried on it
-  (``max_restarts=1, max_task_retries=1``); a unit whose actor dies again is returned as
-  :class:`Missing`, never dropped. An exception raised by a unit's function is not a worker
+  (``max_restarts=1, max_task_retries=1``); the units of an actor that dies again are
+  returned as :class:`Missing`, never dropped, and later calls use the live actors only. An exception raised by a unit's function is not a worker
   failure: it is raised in the driver, as it would be here.
 
 Results come back in the units' order, whichever executor ran them, so a run whose units
@@ -144,21 +144,34 @@ class RayExecutor:
         actor = ray.remote(num_cpus=cpus_per_worker, max_restarts=1, max_task_retries=1)(_Holder)
         self.actors = [actor.remote(build) for _ in range(num_workers)]
         self.description = f"{num_workers} Ray workers × {cpus_per_worker} CPU"
+        self.dead: set[int] = set()  # actors that died for good (after their one restart)
         try:
             ray.get([a.ready.remote() for a in self.actors])
         except ray.exceptions.RayActorError as error:
             self.close()
-            raise RuntimeError(f"a Ray worker could not load: {error}") from None
+            cause = [line for line in str(error).splitlines() if line.strip()][-1]
+            raise RuntimeError(f"a Ray worker could not load: {cause.strip()}") from None
 
     def map(self, function, units, progress=lambda index, result: None) -> list[Any]:
+        """As :meth:`Executor.map`; unit i goes to live actor i mod (live actors).
+
+        Raises:
+            RuntimeError: when every actor has died for good (no unit can run).
+        """
         ray = require_ray()
-        pending = {self.actors[i % len(self.actors)].run.remote(function, unit): i
-                   for i, unit in enumerate(units)}
+        live = [i for i in range(len(self.actors)) if i not in self.dead]
+        if not live and units:
+            raise RuntimeError("every Ray worker died twice: nothing can run (see the Ray logs "
+                               "of the dead workers)")
+        pending = {}
+        for index, unit in enumerate(units):
+            actor = live[index % len(live)]
+            pending[self.actors[actor].run.remote(function, unit)] = (index, actor)
         results: list[Any] = [None] * len(units)
         try:
             while pending:
                 done, _ = ray.wait(list(pending), num_returns=1)
-                index = pending.pop(done[0])
+                index, actor = pending.pop(done[0])
                 try:
                     results[index] = ray.get(done[0])
                 except ray.exceptions.RayTaskError as error:
@@ -166,6 +179,7 @@ class RayExecutor:
                 except ray.exceptions.UnserializableException as error:
                     raise RuntimeError(f"a Ray worker failed: {error}") from None
                 except ray.exceptions.RayActorError as error:
+                    self.dead.add(actor)
                     results[index] = Missing(units[index], "its Ray worker died twice ("
                                              f"{str(error).splitlines()[0]})")
                 progress(index, results[index])

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_model_options,
                                   add_policy_option, allows_batch_variance,
                                   check_proposer_before_loading, proposer_spec, load_from_args,
-                                  positive_int)
+                                  positive_int, worker_args)
 from exactspec.batching import DEFAULT_MAX_BATCH_SIZE
 from exactspec.proposers.spec import DEFAULT_NGRAM, FORMS, parse_proposer
 
@@ -138,14 +139,19 @@ def _run_replicas(args: argparse.Namespace, parser, console) -> int:
 
     check_proposer_before_loading(args, parser, args.proposer, f"--proposer {args.proposer.spec}")
     _warn_broken(args, console)
+    threads = args.threads or 1
     try:
         with console.status(f"Starting {args.replicas} replicas (each loads {args.model}) …"):
-            replicas.start(args)
+            replicas.start(functools.partial(build_app, worker_args(args), ray_metrics=True),
+                           replicas=args.replicas, cpus_per_replica=threads,
+                           # each replica queues and answers 503 itself beyond this
+                           max_ongoing_requests=args.max_batch_size + args.max_queue,
+                           host=args.host, port=args.port, ray_address=args.ray_address)
     except (RayNotInstalledError, ConnectionError, RuntimeError) as error:
         console.print(f"[bold red]error:[/] {error}", highlight=False)
         return 1
     console.print(f"serving {args.served_model_name or args.model} on {args.replicas} Ray Serve "
-                  f"replicas ({args.threads or 1} CPU each) on http://{args.host}:{args.port}/v1;"
+                  f"replicas ({threads} CPU each) on http://{args.host}:{args.port}/v1;"
                   " Ctrl-C stops them", highlight=False)
     try:
         while True:

@@ -17,58 +17,61 @@ metrics port for Prometheus to scrape and sum (the Ray way: docs/distributed.md)
 
 from __future__ import annotations
 
-import argparse
+from collections.abc import Callable
 
 from exactspec.distributed import connect
 
 APP_NAME = "exactspec"
 
 
-def deployment(args: argparse.Namespace):
-    """The Ray Serve application: ``args.replicas`` replicas of the server ``args`` describe
-    (the parsed ``serve`` options; each replica gets ``--threads`` CPUs, default 1).
+def deployment(build: Callable[[], object], *, replicas: int, cpus_per_replica: int,
+               max_ongoing_requests: int):
+    """The Ray Serve application: ``replicas`` replicas, each running ``build()`` (a
+    picklable function returning the FastAPI application, e.g. loading the model and
+    calling :func:`~exactspec.server.app.create_app` with ``ray_metrics=True``) once, with
+    ``cpus_per_replica`` CPUs reserved, and at most ``max_ongoing_requests`` requests in
+    flight each (beyond it Ray Serve queues them in front of the replicas).
 
     Raises:
         RayNotInstalledError: without Ray Serve.
     """
-    connect(args.ray_address)
+    connect()
     from ray import serve
 
-    threads = args.threads or 1
-
-    @serve.deployment(name="ExactspecServer", num_replicas=args.replicas,
-                      ray_actor_options={"num_cpus": threads},
-                      # the application queues and answers 503 itself beyond this
-                      max_ongoing_requests=args.max_batch_size + args.max_queue)
+    @serve.deployment(name="ExactspecServer", num_replicas=replicas,
+                      ray_actor_options={"num_cpus": cpus_per_replica},
+                      max_ongoing_requests=max_ongoing_requests)
     @serve.ingress()
     class ExactspecServer:
-        def __init__(self, options: argparse.Namespace) -> None:
-            from exactspec.cli.serve import build_app
-
-            self.exactspec_app = build_app(options, ray_metrics=True)
+        def __init__(self, build: Callable[[], object]) -> None:
+            self.exactspec_app = build()
 
         def __serve_build_asgi_app__(self):
             return self.exactspec_app
 
-    options = argparse.Namespace(**{**{k: v for k, v in vars(args).items() if k != "subparser"},
-                                    "threads": threads})
-    return ExactspecServer.bind(options)
+    return ExactspecServer.bind(build)
 
 
-def start(args: argparse.Namespace) -> None:
-    """Deploy :func:`deployment` behind Ray Serve's proxy on ``args.host``:``args.port`` and
-    return once every replica is up (the application keeps running until :func:`stop`).
+def start(build: Callable[[], object], *, replicas: int, cpus_per_replica: int = 1,
+          max_ongoing_requests: int = 72, host: str = "127.0.0.1", port: int = 8000,
+          ray_address: str | None = None) -> None:
+    """Connect to Ray (``ray_address``: see :func:`exactspec.distributed.connect`), deploy
+    :func:`deployment` behind Ray Serve's proxy on ``host``:``port`` and return once every
+    replica is up (the application runs until :func:`stop`).
 
     Raises:
         RayNotInstalledError, ConnectionError: see :func:`exactspec.distributed.connect`.
-        RuntimeError: when a replica cannot start (e.g. the model cannot be loaded).
+        RuntimeError: when a replica cannot start (e.g. the model cannot be loaded): the
+            replica's error in the message.
     """
-    connect(args.ray_address)
+    connect(ray_address)
     from ray import serve
 
-    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.start(http_options={"host": host, "port": port})
     try:
-        serve.run(deployment(args), name=APP_NAME, route_prefix="/")
+        serve.run(deployment(build, replicas=replicas, cpus_per_replica=cpus_per_replica,
+                             max_ongoing_requests=max_ongoing_requests),
+                  name=APP_NAME, route_prefix="/")
     except Exception as error:  # Ray Serve wraps a replica's constructor error in its own
         status = serve.status().applications.get(APP_NAME)
         why = [line for d in (status.deployments.values() if status else ())
