@@ -132,6 +132,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _run_replicas(args: argparse.Namespace, parser, console) -> int:
     """``--replicas N``: the application on N Ray Serve replicas until Ctrl-C."""
+    import signal
     import time
 
     from exactspec.distributed import RayNotInstalledError
@@ -153,6 +154,9 @@ def _run_replicas(args: argparse.Namespace, parser, console) -> int:
     console.print(f"serving {args.served_model_name or args.model} on {args.replicas} Ray Serve "
                   f"replicas ({threads} CPU each) on http://{args.host}:{args.port}/v1;"
                   " Ctrl-C stops them", highlight=False)
+    def terminate(signum, frame):  # SIGTERM (e.g. a service manager): stop as for Ctrl-C
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, terminate)
     try:
         while True:
             time.sleep(3600)

@@ -17,11 +17,13 @@ metrics port for Prometheus to scrape and sum (the Ray way: docs/distributed.md)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
-from exactspec.distributed import connect
+from exactspec.distributed import connect, require_ray
 
 APP_NAME = "exactspec"
+_connected_here = False  # whether start() connected to Ray (stop() then disconnects)
 
 
 def deployment(build: Callable[[], object], *, replicas: int, cpus_per_replica: int,
@@ -64,9 +66,12 @@ def start(build: Callable[[], object], *, replicas: int, cpus_per_replica: int =
         RuntimeError: when a replica cannot start (e.g. the model cannot be loaded): the
             replica's error in the message.
     """
+    global _connected_here
+    _connected_here = not require_ray().is_initialized()
     connect(ray_address)
     from ray import serve
 
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # exactspec says what matters
     serve.start(http_options={"host": host, "port": port})
     try:
         serve.run(deployment(build, replicas=replicas, cpus_per_replica=cpus_per_replica,
@@ -81,7 +86,11 @@ def start(build: Callable[[], object], *, replicas: int, cpus_per_replica: int =
 
 
 def stop() -> None:
-    """Remove the application and Ray Serve's proxy."""
+    """Remove the application and Ray Serve's proxy; disconnect from Ray if :func:`start`
+    connected (a local instance it started ends with it)."""
+    import ray
     from ray import serve
 
     serve.shutdown()
+    if _connected_here:
+        ray.shutdown()
