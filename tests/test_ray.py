@@ -113,7 +113,7 @@ def test_a_killed_worker_is_restarted_and_its_chunk_drawn_again(cluster, tmp_pat
 
 def test_a_worker_killed_twice_is_reported_and_the_verdict_says_what_is_missing(cluster,
                                                                                 tmp_path):
-    seed = PARAMS.seed + 1000 * 0 + 1  # prompt 0, chunk 1: the worker holding units 1, 3, ...
+    seed = PARAMS.seed + 1000 * 0 + 1  # prompt 0, chunk 1
     pool = RayExecutor(functools.partial(dying_setup, str(tmp_path / "died"), seed, False), 2)
     try:
         test = audit(pool)

@@ -6,25 +6,30 @@ what the run's ``build()`` loaded (the model, the engines). An :class:`Executor`
 
 - :class:`LocalExecutor`: in this process, one after another, on the state loaded here;
 - :class:`RayExecutor`: on N Ray actors (docs/distributed.md), each calling ``build()``
-  once when it starts, so each holds its own copy of the model. Unit i goes to actor
-  i mod N (fixed, so which units share an actor does not depend on timing), and an actor
-  runs its units in the order given. An actor that dies (its process killed, its machine
-  lost) is restarted once by Ray and its unfinished units are retried on it
-  (``max_restarts=1, max_task_retries=1``); the units of an actor that dies again are
-  returned as :class:`Missing`, never dropped, and later calls use the live actors only. An exception raised by a unit's function is not a worker
+  once when it starts, so each holds its own copy of the model. The units are handed out
+  in order to whichever actor is free (at most :data:`IN_FLIGHT` at a time each). An actor
+  that dies (its process killed, its machine lost) is restarted once by Ray and its
+  unfinished units are retried on it (``max_restarts=1, max_task_retries=1``); the units
+  of an actor that dies again are returned as :class:`Missing`, never dropped, and it gets
+  no more. An exception raised by a unit's function is not a worker
   failure: it is raised in the driver, as it would be here.
 
 Results come back in the units' order, whichever executor ran them, so a run whose units
-are reproducible (seeded, no timing-driven choice) gives the same results on both.
+are reproducible (seeded, no timing-driven choice, no state carried from one unit to the
+next) gives the same results on both.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 RAY_EXTRA = "pip install 'exactspec[ray]'"
+IN_FLIGHT = 2
+"""Units sent to one Ray actor before it returns one (the next is queued there, so the
+actor does not wait for the driver between units)."""
 
 
 class RayNotInstalledError(ImportError):
@@ -153,25 +158,31 @@ class RayExecutor:
             raise RuntimeError(f"a Ray worker could not load: {cause.strip()}") from None
 
     def map(self, function, units, progress=lambda index, result: None) -> list[Any]:
-        """As :meth:`Executor.map`; unit i goes to live actor i mod (live actors).
+        """As :meth:`Executor.map`: the units in order, each to the next live actor with
+        fewer than :data:`IN_FLIGHT` units in flight (so none idles while units remain).
 
         Raises:
             RuntimeError: when every actor has died for good (no unit can run).
         """
         ray = require_ray()
-        live = [i for i in range(len(self.actors)) if i not in self.dead]
-        if not live and units:
-            raise RuntimeError("every Ray worker died twice: nothing can run (see the Ray logs "
-                               "of the dead workers)")
-        pending = {}
-        for index, unit in enumerate(units):
-            actor = live[index % len(live)]
-            pending[self.actors[actor].run.remote(function, unit)] = (index, actor)
+        waiting = collections.deque(range(len(units)))
+        pending: dict[Any, tuple[int, int]] = {}  # result ref → (unit index, actor)
+        load = collections.Counter()
         results: list[Any] = [None] * len(units)
         try:
-            while pending:
+            while waiting or pending:
+                for _ in range(IN_FLIGHT):  # round robin, up to IN_FLIGHT each
+                    for actor in range(len(self.actors)):
+                        if waiting and actor not in self.dead and load[actor] < IN_FLIGHT:
+                            index = waiting.popleft()
+                            ref = self.actors[actor].run.remote(function, units[index])
+                            pending[ref], load[actor] = (index, actor), load[actor] + 1
+                if not pending:
+                    raise RuntimeError("every Ray worker died twice: nothing can run (see "
+                                       "the Ray logs of the dead workers)")
                 done, _ = ray.wait(list(pending), num_returns=1)
                 index, actor = pending.pop(done[0])
+                load[actor] -= 1
                 try:
                     results[index] = ray.get(done[0])
                 except ray.exceptions.RayTaskError as error:
