@@ -457,3 +457,24 @@ def test_audit_of_batched_decoding(model_folder, tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["audit", "--engine", "transformers", "--max-batch-size", "2"])
     assert "--max-batch-size audits exactspec's batched decoding" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["audit", "--endpoint", "http://127.0.0.1:9/v1", "--ray"], "--ray shards a local audit"),
+    (["bench", "--ray", "--concurrency", "1,2"], "--ray shards question runs"),
+])
+def test_ray_with_an_option_it_cannot_combine_with_is_refused(args, message, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(args)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["audit", "--samples", "10"], ["bench", "--quick"],
+                                     ["serve", "--replicas", "2"]])
+def test_ray_options_without_ray_name_the_extra(command, model_folder, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    flag = [] if command[0] == "serve" else ["--ray"]
+    assert cli.main(command + ["--model", str(model_folder), *flag]) == 1
+    assert "pip install 'exactspec[ray]'" in capsys.readouterr().err

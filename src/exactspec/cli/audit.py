@@ -14,7 +14,7 @@ from exactspec.cli.audit_endpoint import add_endpoint_options
 from exactspec.cli.common import (DEFAULT_K, add_model_options, add_policy_option,
                                   add_ray_options, allows_batch_variance,
                                   check_proposer_before_loading, load_from_args, positive_int,
-                                  seed, start_workers, worker_args)
+                                  print_error, seed, start_workers, worker_args)
 from exactspec.proposers.spec import FORMS, parse_proposer
 
 if TYPE_CHECKING:
@@ -118,7 +118,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                  run_greedy_checks, verdict, verdict_line, write_audit_report)
     from exactspec.backends.base import UnsupportedModelError
     from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
-    from exactspec.distributed import LocalExecutor, RayExecutor, RayNotInstalledError
+    from exactspec.distributed import (LocalExecutor, RayExecutor, RayNotInstalledError,
+                                       connect)
     from exactspec.model_files import ModelNotFoundError
     from exactspec.peers import check_peer_runs
     from exactspec.progress import LoggedProgress
@@ -168,6 +169,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.engine != "exactspec":
             check_peer_runs(dataclasses.replace(proposer_spec, peer=PEER[args.engine]))
         check_proposer_before_loading(args, parser, proposer_spec, f"--proposer {args.proposer}")
+        if args.ray is not None:  # before loading: a missing Ray or cluster fails at once
+            connect(args.ray or None)
         with console.status(f"Loading {args.model} …"):
             setup = build_audit(args, prompts, params)
         if args.ray is not None:
@@ -199,7 +202,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         config["ran_on"] = executor.description
     except (ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError,
             RayNotInstalledError, ConnectionError, RuntimeError, ValueError) as error:
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        print_error(console, error)
         return 1
     finally:
         if isinstance(executor, RayExecutor):

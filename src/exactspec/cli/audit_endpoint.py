@@ -8,7 +8,7 @@ import json
 import os
 
 from exactspec.audit.remote import MODES
-from exactspec.cli.common import DEFAULT_K
+from exactspec.cli.common import DEFAULT_K, print_error
 
 EXACTSPEC_ONLY = {"engine": "exactspec", "proposer": "prompt-lookup", "policy": "constant",
                   "num_speculative_tokens": DEFAULT_K, "max_batch_size": None,
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, prompts: list
                            seed_offset=2 << 29, **common)
     except (EndpointError, ValueError, ModelNotFoundError, UnsupportedModelError,
             LlamaCppNotInstalledError) as error:
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        print_error(console, error)
         return 1
 
     if args.chat and mode == "reference":
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, prompts: list
                         result.control = reference_test(control, target, prompt_ids, params,
                                                         samples[1], args.alpha)
     except EndpointError as error:
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        print_error(console, error)
         return 1
     config["seconds"] = round(time.perf_counter() - start, 1)
     result.token_source = a.token_source

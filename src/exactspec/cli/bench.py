@@ -8,8 +8,8 @@ from pathlib import Path
 
 from exactspec.cli.common import (EXIT_STATUSES, EXIT_UNSTABLE, add_model_options,
                                   add_ray_options, allows_batch_variance,
-                                  check_models_before_loading, load_from_args, seed,
-                                  start_workers, worker_args)
+                                  check_models_before_loading, load_from_args, print_error,
+                                  seed, start_workers, worker_args)
 
 DEFAULT_BENCH_METHODS = {
     "transformers": ("plain", "prompt-lookup:k=4", "prompt-lookup:k=6:policy=auto", "hf-plain",
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from exactspec.bench import load_questions, run_bench, write_report
     from exactspec.bench.methods import is_peer, parse_method_spec
     from exactspec.bench.report import UNSTABLE_HEADLINE, verdict_line
-    from exactspec.distributed import RayNotInstalledError
+    from exactspec.distributed import RayNotInstalledError, connect
 
     for name in FULL:  # explicit flags win over --quick's sizes
         if getattr(args, name) is None:
@@ -157,6 +157,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         specs = [parse_method_spec(spec) for spec in args.method or ()]
         check_models_before_loading(args, {f"--method {spec.spec}": spec.model
                                            for spec in specs if spec.model})
+        if args.ray is not None:  # before loading: a missing Ray or cluster fails at once
+            connect(args.ray or None)
         with console.status(f"Loading {args.model} …"):
             target, methods = load_methods(args)
         config = {"model": args.model, "backend": target.description, "device": str(target.device),
@@ -177,7 +179,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                             executor=executor)
     except (ValueError, FileNotFoundError, LlamaCppNotInstalledError, RayNotInstalledError,
             ConnectionError, RuntimeError) as error:
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        print_error(console, error)
         return 1
     finally:
         if executor is not None:

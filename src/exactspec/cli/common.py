@@ -288,3 +288,11 @@ def start_workers(args: argparse.Namespace, build, console):
     with console.status(f"Starting {workers} Ray worker{'s' if workers > 1 else ''} "
                         f"(each loads {args.model}) …"):
         return RayExecutor(build, workers, threads)
+
+
+def print_error(console, error: Exception) -> None:
+    """``error: MESSAGE`` in red on ``console``, the message as written (brackets such as
+    ``exactspec[ray]`` or ``[1, 2]`` are text, not rich markup)."""
+    from rich.markup import escape
+
+    console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_model_options,
                                   add_policy_option, allows_batch_variance,
-                                  check_proposer_before_loading, proposer_spec, has_chat_template,
-                                  load_from_args, logit_bias, ngram_range, positive_int, seed)
+                                  check_proposer_before_loading, has_chat_template,
+                                  load_from_args, logit_bias, ngram_range, positive_int,
+                                  print_error, proposer_spec, seed)
 from exactspec.proposers.spec import DEFAULT_NGRAM, FORMS, ProposerSpec, parse_proposer
 
 CHECKED_AFTER_LOAD = "an id outside the model's vocabulary is reported once the model has loaded"
@@ -160,7 +161,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:  # what can be checked before the (slow) loading
         check_proposer_before_loading(args, parser, proposer_spec, flag)
     except (ModelNotFoundError, ValueError) as error:
-        console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
+        print_error(console, error)
         return 1
     if args.num_speculative_tokens == 0:
         proposer_spec = ProposerSpec("none", "none")
@@ -184,7 +185,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                              trace=args.show or args.trace is not None)
     except (ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError,
             ValueError) as error:
-        console.print(f"[bold red]error:[/] {error}", highlight=False, markup=True)
+        print_error(console, error)
         return 1
 
     if args.json:

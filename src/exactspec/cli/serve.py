@@ -8,8 +8,8 @@ import os
 
 from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_model_options,
                                   add_policy_option, allows_batch_variance,
-                                  check_proposer_before_loading, proposer_spec, load_from_args,
-                                  positive_int, worker_args)
+                                  check_proposer_before_loading, load_from_args, positive_int,
+                                  print_error, proposer_spec, worker_args)
 from exactspec.batching import DEFAULT_MAX_BATCH_SIZE
 from exactspec.proposers.spec import DEFAULT_NGRAM, FORMS, parse_proposer
 
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             app = build_app(args)
     except (ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError,
             ValueError) as error:
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        print_error(console, error)
         return 1
     import uvicorn
 
@@ -149,7 +149,7 @@ def _run_replicas(args: argparse.Namespace, parser, console) -> int:
                            max_ongoing_requests=args.max_batch_size + args.max_queue,
                            host=args.host, port=args.port, ray_address=args.ray_address)
     except (RayNotInstalledError, ConnectionError, RuntimeError) as error:
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        print_error(console, error)
         return 1
     console.print(f"serving {args.served_model_name or args.model} on {args.replicas} Ray Serve "
                   f"replicas ({threads} CPU each) on http://{args.host}:{args.port}/v1;"

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from exactspec.cli.common import EXIT_STATUSES, add_model_options, positive_int, seed
+from exactspec.cli.common import EXIT_STATUSES, add_model_options, positive_int, seed, print_error
 from exactspec.draft_head.train import TrainingConfig
 
 DEFAULTS = TrainingConfig()
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         path = train(target.model, conversations, args.output, config, target_name=args.model,
                      max_minutes=args.minutes)
     except (ModelNotFoundError, ValueError) as error:
-        console.print(f"[bold red]error:[/] {error}", markup=True)
+        print_error(console, error)
         return 1
     report = head_metadata(path)
     agreement = ", ".join(f"{a:.2f}" for a in report["held_out_chained"])
