@@ -90,8 +90,9 @@ def require_ray():
 
 def connect(address: str | None = None):
     """Ray, connected: to the cluster at ``address`` (``auto``: the one this machine
-    belongs to; ``ray://host:10001``: through Ray Client), or, for None, to ``RAY_ADDRESS``
-    if set, else a new local instance on this machine's cores. Already connected: kept.
+    belongs to; ``ray://host:10001``: through Ray Client), or, for None, Ray's default:
+    ``RAY_ADDRESS`` if set, else the cluster ``ray start`` last started on this machine,
+    else a new local instance on this machine's cores. Already connected: kept.
 
     Raises:
         RayNotInstalledError: without Ray.

@@ -255,10 +255,11 @@ def add_ray_options(parser: argparse.ArgumentParser, what: str) -> None:
     group = parser.add_argument_group("Ray (the optional extra: pip install 'exactspec[ray]')")
     group.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                        help=f"shard the {what} over Ray workers, each loading the model once "
-                            "(docs/distributed.md): alone, a new local Ray instance on this "
-                            "machine's cores (or $RAY_ADDRESS's cluster); auto: the cluster "
-                            "this machine joined with 'ray start'; ray://HOST:10001: a remote "
-                            "cluster through Ray Client. Seeded, the results equal the run "
+                            "(docs/distributed.md): alone, Ray's default ($RAY_ADDRESS, else "
+                            "the cluster 'ray start' started here, else a new local instance "
+                            "on this machine's cores); auto: the cluster this machine joined "
+                            "with 'ray start'; ray://HOST:10001: a remote cluster through Ray "
+                            "Client. Seeded, the results equal the run "
                             "without Ray. A worker that dies is restarted and its work "
                             "retried once; what is still missing is reported")
     group.add_argument("--workers", type=positive_int, default=None, metavar="N",

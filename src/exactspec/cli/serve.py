@@ -79,8 +79,8 @@ def add_parser(commands) -> None:
                           "one process, no Ray")
     ray.add_argument("--ray-address", metavar="ADDRESS", default=None,
                      help="with --replicas: the Ray cluster to deploy on (auto: the one this "
-                          "machine joined with 'ray start'; default: $RAY_ADDRESS, else a new "
-                          "local instance)")
+                          "machine joined with 'ray start'; default: Ray's: $RAY_ADDRESS, else "
+                          "the cluster 'ray start' started here, else a new local instance)")
     testing = serve.add_argument_group("testing audits")
     testing.add_argument("--broken-verifier", choices=["accept-all", "no-residual"],
                          default=None,
