@@ -290,3 +290,39 @@ def test_a_dying_replica_loses_no_request(replicas, model_folder):
     while ask(0)[0] != 200 and time.monotonic() < deadline:
         time.sleep(2)
     assert all(ask(i) == (200, expected["choices"]) for i in range(4))
+
+
+def test_an_address_where_no_cluster_answers_fails_at_once(model_folder):
+    import subprocess
+    import sys
+
+    start = time.monotonic()  # a fresh process: this one may be connected already
+    run = subprocess.run([sys.executable, "-c", "import sys; from exactspec.cli import main; "
+                          "sys.exit(main())", "audit", "--model",
+                          str(model_folder), "--samples", "10", "--ray",
+                          f"127.0.0.1:{free_port()}"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 1 and "no Ray cluster answers at 127.0.0.1:" in run.stderr
+    assert "Traceback" not in run.stderr
+    assert time.monotonic() - start < 60  # Ray itself would retry for minutes
+
+
+def test_more_replicas_than_the_cluster_holds_is_refused(cluster, model_folder):
+    from exactspec.cli.common import worker_args
+    from exactspec.cli.serve import build_app
+    from exactspec.server import replicas as ray_serve
+
+    args = build_parser().parse_args(["serve", "--model", str(model_folder)])
+    with pytest.raises(RuntimeError, match="3 replicas × 1 CPU need 3 CPUs; the Ray cluster "
+                                           "has 2"):
+        ray_serve.start(functools.partial(build_app, worker_args(args)), replicas=3,
+                        port=free_port())
+    assert ray.is_initialized()  # the tests' cluster is kept
+
+
+def test_workers_running_other_exactspec_code_are_refused(cluster, monkeypatch):
+    from exactspec import distributed
+
+    monkeypatch.setattr(distributed, "code_fingerprint", lambda: "000000000000")  # "here"
+    with pytest.raises(RuntimeError, match="runs other exactspec code than this process"):
+        RayExecutor(functools.partial(dict), 1)

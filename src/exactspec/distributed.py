@@ -22,8 +22,12 @@ next) gives the same results on both.
 from __future__ import annotations
 
 import collections
+import functools
+import hashlib
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 RAY_EXTRA = "pip install 'exactspec[ray]'"
@@ -100,14 +104,48 @@ def connect(address: str | None = None):
     """
     ray = require_ray()
     if not ray.is_initialized():
+        _check_reachable(address)
         try:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                     logging_level="ERROR")
+            with warnings.catch_warnings():  # Ray Client's version notes: not the user's
+                warnings.simplefilter("ignore")
+                ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                         logging_level="ERROR")
         except ConnectionError as error:
-            raise ConnectionError(f"--ray {address}: no Ray cluster answers there ({error}); "
-                                  "start one with 'ray start --head', or give no address for "
-                                  "a local one") from None
+            raise ConnectionError(f"no Ray cluster answers at {address} ({error}); start one "
+                                  "with 'ray start --head', or give no address for a local "
+                                  "one") from None
     return ray
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """The first 12 hex digits of a SHA-256 over exactspec's own source files (``.py`` and
+    ``.c``, by path): equal only for the same code, uncommitted changes included."""
+    root = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def _check_reachable(address: str | None, timeout: float = 5.0) -> None:
+    """For a ``host:port`` or ``ray://host:port`` address, check that something listens
+    there (Ray itself would retry for minutes).
+
+    Raises:
+        ConnectionError: when nothing answers within ``timeout`` seconds.
+    """
+    import socket
+
+    host, _, port = (address or "").removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # None, "auto", "local": Ray resolves them itself
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as error:
+        raise ConnectionError(f"no Ray cluster answers at {address} ({error.strerror or error}); "
+                              "start one with 'ray start --head', or give no address for a "
+                              "local one") from None
 
 
 class _Holder:
@@ -116,8 +154,11 @@ class _Holder:
     def __init__(self, build: Callable[[], Any]) -> None:
         self.state = build()
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> tuple[str, str]:
+        """Where this worker runs and the fingerprint of its exactspec code."""
+        import platform
+
+        return platform.node(), code_fingerprint()
 
     def run(self, function: Callable[..., Any], unit: tuple) -> Any:
         return function(self.state, *unit)
@@ -152,11 +193,18 @@ class RayExecutor:
         self.description = f"{num_workers} Ray workers × {cpus_per_worker} CPU"
         self.dead: set[int] = set()  # actors that died for good (after their one restart)
         try:
-            ray.get([a.ready.remote() for a in self.actors])
+            ready = ray.get([a.ready.remote() for a in self.actors])
         except ray.exceptions.RayActorError as error:
             self.close()
             cause = [line for line in str(error).splitlines() if line.strip()][-1]
             raise RuntimeError(f"a Ray worker could not load: {cause.strip()}") from None
+        here = code_fingerprint()
+        other = [(host, fingerprint) for host, fingerprint in ready if fingerprint != here]
+        if other:
+            self.close()
+            raise RuntimeError(f"a Ray worker on {other[0][0]} runs other exactspec code than "
+                               f"this process (fingerprint {other[0][1]}, here {here}): install "
+                               "the same exactspec on every node of the cluster")
 
     def map(self, function, units, progress=lambda index, result: None) -> list[Any]:
         """As :meth:`Executor.map`: the units in order, each to the next live actor with

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from exactspec.cli.audit_endpoint import add_endpoint_options
 from exactspec.cli.common import (DEFAULT_K, add_model_options, add_policy_option,
-                                  add_ray_options, allows_batch_variance,
+                                  add_ray_options, allows_batch_variance, check_ray_options,
                                   check_proposer_before_loading, load_from_args, positive_int,
                                   print_error, seed, start_workers, worker_args)
 from exactspec.proposers.spec import FORMS, parse_proposer
@@ -102,7 +102,8 @@ def add_parser(commands) -> None:
                            "explicitly override these")
     audit.add_argument("--output", default="audit-results", metavar="DIR",
                        help="where audit.json, report.md and the plots go (default audit-results)")
-    add_ray_options(audit, "greedy checks, sample chunks and per-prompt tests")
+    add_ray_options(audit, "greedy checks, sample chunks and per-prompt tests",
+                    "Seeded, audit.json equals the run without Ray at the same --threads.")
     add_endpoint_options(audit)
     audit.set_defaults(subparser=audit)
 
@@ -124,6 +125,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from exactspec.peers import check_peer_runs
     from exactspec.progress import LoggedProgress
 
+    check_ray_options(args, parser)
     for name in FULL:  # explicit flags win over --quick's sizes
         if getattr(args, name) is None:
             setattr(args, name, (QUICK if args.quick else FULL)[name])

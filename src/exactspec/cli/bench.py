@@ -7,7 +7,7 @@ import functools
 from pathlib import Path
 
 from exactspec.cli.common import (EXIT_STATUSES, EXIT_UNSTABLE, add_model_options,
-                                  add_ray_options, allows_batch_variance,
+                                  add_ray_options, allows_batch_variance, check_ray_options,
                                   check_models_before_loading, load_from_args, print_error,
                                   seed, start_workers, worker_args)
 
@@ -88,7 +88,8 @@ def add_parser(commands) -> None:
                             "given explicitly override these")
     add_model_options(bench)
     add_ray_options(bench, "question runs (every method once on one question, side by side "
-                           "on one worker, so each ratio is measured within one worker)")
+                           "on one worker)", "Each ratio is still measured within one worker; "
+                    "tokens/s of workers on different machines are not comparable.")
     bench.set_defaults(subparser=bench)
 
 
@@ -138,6 +139,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from exactspec.bench.report import UNSTABLE_HEADLINE, verdict_line
     from exactspec.distributed import RayNotInstalledError, connect
 
+    check_ray_options(args, parser)
     for name in FULL:  # explicit flags win over --quick's sizes
         if getattr(args, name) is None:
             setattr(args, name, (QUICK if args.quick else FULL)[name])

@@ -250,21 +250,29 @@ def add_policy_option(group, default: str | None = None, why: str = "") -> None:
                             "probability 0.4). Never changes the output distribution")
 
 
-def add_ray_options(parser: argparse.ArgumentParser, what: str) -> None:
-    """``--ray [ADDRESS]`` and ``--workers N``: shard ``what`` over Ray workers."""
+def add_ray_options(parser: argparse.ArgumentParser, what: str, results: str) -> None:
+    """``--ray [ADDRESS]`` and ``--workers N``: shard ``what`` over Ray workers; ``results``
+    says how the results compare with a run without Ray."""
     group = parser.add_argument_group("Ray (the optional extra: pip install 'exactspec[ray]')")
     group.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                        help=f"shard the {what} over Ray workers, each loading the model once "
                             "(docs/distributed.md): alone, Ray's default ($RAY_ADDRESS, else "
                             "the cluster 'ray start' started here, else a new local instance "
                             "on this machine's cores); auto: the cluster this machine joined "
-                            "with 'ray start'; ray://HOST:10001: a remote cluster through Ray "
-                            "Client. Seeded, the results equal the run "
-                            "without Ray. A worker that dies is restarted and its work "
-                            "retried once; what is still missing is reported")
+                            "with 'ray start'; HOST:6379: that cluster's head; "
+                            f"ray://HOST:10001: a cluster through Ray Client. {results} The "
+                            "workers must run the same exactspec code as this process "
+                            "(checked). A worker that dies is restarted and its work retried "
+                            "once; what is still missing is reported")
     group.add_argument("--workers", type=positive_int, default=None, metavar="N",
-                       help="Ray workers, each with --threads CPUs (default 1) (default: as "
-                            "many as the cluster's CPUs hold)")
+                       help="with --ray: Ray workers, each reserving --threads CPUs (default "
+                            "1 under --ray) (default: as many as the cluster's CPUs hold)")
+
+
+def check_ray_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse ``--workers`` without ``--ray``."""
+    if args.workers is not None and args.ray is None:
+        parser.error(f"--workers {args.workers} needs --ray (the workers are Ray's)")
 
 
 def worker_args(args: argparse.Namespace) -> argparse.Namespace:

@@ -154,14 +154,18 @@ def _run_replicas(args: argparse.Namespace, parser, console) -> int:
     console.print(f"serving {args.served_model_name or args.model} on {args.replicas} Ray Serve "
                   f"replicas ({threads} CPU each) on http://{args.host}:{args.port}/v1;"
                   " Ctrl-C stops them", highlight=False)
-    def terminate(signum, frame):  # SIGTERM (e.g. a service manager): stop as for Ctrl-C
+    def terminate(signum, frame):  # Ctrl-C, or SIGTERM from a service manager
         raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, terminate)
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):  # SIGINT too where a shell ignored it
+        signal.signal(stop_signal, terminate)
     try:
         while True:
             time.sleep(3600)
+    except KeyboardInterrupt:  # the way to stop a server: not an interruption
+        console.print("stopping the replicas …", highlight=False)
     finally:
         replicas.stop()
+    return 0
 
 
 def build_app(args: argparse.Namespace, ray_metrics: bool = False):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from exactspec.distributed import connect, require_ray
+from exactspec.distributed import code_fingerprint, connect, require_ray
 
 APP_NAME = "exactspec"
 _connected_here = False  # whether start() connected to Ray (stop() then disconnects)
@@ -28,11 +28,13 @@ _connected_here = False  # whether start() connected to Ray (stop() then disconn
 
 def deployment(build: Callable[[], object], *, replicas: int, cpus_per_replica: int,
                max_ongoing_requests: int):
-    """The Ray Serve application: ``replicas`` replicas, each running ``build()`` (a
-    picklable function returning the FastAPI application, e.g. loading the model and
-    calling :func:`~exactspec.server.app.create_app` with ``ray_metrics=True``) once, with
-    ``cpus_per_replica`` CPUs reserved, and at most ``max_ongoing_requests`` requests in
-    flight each (beyond it Ray Serve queues them in front of the replicas).
+    """The Ray Serve application: ``replicas`` replicas, each checking that it runs this
+    process's exactspec code (:func:`~exactspec.distributed.code_fingerprint`), then running
+    ``build()`` once (a picklable function returning the FastAPI application, e.g. loading
+    the model and calling :func:`~exactspec.server.app.create_app` with
+    ``ray_metrics=True``), with ``cpus_per_replica`` CPUs reserved and at most
+    ``max_ongoing_requests`` requests in flight each (beyond it Ray Serve queues them in
+    front of the replicas).
 
     Raises:
         RayNotInstalledError: without Ray Serve.
@@ -45,13 +47,18 @@ def deployment(build: Callable[[], object], *, replicas: int, cpus_per_replica: 
                       max_ongoing_requests=max_ongoing_requests)
     @serve.ingress()
     class ExactspecServer:
-        def __init__(self, build: Callable[[], object]) -> None:
+        def __init__(self, build: Callable[[], object], fingerprint: str) -> None:
+            if code_fingerprint() != fingerprint:
+                raise RuntimeError(f"this replica runs other exactspec code than the command "
+                                   f"that deployed it (fingerprint {code_fingerprint()}, "
+                                   f"expected {fingerprint}): install the same exactspec on "
+                                   "every node of the cluster")
             self.exactspec_app = build()
 
         def __serve_build_asgi_app__(self):
             return self.exactspec_app
 
-    return ExactspecServer.bind(build)
+    return ExactspecServer.bind(build, code_fingerprint())
 
 
 def start(build: Callable[[], object], *, replicas: int, cpus_per_replica: int = 1,
@@ -63,14 +70,22 @@ def start(build: Callable[[], object], *, replicas: int, cpus_per_replica: int =
 
     Raises:
         RayNotInstalledError, ConnectionError: see :func:`exactspec.distributed.connect`.
-        RuntimeError: when a replica cannot start (e.g. the model cannot be loaded): the
-            replica's error in the message.
+        RuntimeError: when the cluster has too few CPUs for the replicas, or a replica
+            cannot start (e.g. the model cannot be loaded): the replica's error in the
+            message.
     """
     global _connected_here
     _connected_here = not require_ray().is_initialized()
-    connect(ray_address)
+    ray = connect(ray_address)
     from ray import serve
 
+    available = ray.cluster_resources().get("CPU", 0)
+    if replicas * cpus_per_replica > available:
+        if _connected_here:
+            ray.shutdown()
+        raise RuntimeError(f"{replicas} replicas × {cpus_per_replica} CPU need "
+                           f"{replicas * cpus_per_replica} CPUs; the Ray cluster has "
+                           f"{available:g}: use fewer replicas or fewer --threads each")
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # exactspec says what matters
     serve.start(http_options={"host": host, "port": port})
     try:
