@@ -111,9 +111,7 @@ def connect(address: str | None = None):
                 ray.init(address=address, include_dashboard=False, log_to_driver=False,
                          logging_level="ERROR")
         except ConnectionError as error:
-            raise ConnectionError(f"no Ray cluster answers at {address} ({error}); start one "
-                                  "with 'ray start --head', or give no address for a local "
-                                  "one") from None
+            raise _unreachable(address, error) from None
     return ray
 
 
@@ -143,9 +141,12 @@ def _check_reachable(address: str | None, timeout: float = 5.0) -> None:
     try:
         socket.create_connection((host, int(port)), timeout=timeout).close()
     except OSError as error:
-        raise ConnectionError(f"no Ray cluster answers at {address} ({error.strerror or error}); "
-                              "start one with 'ray start --head', or give no address for a "
-                              "local one") from None
+        raise _unreachable(address, error.strerror or error) from None
+
+
+def _unreachable(address: str | None, why) -> ConnectionError:
+    return ConnectionError(f"no Ray cluster answers at {address} ({why}); start one with "
+                           "'ray start --head', or give no address for a local one")
 
 
 class _Holder:
