@@ -149,6 +149,12 @@ class BenchSetup:
     host_seconds: float
 
 
+def _check_baseline(methods: list[Method]) -> None:
+    """Raises: ValueError if no method is ``plain`` (the baseline of every speedup)."""
+    if not any(m.kind == "plain" for m in methods):
+        raise ValueError("the methods must include 'plain' (the baseline)")
+
+
 def prepare_bench(target: Backend, questions: list[Question], methods: list[Method], *,
                   params: SamplingParams, chat: bool) -> BenchSetup:
     """Tokenise the prompts, warm every method up, measure the cost model.
@@ -156,8 +162,7 @@ def prepare_bench(target: Backend, questions: list[Question], methods: list[Meth
     Raises:
         ValueError: if no method is ``plain`` (the baseline every speedup is relative to).
     """
-    if not any(m.kind == "plain" for m in methods):
-        raise ValueError("the methods must include 'plain' (the baseline)")
+    _check_baseline(methods)
     tokenizer = target.tokenizer
     prompts = {q.question_id: tokenizer.apply_chat_template(q.prompt) if chat
                else tokenizer.encode(q.prompt) for q in questions}
@@ -197,8 +202,8 @@ def run_bench(target: Backend, questions: list[Question], methods: list[Method],
     if local:
         setup = prepare_bench(target, questions, methods, params=params, chat=chat)
         executor = LocalExecutor(setup)
-    elif not any(m.kind == "plain" for m in methods):
-        raise ValueError("the methods must include 'plain' (the baseline)")
+    else:
+        _check_baseline(methods)
     units = [(index, repetition) for index in range(len(questions))
              for repetition in range(repetitions)]
     done: dict[int, tuple[list[Record], dict] | Missing] = {}
