@@ -240,10 +240,14 @@ PROPOSERS = {  # (target, a draft head file for it) → proposer
     "draft-model": lambda target, head: DraftModelProposer(perturbed_backend(target, 0.02), target),
     "early-exit": lambda target, head: EarlyExitProposer(target, 1),
     "head": lambda target, head: HeadProposer(target, head),
+    "head-tree": lambda target, head: HeadProposer(target, head, tree_nodes=12),
 }
 MIN_ACCEPTED = {  # per block position; prompt lookup's 2nd draft is never right on a random model
     "prompt-lookup": [50, 0, 0], "suffix": [100, 0, 0], "draft-model": [300, 150, 50], "early-exit": [300, 100, 30],
-    "head": [300, 30, 3]}  # a head for a random tiny target: measured 563, 74, 11
+    "head": [300, 30, 3],  # a head for a random tiny target: measured 563, 74, 11
+    "head-tree": [150, 3, 0]}  # measured 261, 9, 0: a 12-node tree of this flat head never
+# reaches depth 3 (its depth-2 nodes are worth more); tree verification at depth 3 and its
+# broken controls are tested on synthetic distributions in test_trees.py
 
 
 @pytest.mark.parametrize("proposer", PROPOSERS)

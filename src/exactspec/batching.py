@@ -315,8 +315,8 @@ class BatchedGenerator:
             if row.request_id in self._cancelled:
                 continue
             try:
-                self.target.rollback(
-                    row.request_id, row.sample.verify_and_commit(logits, forward_seconds))
+                self.target.retain(row.request_id, logits.shape[0],
+                                   row.sample.verify_and_commit(logits, forward_seconds))
                 if row.sample.finish_reason is not None:
                     self._end_sample(row, finished)
             except Exception as error:
@@ -327,6 +327,10 @@ class BatchedGenerator:
         if generator.target is not self.target:
             raise ValueError("a request's generator must run on the batch's target")
         proposer = generator.proposer
+        if proposer is not None and proposer.drafts_trees:
+            raise ValueError(f"{type(proposer).__name__} drafts token trees, which are scored "
+                             "one sequence per forward pass; batched decoding packs chains: "
+                             "draft a chain (a head without tree=) here")
         if proposer is not None and not proposer.batchable and self.max_batch_size > 1:
             raise ValueError(f"{type(proposer).__name__} keeps a model cache of its own and "
                              f"drafts for one sequence at a time: use max_batch_size = 1 with "

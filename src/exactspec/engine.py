@@ -34,7 +34,7 @@ from exactspec.speculation_length import (DEFAULT_POLICY, Choice, SpeculationLen
                                           make_policy)
 from exactspec.threads import torch_threads
 from exactspec.text import StopChecker
-from exactspec.verification import TokenLogprob, rejection_sample, verify
+from exactspec.verification import TokenLogprob, rejection_sample, verify, verify_tree
 
 FinishReason = Literal["stop", "length"]
 OnCommit = Callable[[int, list[int]], None]
@@ -173,41 +173,56 @@ class SampleDecoding:
         self.draft_seconds = time.perf_counter() - t0
         return [self.tokens[-1], *self.proposal.token_ids]
 
-    def verify_and_commit(self, logits: torch.Tensor, forward_seconds: float) -> int:
-        """Verify the drafts against ``logits`` (``[k+1, vocab]``, the target's scores of the
-        block :meth:`draft` returned), commit up to the first stop, record the cycle, and
-        let the proposer and the policy observe it; sets ``finish_reason`` on a stop.
+    def tree_parents(self) -> list[int] | None:
+        """The parents of :meth:`draft`'s block as ``Backend.forward_tree`` takes them (row
+        0 the last committed token) when the proposal is a token tree, else None."""
+        parents = self.proposal.parents
+        return None if parents is None else [-1, *(parent + 1 for parent in parents)]
+
+    def verify_and_commit(self, logits: torch.Tensor, forward_seconds: float) -> list[int]:
+        """Verify the drafts against ``logits`` (``[len(block), vocab]``, the target's scores
+        of the block :meth:`draft` returned: a chain's, or a tree's from
+        ``Backend.forward_tree``), commit up to the first stop, record the cycle, and let the
+        proposer and the policy observe it; sets ``finish_reason`` on a stop.
 
         Returns:
-            the tokens to roll back from the target's cache (the rejected drafts).
+            the rows of the block the target's cache keeps (``Backend.retain``): the last
+            committed token's and the accepted drafts'.
         """
         proposal, generated = self.proposal, len(self.tokens) - self.num_prompt_tokens
         t0 = time.perf_counter()
-        verified = verify(self.tokens, proposal.token_ids, proposal.probs, logits, self.pipeline,
-                          self.rng, self.generator.rejection_sampler)
+        if proposal.parents is None:
+            verified = verify(self.tokens, proposal.token_ids, proposal.probs, logits,
+                              self.pipeline, self.rng, self.generator.rejection_sampler)
+            kept, path_tokens = list(range(verified.num_accepted + 1)), proposal.token_ids
+        else:
+            verified = verify_tree(self.tokens, proposal.token_ids, proposal.parents, logits,
+                                   self.pipeline, self.rng, self.generator.rejection_sampler)
+            kept, path_tokens = [0, *verified.path], verified.committed[:-1]
         verify_seconds = forward_seconds + time.perf_counter() - t0
         committed, num_accepted = verified.committed, verified.num_accepted
         num_emitted = self._commit(committed, verified.logprobs)
-        if self.trace is not None:
+        if self.trace is not None:  # a tree's trace shows the path it accepted
             self.trace.append(trace_cycle(
-                self.stats.cycles, generated, self.chosen_k, proposal.token_ids, proposal.probs,
+                self.stats.cycles, generated, self.chosen_k, path_tokens, proposal.probs,
                 verified.processed, verified.target_probs, verified.uniforms,
                 committed[:num_emitted], num_accepted))
         if self.k_max:
             self.proposer.observe(num_accepted)
-            self.policy.observe(len(proposal), num_accepted,
+            self.policy.observe(proposal.depth, num_accepted,
                                 self.draft_seconds if self.observe_seconds else None,
                                 verify_seconds if self.observe_seconds else None)
             if self.peek.token_ids:
                 self.policy.observe_peek(committed[0] == self.peek.token_ids[0])
-        self.stats.record_cycle(len(proposal), num_accepted, num_emitted, self.chosen_k,
+        self.stats.record_cycle(proposal.depth, num_accepted, num_emitted, self.chosen_k,
                                 draft_seconds=self.draft_seconds, verify_seconds=verify_seconds,
-                                target_forward_seconds=forward_seconds)
+                                target_forward_seconds=forward_seconds,
+                                num_tree_nodes=len(proposal) if proposal.parents else 0)
         if self.stats.cycles == 1:
             self.stats.ttft_seconds = time.perf_counter() - self.start
         if self.emit is not None and num_emitted:
             self.emit(self.tokens[len(self.tokens) - num_emitted:])
-        return len(proposal) - num_accepted
+        return kept
 
     def _commit(self, committed: list[int], committed_logprobs: list[TokenLogprob] | None) -> int:
         """Append ``committed`` to ``tokens`` (and their logprobs) up to the first stop;
@@ -255,7 +270,8 @@ class SpeculativeGenerator:
         ValueError: if num_speculative_tokens is not an integer ≥ 0, the policy is
             unknown, or ``confidence`` is asked for a proposer without probabilities.
         UnsupportedModelError: with a proposer, if the target is not batch-invariant and
-            ``allow_batch_variance`` is False.
+            ``allow_batch_variance`` is False, or the proposer drafts token trees and the
+            target does not score them (``Backend.scores_trees``).
     """
 
     rejection_sampler = staticmethod(rejection_sample)
@@ -276,6 +292,11 @@ class SpeculativeGenerator:
                 "drafts would not reproduce plain decoding; speculation is refused. "
                 + target.batch_variance_fix + " (allow_batch_variance=True, "
                 "--allow-batch-variance, speculates anyway, exact only up to rounding.)")
+        if proposer is not None and proposer.drafts_trees and not target.scores_trees:
+            raise UnsupportedModelError(
+                f"{type(proposer).__name__} drafts token trees, which this backend "
+                f"({target.description}) does not score; use the transformers backend "
+                "(--backend transformers), or draft a chain")
         self.target = target
         self._sequence = new_sequence_id()  # the target's sequence this engine decodes in
         self.proposer = proposer
@@ -368,7 +389,9 @@ class SpeculativeGenerator:
         while sample.finish_reason is None and (room := sample.room()):
             block = sample.draft(sample.choose(), room)
             t0 = time.perf_counter()
-            logits = forward_one(self.target, self._sequence, block)  # [k+1, vocab]
-            self.target.rollback(self._sequence,
-                                 sample.verify_and_commit(logits, time.perf_counter() - t0))
+            parents = sample.tree_parents()
+            logits = (forward_one(self.target, self._sequence, block) if parents is None
+                      else self.target.forward_tree(self._sequence, block, parents))
+            kept = sample.verify_and_commit(logits, time.perf_counter() - t0)
+            self.target.retain(self._sequence, len(block), kept)
         return sample.result()

@@ -39,6 +39,10 @@ class GenerationStats:
         verify_seconds: time spent in the target forward pass and verification.
         target_forward_seconds: the part of ``verify_seconds`` spent inside the target's
             forward passes (the model itself; the rest is host-side work).
+        tree_nodes: drafted nodes of token trees (:mod:`exactspec.trees`), all scored by
+            the target; for a tree, the drafted positions above are its depths (a cycle
+            accepts at most one node per depth), so acceptance rate and per-position
+            acceptance are per depth.
     """
 
     num_speculative_tokens: int = 0
@@ -58,6 +62,7 @@ class GenerationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     target_forward_seconds: float = 0.0
+    tree_nodes: int = 0
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -67,12 +72,15 @@ class GenerationStats:
 
     def record_cycle(self, num_drafted: int, num_accepted: int, num_emitted: int,
                      chosen_k: int | None = None, *, draft_seconds: float = 0.0,
-                     verify_seconds: float = 0.0, target_forward_seconds: float = 0.0) -> None:
-        """Add one cycle: ``num_drafted`` proposed, ``num_accepted`` accepted by verification,
-        ``num_emitted`` tokens emitted (≤ num_accepted + 1; fewer when a stop cut the cycle),
-        ``chosen_k`` the policy's k (default: num_drafted), and the cycle's seconds (see the
-        attributes of the same names).
+                     verify_seconds: float = 0.0, target_forward_seconds: float = 0.0,
+                     num_tree_nodes: int = 0) -> None:
+        """Add one cycle: ``num_drafted`` proposed (a tree's depth), ``num_accepted``
+        accepted by verification, ``num_emitted`` tokens emitted (≤ num_accepted + 1; fewer
+        when a stop cut the cycle), ``chosen_k`` the policy's k (default: num_drafted), the
+        cycle's seconds (see the attributes of the same names), and ``num_tree_nodes`` the
+        nodes of its token tree (0 for a chain).
         """
+        self.tree_nodes += num_tree_nodes
         self.draft_seconds += draft_seconds
         self.verify_seconds += verify_seconds
         self.target_forward_seconds += target_forward_seconds

@@ -85,6 +85,9 @@ class Verified(NamedTuple):
             greedy.
         uniforms: ``[k]`` float64 acceptance uniforms of the stochastic verifier; None
             when greedy.
+        path: for a tree (:func:`verify_tree`), the accepted nodes' rows of the scored
+            block (ascending, root excluded); then ``processed`` and ``target_probs`` hold
+            the rows of the root and that path only. None for a chain.
     """
 
     committed: list[int]
@@ -93,6 +96,7 @@ class Verified(NamedTuple):
     processed: torch.Tensor
     target_probs: torch.Tensor | None
     uniforms: torch.Tensor | None
+    path: list[int] | None = None
 
 
 def rejection_sample(
@@ -302,3 +306,76 @@ def token_logprobs(pipeline: LogitsPipeline, processed: torch.Tensor,
     return [TokenLogprob(token, value, list(zip(ids, values)))
             for token, value, ids, values in zip(token_ids, chosen, top_ids.tolist(),
                                                  top_values.tolist())]
+
+
+def verify_tree(tokens: Sequence[int], draft_token_ids: list[int], parents: list[int],
+                logits: torch.Tensor, pipeline: LogitsPipeline, rng: torch.Generator | None,
+                sampler=rejection_sample) -> Verified:
+    """Verify one sequence's token tree: walk it from the root, committing at each node the
+    child the target's token matches, then the recovered or bonus token (SpecInfer,
+    arXiv 2305.09781, §4, for drafts chosen deterministically).
+
+    The children of a node are point-mass drafts (the tree is a function of the context
+    only). Greedy: the target's argmax, accepted while a child equals it. Sampling: the
+    first child c is verified by Algorithm 1 for a point-mass q (``sampler`` with k = 1:
+    accepted with probability p(c)); when it is rejected, the recovered token is drawn
+    from the residual, p without c, and if that token is another child, that child is
+    accepted; a node without children gives the bonus token from p. The committed token
+    is then c with probability p(c) and any other x with (1 − p(c)) · p(x) / (1 − p(c)) =
+    p(x): each follows the target's processed p exactly, and the walk goes on from the
+    child it matched (docs/design.md, "Token trees").
+
+    Args:
+        tokens: the sequence so far; ``logits`` scored the tree whose root is ``tokens[-1]``.
+        draft_token_ids: ``[n]`` the tree's nodes (the root excluded).
+        parents: ``[n]`` each node's parent: −1 for the root, else an earlier node.
+        logits: ``[n + 1, vocab]`` the target's raw logits of ``[root, *nodes]`` (row 0 the
+            root), from ``Backend.forward_tree``.
+        pipeline, rng, sampler: as :func:`verify`.
+    Returns:
+        :class:`Verified` with ``path`` set.
+    Raises:
+        ValueError: as :func:`verify`.
+    """
+    check_finite(logits)
+    children: dict[int, list[tuple[int, int]]] = {}  # row → [(token, row)] in order
+    for node, (token, parent) in enumerate(zip(draft_token_ids, parents)):
+        children.setdefault(parent + 1, []).append((token, node + 1))
+    greedy = pipeline.params.greedy
+    row, path, committed, processed_rows, probs_rows = 0, [], [], [], []
+    while True:
+        processed = pipeline.process(logits[row:row + 1], [*tokens, *committed])  # [1, vocab]
+        processed_rows.append(processed)
+        options = children.get(row, [])
+        if greedy:
+            token = int(greedy_tokens(processed)[0])
+            match = next((child for drafted, child in options if drafted == token), None)
+        else:
+            p = pipeline.probs(processed)  # [1, vocab]
+            probs_rows.append(p)
+            token, match = _sample_children(options, p, rng, sampler)
+        committed.append(token)
+        if match is None:
+            break
+        path.append(match)
+        row = match
+    processed = torch.cat(processed_rows)
+    committed_logprobs = (token_logprobs(pipeline, processed, committed)
+                          if pipeline.params.logprobs is not None else None)
+    return Verified(committed, len(path), committed_logprobs, processed,
+                    torch.cat(probs_rows) if probs_rows else None, None, path)
+
+
+def _sample_children(options: list[tuple[int, int]], p: torch.Tensor,
+                     rng: torch.Generator | None, sampler) -> tuple[int, int | None]:
+    """One node of :func:`verify_tree` when sampling: ``options`` its children ``(token,
+    row)``, ``p`` ``[1, vocab]`` the target's probabilities there. Returns the committed
+    token and the row of the child it is (None: a recovered or bonus token)."""
+    if not options:  # a leaf: the bonus token from p
+        none = torch.zeros((1, 0), dtype=torch.long, device=p.device)
+        return int(sampler(none, None, p[None], rng).output_token_ids[0, 0]), None
+    first, row = options[0]
+    drafted = torch.tensor([[first]], device=p.device)
+    result = sampler(drafted, None, torch.stack([p, p], 1), rng)  # [1, 2, vocab]
+    token = int(result.output_token_ids[0, 0])
+    return token, (row if int(result.num_accepted[0]) else dict(options).get(token))

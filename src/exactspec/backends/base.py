@@ -22,6 +22,8 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from exactspec.trees import TreePaths
+
 PREFILL_CHUNK_SIZE = 512
 """Tokens a backend's prefill scores per forward pass (llama.cpp: its ``n_batch``), and so
 the chunk batched decoding prefills a joining prompt in between decoding cycles."""
@@ -107,6 +109,8 @@ class Backend(Protocol):
         provides_hidden_features: whether :meth:`record_hidden_features` and
             :meth:`hidden_features` work (a draft head needs them); False: they raise
             :class:`UnsupportedModelError`.
+        scores_trees: whether :meth:`forward_tree` and :meth:`retain` take token trees
+            (tree drafting needs them); False: they raise :class:`UnsupportedModelError`.
     """
 
     name: str
@@ -121,6 +125,7 @@ class Backend(Protocol):
     max_sequences: int
     prefill_chunk_size: int
     provides_hidden_features: bool
+    scores_trees: bool
 
     @property
     def sequences_invariant(self) -> bool: ...
@@ -161,6 +166,40 @@ class Backend(Protocol):
         Raises:
             ValueError: for no rows, an empty row, a sequence not held, or a sequence that
                 would exceed the context.
+        """
+        ...
+
+    def forward_tree(self, sequence_id: int, token_ids: Sequence[int],
+                     parents: Sequence[int]) -> torch.Tensor:
+        """Append a token tree to a sequence's cache in one forward pass (SpecInfer's tree
+        attention, :mod:`exactspec.trees`): node i (``token_ids[i]``, at position cached +
+        its depth) attends to the cache and to its own root-to-node path only, so its logits
+        are bit for bit those of :meth:`forward` over that path (on a batch-invariant
+        backend).
+
+        Args:
+            token_ids: ``[n]`` the nodes; node 0 is the root.
+            parents: ``[n]`` each node's parent: −1 for node 0, an earlier node for the rest.
+        Returns:
+            ``[n, vocab_size]`` float logits on ``device``; row i is the next-token
+            distribution after node i's path.
+        Raises:
+            UnsupportedModelError: if the backend cannot (``scores_trees``).
+            ValueError: for a malformed tree, a sequence not held, or a path that would
+                exceed the context.
+        """
+        ...
+
+    def retain(self, sequence_id: int, num_rows: int, keep: Sequence[int]) -> None:
+        """Of the last ``num_rows`` cached positions (a tree's nodes), keep the rows
+        ``keep`` (ascending: an accepted path) as the sequence's last positions, in order,
+        and drop the others (their recorded hidden features too).
+
+        Raises:
+            UnsupportedModelError: if the backend cannot (``scores_trees``) and ``keep`` is
+                not a prefix of the rows (a prefix is a :meth:`rollback`).
+            ValueError: if ``num_rows`` exceeds what the sequence holds, ``keep`` is not
+                ascending within [0, num_rows), or the sequence is not held.
         """
         ...
 
@@ -219,6 +258,28 @@ def check_rows(rows: Sequence[tuple[int, Sequence[int]]], num_logits: int | None
                                    or num_logits < 1):
         raise ValueError(f"num_logits = {num_logits!r} is invalid: it must be None or an "
                          "integer ≥ 1")
+
+
+def check_tree(token_ids: Sequence[int], parents: Sequence[int]) -> TreePaths:
+    """The :class:`~exactspec.trees.TreePaths` of ``forward_tree``'s arguments, or
+    ``ValueError`` unless they are one tree rooted at node 0 with a parent per node."""
+    if not token_ids or len(parents) != len(token_ids):
+        raise ValueError(f"a tree needs at least one node and one parent per node; got "
+                         f"{len(token_ids)} nodes and {len(parents)} parents")
+    if parents[0] != -1 or -1 in parents[1:]:
+        raise ValueError(f"parents {list(parents)} are invalid: node 0 is the one root (-1)")
+    return TreePaths(list(parents))
+
+
+def check_retain(num_rows: int, keep: Sequence[int], num_cached: int) -> list[int]:
+    """``keep`` as a list, or ``ValueError`` unless ``retain``'s arguments are well formed
+    for a sequence holding ``num_cached`` positions."""
+    keep = [int(row) for row in keep]
+    if not 0 <= num_rows <= num_cached or any(
+            not 0 <= row < num_rows for row in keep) or sorted(set(keep)) != keep:
+        raise ValueError(f"retain({num_rows}, {keep}) is invalid: keep ascending rows of the "
+                         f"last num_rows ≤ {num_cached} positions")
+    return keep
 
 
 def check_context(backend: Backend, cached: int, adding: int, context: str = "model's") -> None:

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from exactspec.backends import native
+from exactspec.trees import TreePaths
 
 KERNELS = ("batch-invariant", "fast")
 """Kernel choices of the transformers backend (``batch-invariant`` is the default)."""
@@ -152,7 +153,8 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
                    if kwargs.get(name) is not None]
     if unsupported:
         raise ValueError(f"exactspec's attention does not implement {', '.join(unsupported)}")
-    if _kernels.get() == "fast" and _packed.get() is None:
+    tree = _tree.get()
+    if _kernels.get() == "fast" and _packed.get() is None and tree is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     batch, heads, q_len, head_dim = query.shape
@@ -172,26 +174,33 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
         output = query.new_empty(q_len, heads, head_dim)
         for keys, values, offset, length in sequences:
             kernels.attention(query[0, :, offset:offset + length], keys[0], values[0],
-                              scaling, output[offset:offset + length])
+                              scaling, output[offset:offset + length], tree=tree)
         return output[None], None
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, q_len, head_dim)
     rows = [row for keys, values, offset, length in sequences
-            for row in _causal_rows(grouped, keys, values, offset, length, scaling)]
+            for row in _causal_rows(grouped, keys, values, offset, length, scaling, tree)]
     output = torch.stack(rows, dim=3).reshape(batch, heads, q_len, head_dim)
     return output.transpose(1, 2).contiguous(), None
 
 
 def _causal_rows(grouped: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offset: int,
-                 length: int, scaling: float) -> list[torch.Tensor]:
+                 length: int, scaling: float, tree: TreePaths | None = None) -> list[torch.Tensor]:
     """Queries ``offset .. offset+length`` of ``grouped`` (``[batch, kv_heads, g, q, d]``),
     the last ``length`` positions of the sequence whose keys and values are ``key``,
     ``value`` (``[batch, kv_heads, L, d]``), each as a one-query problem over exactly the
-    keys up to its position. Returns ``length`` tensors ``[batch, kv_heads, g, d]``."""
+    keys up to its position (with ``tree``: the keys before the queries, then its own path,
+    gathered into the shape a one-token step after that path has). Returns ``length``
+    tensors ``[batch, kv_heads, g, d]``."""
     kv_len, rows = key.shape[2], []
+    before = kv_len - length
     for i in range(length):
-        visible = kv_len - length + i + 1  # causal: the keys up to this query's position
-        scores = grouped[:, :, :, offset + i] @ key[:, :, :visible].transpose(-1, -2) * scaling
-        rows.append(scores.softmax(dim=-1) @ value[:, :, :visible])
+        if tree is None:
+            keys, values = key[:, :, :before + i + 1], value[:, :, :before + i + 1]
+        else:
+            visible = torch.cat([torch.arange(before), before + torch.tensor(tree.paths[i])])
+            keys, values = key[:, :, visible], value[:, :, visible]
+        scores = grouped[:, :, :, offset + i] @ keys.transpose(-1, -2) * scaling
+        rows.append(scores.softmax(dim=-1) @ values)
     return rows
 
 
@@ -223,6 +232,20 @@ class PackedSequences:
 
 _packed: contextvars.ContextVar[PackedSequences | None] = contextvars.ContextVar(
     "exactspec_packed", default=None)
+_tree: contextvars.ContextVar[TreePaths | None] = contextvars.ContextVar(
+    "exactspec_tree", default=None)
+
+
+@contextlib.contextmanager
+def token_tree(tree: TreePaths) -> Iterator[None]:
+    """Run the forward passes inside the block over one sequence whose new tokens are the
+    nodes of ``tree``: each attends to the cache before them and to its own path only (the
+    arithmetic of a one-token step after that path, whatever :func:`kernel_mode` says)."""
+    token = _tree.set(tree)
+    try:
+        yield
+    finally:
+        _tree.reset(token)
 
 
 @contextlib.contextmanager

@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, chat_messages,
-                                     check_batch_invariance, check_context, check_rows,
-                                     check_sequence_invariance)
+                                     check_batch_invariance, check_context, check_retain,
+                                     check_rows, check_sequence_invariance)
 from exactspec.model_files import gguf_architecture_value
 
 INSTALL_HINT = ("CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --no-cache-dir "
@@ -50,6 +50,9 @@ HIDDEN_FEATURES_REFUSAL = (
     "the llama.cpp backend cannot give the target's hidden features that a draft head reads "
     "(llama-cpp-python returns only final embeddings, from a context made for embeddings); "
     "use the transformers backend (--backend transformers) for --proposer head")
+TREE_REFUSAL = (
+    "the llama.cpp backend does not score token trees (tree drafting: a head's tree=N); use "
+    "the transformers backend (--backend transformers), or draft a chain")
 DEFAULT_CONTEXT_LENGTH = 8192
 """KV cache size (tokens) when the caller gives none, capped by the model's own context."""
 
@@ -184,6 +187,20 @@ class LlamaCppBackend:
 
     def hidden_features(self, sequence_id: int, start: int) -> torch.Tensor:
         raise UnsupportedModelError(HIDDEN_FEATURES_REFUSAL)
+
+    scores_trees = False
+    """A tree needs each node in the cache sequences of its descendants' paths only
+    (llama.cpp's multi-sequence cells); not done here: tree drafting is refused."""
+
+    def forward_tree(self, sequence_id: int, token_ids: Sequence[int],
+                     parents: Sequence[int]) -> torch.Tensor:
+        raise UnsupportedModelError(TREE_REFUSAL)
+
+    def retain(self, sequence_id: int, num_rows: int, keep: Sequence[int]) -> None:
+        keep = check_retain(num_rows, keep, self.num_cached_tokens(sequence_id))
+        if keep != list(range(len(keep))):
+            raise UnsupportedModelError(TREE_REFUSAL)
+        self.rollback(sequence_id, num_rows - len(keep))
 
     @functools.cached_property
     def sequences_invariant(self) -> bool:

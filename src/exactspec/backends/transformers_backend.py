@@ -20,11 +20,11 @@ import torch
 
 from exactspec.backends import native
 from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, chat_messages,
-                                     check_batch_invariance, check_context, check_rows,
-                                     check_sequence_invariance)
+                                     check_batch_invariance, check_context, check_retain,
+                                     check_rows, check_sequence_invariance, check_tree)
 from exactspec.backends.batch_invariant import (KERNELS, PackedSequences, kernel_mode,
                                                  native_kernels_apply, packed_sequences,
-                                                 use_exactspec_kernels)
+                                                 token_tree, use_exactspec_kernels)
 from exactspec.model_files import check_model_folder, converted_gguf_folder
 from exactspec.threads import ThreadChooser, torch_threads
 
@@ -266,6 +266,42 @@ class TransformersBackend:
         return list(rows_logits) if num_logits is None else [
             logits[-num_logits:] for logits in rows_logits]
 
+    scores_trees = True
+
+    def forward_tree(self, sequence_id: int, token_ids: Sequence[int],
+                     parents: Sequence[int]) -> torch.Tensor:
+        """See ``Backend.forward_tree``: one forward over the nodes, each at position
+        cached + depth, attending to the cache and its own path (:func:`token_tree`)."""
+        tree = check_tree(token_ids, parents)
+        cache = self._cache(sequence_id)
+        cached, n = cache.get_seq_length(), len(token_ids)
+        check_context(self, cached, max(tree.depths) + 1)
+        positions = [cached + depth for depth in tree.depths]
+        mask = torch.zeros((1, 1, n, 1), device=self.device)  # used as given (see forward)
+        with (kernel_mode(self.kernels), self.threads.forward(n), torch.inference_mode(),
+              self._features.capture([sequence_id], [n]), token_tree(tree)):
+            return self.model(input_ids=self._tensor(token_ids),
+                              position_ids=self._tensor(positions), attention_mask=mask,
+                              cache=cache, use_cache=True, logits_to_keep=n).logits[0]
+
+    def retain(self, sequence_id: int, num_rows: int, keep: Sequence[int]) -> None:
+        cache = self._cache(sequence_id)
+        keep = check_retain(num_rows, keep, cache.get_seq_length())
+        start = cache.get_seq_length() - num_rows
+        if keep != list(range(len(keep))):  # move the kept rows down, in order
+            rows = torch.tensor(keep, device=self.device) + start
+            with torch.inference_mode():
+                self._move_rows(cache, start, rows)
+            self._features.retain(sequence_id, num_rows, keep)
+        self.rollback(sequence_id, num_rows - len(keep))
+
+    @staticmethod
+    def _move_rows(cache, start: int, rows: torch.Tensor) -> None:
+        """Copy cache positions ``rows`` to ``start``, ``start + 1``, ... in every layer."""
+        for layer in cache.layers:
+            layer.keys[:, :, start:start + len(rows)] = layer.keys[:, :, rows]
+            layer.values[:, :, start:start + len(rows)] = layer.values[:, :, rows]
+
     def rollback(self, sequence_id: int, num_tokens: int) -> None:
         cache = self._cache(sequence_id)
         if not 0 <= num_tokens <= cache.get_seq_length():
@@ -361,6 +397,22 @@ class HiddenFeatures:
             if last.shape[0] > num_positions:
                 chunks.append(last[:-num_positions])
             num_positions -= min(num_positions, last.shape[0])
+
+    def retain(self, sequence_id: int, num_rows: int, keep: Sequence[int]) -> None:
+        """Of the last ``num_rows`` positions, move ``keep``'s to the front, in order (the
+        rest are then dropped with :meth:`drop`)."""
+        chunks = self._chunks.get(sequence_id)
+        if not chunks:
+            return
+        pieces, needed = [], num_rows
+        while needed:
+            last = chunks.pop()
+            pieces.append(last[-needed:])
+            if last.shape[0] > needed:
+                chunks.append(last[:-needed])
+            needed -= pieces[-1].shape[0]
+        tail = torch.cat(pieces[::-1])
+        chunks.append(torch.cat([tail[keep], tail[len(keep):]]))
 
     def release(self, sequence_id: int) -> None:
         self._chunks.pop(sequence_id, None)

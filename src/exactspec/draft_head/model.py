@@ -300,8 +300,9 @@ class DraftHead(nn.Module):
         return out.transpose(1, 2)  # [B, T, H, D]
 
     # -- inference -----------------------------------------------------------------------
-    def extend(self, cache: HeadCache, hidden: torch.Tensor,
-               token_ids: torch.Tensor) -> torch.Tensor:
+    def extend(self, cache: HeadCache, hidden: torch.Tensor, token_ids: torch.Tensor,
+               positions: torch.Tensor | None = None,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
         """Append rows to ``cache`` and return their outputs ``[n, h]``.
 
         Args:
@@ -309,14 +310,18 @@ class DraftHead(nn.Module):
             hidden: ``[n, h]`` the rows' input hidden states (``fc`` of target features, or
                 the head's previous output while drafting).
             token_ids: ``[n]`` the rows' input tokens.
+            positions: ``[n]`` their positions (default: the rows' indices, a chain).
+            mask: ``[n, len + n]`` bool, the rows each new row attends to (default: causal;
+                a token tree passes each node's path).
         """
         start = len(cache)
-        positions = torch.arange(start, start + hidden.shape[0])
+        if positions is None:
+            positions = torch.arange(start, start + hidden.shape[0])
         q, k, v = self.project(hidden, token_ids, positions)
         cache.append(k, v)
         n, total = hidden.shape[0], len(cache)
-        mask = None if n == 1 else (torch.arange(total)[None, :]
-                                    <= torch.arange(start, total)[:, None])
+        if mask is None and n > 1:
+            mask = torch.arange(total)[None, :] <= torch.arange(start, total)[:, None]
         attention = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], cache.keys.transpose(0, 1)[None],
             cache.values.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)

@@ -36,10 +36,25 @@ class Proposal:
         token_ids: ``[n]`` drafted ids, ``n ≤ k``, in the target's vocabulary.
         probs: ``[n, target_vocab]`` the distribution each token was sampled from, or None
             when each token was chosen deterministically (q is one-hot on it).
+        parents: ``[n]`` for a token tree (:mod:`exactspec.trees`): each node's parent, −1
+            for a child of the last committed token, else an earlier node; its nodes are
+            chosen deterministically (``probs`` None). None: a chain (token i follows
+            token i − 1).
     """
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    parents: list[int] | None = None
+
+    @property
+    def depth(self) -> int:
+        """The most drafted tokens one cycle can accept (a chain's length, a tree's depth)."""
+        if self.parents is None:
+            return len(self.token_ids)
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return max(depths, default=0)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -91,6 +106,9 @@ class Proposer(Protocol):
     whole draft so far is accepted (the product of its tokens' probabilities, EAGLE-2's
     value of a draft), so the ``auto`` policy sets ``min_confidence`` to the break-even
     probability of its measured costs (:class:`~exactspec.speculation_length.AutoPolicy`)."""
+    drafts_trees: bool = False
+    """Its proposals may be token trees (``Proposal.parents``): the target must score
+    trees (``Backend.scores_trees``), and batched decoding, which packs chains, refuses it."""
     batchable: bool = False
     """A shallow copy per sequence, each ``reset`` on its own, drafts independently of the
     others (no model cache of its own), so batched decoding can give every row one

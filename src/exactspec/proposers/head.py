@@ -19,6 +19,7 @@ and drops the drafted rows after each proposal.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 
@@ -29,6 +30,12 @@ from exactspec.draft_head.model import DraftHead, HeadCache, load_head, shipped_
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer, draw_draft_token
 from exactspec.threads import torch_threads
+
+
+TREE_BEAM = 4
+"""Nodes a token tree expands per level (EAGLE-2's top-k of the level; one head pass)."""
+TREE_BRANCH = 4
+"""Most children a node of a token tree gets (EAGLE-2's top-k per node)."""
 
 
 class _SequenceState:
@@ -51,11 +58,15 @@ class HeadProposer(Proposer):
             stored, the half of the memory traffic of float32); q is whatever it computes,
             so the choice changes acceptance and speed, never exactness.
         threads: PyTorch threads while drafting (default: PyTorch's count at construction).
+        tree_nodes: draft a token tree of at most this many nodes and depth at most k each
+            cycle (EAGLE-2's dynamic tree, see :meth:`propose`) instead of a chain; None: a
+            chain.
     Raises:
         UnsupportedModelError: on a backend without hidden features (llama.cpp), naming the
             transformers backend, or when no head is shipped for this target.
         FileNotFoundError: for a missing file.
-        ValueError: for a head of another target's shape.
+        ValueError: for a head of another target's shape, or ``tree_nodes`` not an integer
+            ≥ 1.
     """
 
     supports_min_confidence = True
@@ -67,7 +78,12 @@ class HeadProposer(Proposer):
     are shared and only read."""
 
     def __init__(self, target: Backend, head: DraftHead | str | Path | None = None, *,
-                 dtype: torch.dtype = torch.bfloat16, threads: int | None = None) -> None:
+                 dtype: torch.dtype = torch.bfloat16, threads: int | None = None,
+                 tree_nodes: int | None = None) -> None:
+        if tree_nodes is not None and (isinstance(tree_nodes, bool)
+                                       or not isinstance(tree_nodes, int) or tree_nodes < 1):
+            raise ValueError(f"tree = {tree_nodes!r} is invalid: it must be an integer ≥ 1 "
+                             "(the most nodes of a drafted token tree)")
         if not target.provides_hidden_features:
             raise UnsupportedModelError(
                 f"a draft head reads the target's hidden features, which the {target.name} "
@@ -81,6 +97,8 @@ class HeadProposer(Proposer):
                              f"{target.vocab_size}")
         target.record_hidden_features(head.config.feature_layers)
         self.target, self.head = target, head
+        self.tree_nodes = tree_nodes
+        self.drafts_trees = tree_nodes is not None
         self.threads = threads or torch.get_num_threads()
         self.sequence_id: int | None = None
         self._state = _SequenceState()
@@ -98,6 +116,9 @@ class HeadProposer(Proposer):
         if self.sequence_id is None:
             raise RuntimeError("HeadProposer.propose before follow(): the engine must say which "
                                "target sequence it continues")
+        if self.tree_nodes is not None:
+            with torch.inference_mode(), torch_threads(self.threads):
+                return self._propose_tree(token_ids, k, pipeline, min_confidence)
         head, state = self.head, self._state
         with torch.inference_mode(), torch_threads(self.threads):
             hidden = self._sync(token_ids)
@@ -122,6 +143,105 @@ class HeadProposer(Proposer):
                     hidden = head.extend(state.cache, hidden, torch.tensor([draw.token]))
             state.cache.crop(real_rows)
         return Proposal(drafted, torch.stack(probs) if probs else None)
+
+    def _propose_tree(self, token_ids: Sequence[int], depth: int, pipeline: LogitsPipeline,
+                      min_confidence: float) -> Proposal:
+        """A token tree of at most ``tree_nodes`` nodes and ``depth`` levels (EAGLE-2,
+        arXiv 2406.16858, §4.1–4.2): each level expands the :data:`TREE_BEAM` nodes of the
+        level before with the highest value (the product of the head's probabilities along
+        the path, after the request's logits pipeline) in one head pass over those nodes
+        (each attends to the committed rows and its own path), giving each its
+        :data:`TREE_BRANCH` most likely children; then the ``tree_nodes`` nodes of highest value
+        are kept (a node's value never exceeds its parent's, so they form a tree), in
+        level order. Nodes below ``min_confidence`` are not kept. The tree depends on the
+        context only, so each node is a point-mass draft (``Proposal.probs`` None) and
+        :func:`~exactspec.verification.verify_tree` stays exact at any temperature."""
+        head, state, budget = self.head, self._state, self.tree_nodes
+        hidden = self._sync(token_ids)  # [1, h]: drafts the first level
+        real_rows = len(state.cache)
+        # every candidate node: (log value, token, parent candidate or -1, depth)
+        values: list[float] = []
+        nodes: list[tuple[int, int, int]] = []  # (token, parent, depth)
+        node_rows: dict[int, int] = {}  # expanded candidate → its row in the head's cache
+        node_outputs: dict[int, torch.Tensor] = {}  # expanded candidate → its row's output
+        frontier, outputs = [-1], hidden  # the nodes expanded at this level, their outputs
+        floor = math.log(min_confidence) if min_confidence > 0 else -math.inf
+        for level in range(1, depth + 1):
+            logprobs = self._tree_logprobs(outputs, frontier, nodes, token_ids, pipeline)
+            top_values, top_ids = logprobs.topk(min(budget, TREE_BRANCH, logprobs.shape[-1]),
+                                                dim=-1)
+            base = torch.tensor([0.0 if f < 0 else values[f] for f in frontier])
+            top_values = (top_values.double() + base[:, None].double()).tolist()
+            tokens = head.draft_token_ids[top_ids].tolist()
+            level_nodes = []
+            for row, parent in enumerate(frontier):
+                for value, token in zip(top_values[row], tokens[row]):
+                    if value >= floor:
+                        level_nodes.append(len(nodes))
+                        values.append(value)
+                        nodes.append((token, parent, level))
+            if not level_nodes or level == depth:
+                break
+            frontier = sorted(level_nodes, key=values.__getitem__, reverse=True)[:TREE_BEAM]
+            outputs = self._expand(frontier, nodes, node_rows, node_outputs, hidden, real_rows)
+        state.cache.crop(real_rows)
+        kept = sorted(sorted(range(len(nodes)), key=values.__getitem__, reverse=True)[:budget])
+        index = {node: i for i, node in enumerate(kept)}
+        return Proposal([nodes[n][0] for n in kept],
+                        parents=[index.get(nodes[n][1], -1) for n in kept])
+
+    def _tree_logprobs(self, outputs: torch.Tensor, frontier: list[int],
+                       nodes: list[tuple[int, int, int]], token_ids: Sequence[int],
+                       pipeline: LogitsPipeline) -> torch.Tensor:
+        """``[len(frontier), V']`` the head's log-probabilities over its draft vocabulary
+        for the children of each frontier node (outputs ``[len(frontier), h]``), after the
+        request's logits pipeline over the node's path."""
+        head = self.head
+        draft_logits = head.logits(outputs)  # [m, V']
+        if not pipeline.is_identity:
+            ids, rows = head.draft_token_ids, []
+            for row, node in enumerate(frontier):
+                logits = draft_logits.new_full((1, self.target.vocab_size), float("-inf"))
+                logits[0, ids] = draft_logits[row]
+                rows.append(pipeline.process(logits, [*token_ids, *self._path(node, nodes)])[0, ids])
+            draft_logits = torch.stack(rows)
+        return draft_logits.log_softmax(-1)
+
+    @staticmethod
+    def _path(node: int, nodes: list[tuple[int, int, int]]) -> list[int]:
+        """The tokens from the root's child down to ``node`` (−1: none)."""
+        path = []
+        while node >= 0:
+            path.append(nodes[node][0])
+            node = nodes[node][1]
+        return path[::-1]
+
+    def _expand(self, frontier: list[int], nodes: list[tuple[int, int, int]],
+                node_rows: dict[int, int], node_outputs: dict[int, torch.Tensor],
+                hidden: torch.Tensor, real_rows: int) -> torch.Tensor:
+        """Append a head row per frontier node (its token, its parent's output as input,
+        position real + depth − 1, attending to the committed rows and its path's rows) and
+        return their outputs ``[len(frontier), h]``."""
+        head, cache = self.head, self._state.cache
+        start = len(cache)
+        inputs, positions, mask = [], [], torch.zeros(len(frontier), start + len(frontier),
+                                                      dtype=torch.bool)
+        mask[:, :real_rows] = True
+        for i, node in enumerate(frontier):
+            token, parent, depth = nodes[node]
+            inputs.append(hidden[0] if parent < 0 else node_outputs[parent])
+            positions.append(real_rows + depth - 1)
+            mask[i, start + i] = True
+            ancestor = parent
+            while ancestor >= 0:
+                mask[i, node_rows[ancestor]] = True
+                ancestor = nodes[ancestor][1]
+            node_rows[node] = start + i
+        outputs = head.extend(cache, torch.stack(inputs),
+                              torch.tensor([nodes[n][0] for n in frontier]),
+                              torch.tensor(positions), mask)
+        node_outputs.update(zip(frontier, outputs))
+        return outputs
 
     def _sync(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Bring the head's rows to the context (rolled back to the common prefix, then the

@@ -13,9 +13,11 @@ A spec is ``[PEER-]KIND[:ARG][:key=value...]``::
                                  tokens of them, of the same scope only (the server's: API
                                  key and cache_salt; default: off)
     early-exit:L                 the target's first L ≥ 1 layers (self-draft; transformers)
-    head[:PATH]                  a draft head trained on the target's own features (EAGLE
+    head[:PATH][:tree=N]         a draft head trained on the target's own features (EAGLE
                                  family; transformers): the one shipped for the target, or
-                                 the head file PATH (``exactspec train-draft``)
+                                 the head file PATH (``exactspec train-draft``); tree=N
+                                 drafts a token tree of up to N nodes (EAGLE-2) instead of
+                                 a chain, its depth at most k (one sequence at a time)
     draft:MODEL                  a smaller model on the same tokenizer (embedded name, model
                                  folder or .gguf); ``assistant:MODEL`` is the same
 
@@ -54,7 +56,8 @@ ALIASES = {"plain": "none", "assistant": "draft"}
 ARGUMENT = {"early-exit": "L", "draft": "MODEL"}
 """Kinds that take a positional argument, and its name."""
 FORMS = ("none (or plain), prompt-lookup[:ngram=MIN-MAX], "
-         "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL, head[:PATH]")
+         "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL, "
+         "head[:PATH][:tree=N]")
 TRANSFORMERS_ONLY = {"early-exit": "drafts with the target's own layers",
                      "head": "drafts from the target's hidden features"}
 """Kinds that need the transformers backend, and why (for messages)."""
@@ -74,6 +77,7 @@ class ProposerSpec:
         model: the draft model's name or path (None for other kinds).
         corpus: suffix only: ``corpus=`` (tokens of earlier outputs kept), None: off.
         head: a draft head file (``head:PATH``), None for the shipped head or other kinds.
+        tree: head only: ``tree=`` (most nodes of a drafted token tree), None: a chain.
         k: ``k=`` if given, else None (the command's default).
         policy: ``policy=`` if given, else None (the command's default).
         peer: the peer prefix (``hf``, ``llama``), None for exactspec itself.
@@ -86,6 +90,7 @@ class ProposerSpec:
     model: str | None = None
     corpus: int | None = None
     head: str | None = None
+    tree: int | None = None
     k: int | None = None
     policy: str | None = None
     peer: str | None = None
@@ -104,7 +109,8 @@ class ProposerSpec:
                     f" with a corpus of {self.corpus} tokens" if self.corpus else ""),
                 "early-exit": f"early-exit self-draft, {self.layers} layers",
                 "draft": f"draft model {self.model}",
-                "head": f"draft head {self.head or '(shipped)'}"}[self.kind]
+                "head": f"draft head {self.head or '(shipped)'}" + (
+                    f", trees of {self.tree} nodes" if self.tree else "")}[self.kind]
 
 
 def parse_ngram(text: str) -> tuple[int, int]:
@@ -140,12 +146,12 @@ def parse_proposer(spec: str, *, what: str = "proposer", options: Collection[str
     kind = ALIASES.get(kind, kind)
     keys = dict(part.split("=", 1) for part in parts if "=" in part)
     positional = [part for part in parts if "=" not in part]
-    allowed_keys = {"ngram", "corpus", *options}
+    allowed_keys = {"ngram", "corpus", "tree", *options}
     if (kind not in KINDS or (len(positional) != (kind in ARGUMENT)
                               and kind not in ("draft", "head"))
             or (kind == "draft" and not any(positional)) or set(keys) - allowed_keys
             or ("ngram" in keys and kind not in NGRAM_DEFAULTS)
-            or ("corpus" in keys and kind != "suffix")):
+            or ("corpus" in keys and kind != "suffix") or ("tree" in keys and kind != "head")):
         extras = [f":{key}={OPTION_VALUES[key]}" for key in options] + (
             [f"a peer prefix {' or '.join(f'{p}-' for p in peers)}"] if peers else [])
         raise ValueError(f"{prefix}: use one of {FORMS}" + (
@@ -155,10 +161,11 @@ def parse_proposer(spec: str, *, what: str = "proposer", options: Collection[str
         raise ValueError(f"{prefix}: the {peer}- peer runs only {', '.join(peers[peer])}")
     try:
         k = int(keys["k"]) if "k" in keys else None
+        tree = int(keys["tree"]) if "tree" in keys else None
         layers = int(positional[0]) if kind == "early-exit" else None
         corpus = int(keys["corpus"]) if "corpus" in keys else None
     except ValueError:
-        raise ValueError(f"{prefix}: k, L and corpus take integers") from None
+        raise ValueError(f"{prefix}: k, L, corpus and tree take integers") from None
     if corpus is not None and corpus < 1:
         raise ValueError(f"{prefix}: corpus = {corpus} must be ≥ 1 (tokens kept; leave it out "
                          "for no corpus)")
@@ -167,12 +174,15 @@ def parse_proposer(spec: str, *, what: str = "proposer", options: Collection[str
             kind, DEFAULT_NGRAM)
     except ValueError as error:
         raise ValueError(f"{prefix}: ngram {error}") from None
+    if tree is not None and tree < 1:
+        raise ValueError(f"{prefix}: tree = {tree} must be ≥ 1 (the most nodes of a drafted "
+                         "token tree; leave it out for a chain)")
     if layers is not None and layers < 1:
         raise ValueError(f"{prefix}: L = {layers} must be ≥ 1")
     policy = keys.get("policy")  # checked by the caller that takes it (bench methods)
     model = ":".join(positional) if kind == "draft" else None  # a path may hold colons
     head = ":".join(positional) or None if kind == "head" else None
-    return ProposerSpec(spec, kind, ngram, layers, model, corpus, head, k, policy, peer)
+    return ProposerSpec(spec, kind, ngram, layers, model, corpus, head, tree, k, policy, peer)
 
 
 def build_proposer(proposer_spec: ProposerSpec, target: Backend,
@@ -207,5 +217,5 @@ def build_proposer(proposer_spec: ProposerSpec, target: Backend,
     if proposer_spec.kind == "head":
         from exactspec.proposers.head import HeadProposer
 
-        return HeadProposer(target, proposer_spec.head)
+        return HeadProposer(target, proposer_spec.head, tree_nodes=proposer_spec.tree)
     return None

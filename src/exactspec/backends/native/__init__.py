@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from exactspec.trees import TreePaths
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_kernels.c")
@@ -65,7 +67,7 @@ class NativeKernels:
         library.es_linear.restype = None
         library.es_attention.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64,
                                          i64, i64, i64, ctypes.c_float, ptr, i64, i64, ptr,
-                                         ctypes.c_int, ctypes.c_int]
+                                         ctypes.c_int, ctypes.c_int, ptr, ptr]
         library.es_attention.restype = None
         self._attention = library.es_attention
         self.best_isa = ISAS[library.es_best_isa()]
@@ -106,10 +108,13 @@ class NativeKernels:
 
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  scale: float, out: torch.Tensor, threads: int | None = None) -> None:
+                  scale: float, out: torch.Tensor, threads: int | None = None,
+                  tree: TreePaths | None = None) -> None:
         """Causal attention of one sequence's last ``q`` positions, each query over exactly
         the keys up to its position, with the arithmetic of a one-token step there (the C
-        source gives the order); grouped-query heads share their kv head.
+        source gives the order); grouped-query heads share their kv head. With ``tree``, the
+        ``q`` positions are the nodes of a token tree and each sees the keys before them and
+        then its own path only, with the arithmetic of a one-token step after that path.
 
         Args:
             query: ``[heads, q, head_dim]`` float32 (any strides, head_dim contiguous).
@@ -119,8 +124,10 @@ class NativeKernels:
             out: ``[q, heads, head_dim]`` float32 written in place (head_dim contiguous).
             threads: OpenMP threads (default ``torch.get_num_threads()``); they take whole
                 heads.
+            tree: the nodes' paths (:class:`TreePaths`), or None for a chain.
         Raises:
-            ValueError: for layouts the kernel does not take.
+            ValueError: for layouts the kernel does not take, or paths of other than ``q``
+                nodes.
         """
         heads, q_len, head_dim = query.shape
         kv_heads, length, _ = key.shape
@@ -132,13 +139,18 @@ class NativeKernels:
                              "and out [q, H, d] with the last dim contiguous, H a multiple of "
                              f"Hkv; got {tuple(query.shape)}, {tuple(key.shape)}, "
                              f"{tuple(value.shape)}, {tuple(out.shape)}")
+        if tree is not None and tree.offsets.shape != (q_len + 1,):
+            raise ValueError(f"tree paths for {tree.offsets.shape[0] - 1} nodes; the query has "
+                             f"{q_len}")
         threads = torch.get_num_threads() if threads is None else threads
         scratch = torch.empty(max(threads, 1) * length, dtype=torch.float32)
         self._attention(query.data_ptr(), q_len, heads, head_dim, query.stride(1),
                         query.stride(0), key.data_ptr(), value.data_ptr(), kv_heads, length,
                         key.stride(0), key.stride(1), value.stride(0), value.stride(1), scale,
                         out.data_ptr(), out.stride(0), out.stride(1), scratch.data_ptr(), threads,
-                        ISAS.index(self.isa))
+                        ISAS.index(self.isa), None if tree is None else tree.rows.data_ptr(),
+                        None if tree is None else tree.offsets.data_ptr())
+
 
 
 def _check_cpu_float32(*tensors: torch.Tensor) -> None:

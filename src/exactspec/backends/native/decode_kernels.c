@@ -186,7 +186,14 @@ void es_linear(const float *x, int64_t ldx, int64_t rows, int64_t K, const float
  *
  * so each query's arithmetic is that of a one-token step at its position, whatever the
  * other queries, their number or the thread split (threads take whole heads). The AVX2 path
- * and the portable path give the same bits; there is no AVX-512 path. */
+ * and the portable path give the same bits; there is no AVX-512 path.
+ *
+ * Token trees (tree_rows != NULL): the nq queries are the nodes of a tree of drafts, and
+ * query i sees the P = L - nq keys before them, then the nodes tree_rows[tree_offsets[i] ..
+ * tree_offsets[i + 1]) (its root-to-node path, ascending, itself last), in that order. The
+ * loops above run over that list of keys as they run over a chain's, so a node's arithmetic
+ * is that of a one-token step after its path (each output dim is its own fma chain over j:
+ * gathering the rows changes nothing in it). */
 
 __attribute__((target("avx2,fma"))) static float dot_avx2(const float *a, const float *b,
                                                           int64_t d) {
@@ -230,6 +237,38 @@ __attribute__((target("avx2,fma"))) static void weighted_sum_avx2(
     }
 }
 
+/* weighted_sum_avx2 over the rows key_row(j), 8 dims per vector (each dim on its own) */
+static inline int64_t key_row(int64_t j, int64_t P, const int64_t *extra) {
+    return j < P ? j : P + extra[j - P];
+}
+
+__attribute__((target("avx2,fma"))) static void weighted_sum_rows_avx2(
+    const float *e, int64_t n, const float *v, int64_t ldv, int64_t d, float *out, int64_t P,
+    const int64_t *extra) {
+    int64_t c = 0;
+    for (; c + 8 <= d; c += 8) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++)
+            a = _mm256_fmadd_ps(_mm256_broadcast_ss(e + j),
+                                _mm256_loadu_ps(v + key_row(j, P, extra) * ldv + c), a);
+        _mm256_storeu_ps(out + c, a);
+    }
+    for (; c < d; c++) {
+        float a = 0.0f;
+        for (int64_t j = 0; j < n; j++) a = fmaf(e[j], v[key_row(j, P, extra) * ldv + c], a);
+        out[c] = a;
+    }
+}
+
+static void weighted_sum_rows_portable(const float *e, int64_t n, const float *v, int64_t ldv,
+                                       int64_t d, float *out, int64_t P, const int64_t *extra) {
+    for (int64_t c = 0; c < d; c++) {
+        float a = 0.0f;
+        for (int64_t j = 0; j < n; j++) a = fmaf(e[j], v[key_row(j, P, extra) * ldv + c], a);
+        out[c] = a;
+    }
+}
+
 static void weighted_sum_portable(const float *e, int64_t n, const float *v, int64_t ldv,
                                   int64_t d, float *out) {
     for (int64_t c = 0; c < d; c++) {
@@ -244,7 +283,8 @@ static void weighted_sum_portable(const float *e, int64_t n, const float *v, int
 void es_attention(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, int64_t sh,
                   const float *k, const float *v, int64_t Hkv, int64_t L, int64_t skh,
                   int64_t skj, int64_t svh, int64_t svj, float scale, float *out, int64_t so,
-                  int64_t soh, float *scratch, int threads, int isa) {
+                  int64_t soh, float *scratch, int threads, int isa,
+                  const int64_t *tree_rows, const int64_t *tree_offsets) {
     int64_t group = H / Hkv;
     if (threads < 1) threads = 1;
     if (threads > H) threads = (int)H;
@@ -254,11 +294,16 @@ void es_attention(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, 
         const float *kh = k + (h / group) * skh, *vh = v + (h / group) * svh;
         for (int64_t i = 0; i < nq; i++) {
             const float *qi = q + i * sq + h * sh;
-            int64_t visible = L - nq + 1 + i;
+            int64_t P = L - nq, visible = L - nq + 1 + i;
+            const int64_t *extra = NULL;  /* a tree node's path (see the header) */
+            if (tree_rows) {
+                extra = tree_rows + tree_offsets[i];
+                visible = P + tree_offsets[i + 1] - tree_offsets[i];
+            }
             float m = -INFINITY;
             for (int64_t j = 0; j < visible; j++) {
-                float s = (isa >= 1 ? dot_avx2(qi, kh + j * skj, d)
-                                    : dot_portable(qi, kh + j * skj, d)) * scale;
+                const float *kj = kh + (extra ? key_row(j, P, extra) : j) * skj;
+                float s = (isa >= 1 ? dot_avx2(qi, kj, d) : dot_portable(qi, kj, d)) * scale;
                 e[j] = s;
                 if (s > m) m = s;
             }
@@ -268,7 +313,9 @@ void es_attention(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, 
                 sum += e[j];
             }
             float *o = out + i * so + h * soh;
-            if (isa >= 1) weighted_sum_avx2(e, visible, vh, svj, d, o);
+            if (extra && isa >= 1) weighted_sum_rows_avx2(e, visible, vh, svj, d, o, P, extra);
+            else if (extra) weighted_sum_rows_portable(e, visible, vh, svj, d, o, P, extra);
+            else if (isa >= 1) weighted_sum_avx2(e, visible, vh, svj, d, o);
             else weighted_sum_portable(e, visible, vh, svj, d, o);
             for (int64_t c = 0; c < d; c++) o[c] = o[c] / sum;
         }
