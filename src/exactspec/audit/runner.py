@@ -347,7 +347,7 @@ def verdict_line(result: AuditResult, quick: bool = False) -> str:
     if not detectable:
         return "verdict: exact (no position had enough samples to state a detectable deviation)"
     line = (f"verdict: exact at the power of this run: at every token tested, a deviation "
-            f"above TV {max(detectable):.2f} from the target's distribution would have been "
+            f"above TV {max(detectable):.3f} from the target's distribution would have been "
             "caught (with probability 0.8)")
     if quick:
         line += "; --quick is coarse: raise --samples (e.g. 5000) for a statement near TV 0.05"

@@ -137,7 +137,9 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     Batch-invariant kernels: each query causal over one unpadded sequence whose last ``q``
     positions are the queries, as a one-token step there (the native kernel, else one query
     row at a time); inside :func:`packed_sequences` (either kernels), the same per sequence
-    of the packed forward, over that sequence's own cache.
+    of the packed forward, over that sequence's own cache; inside :func:`token_tree`
+    (either kernels), each query over the cache and its own path, as a one-token step
+    after that path.
 
     Args:
         query: ``[batch, heads, q, head_dim]``; key, value: ``[batch, kv_heads, L, head_dim]``.

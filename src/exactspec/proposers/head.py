@@ -159,9 +159,8 @@ class HeadProposer(Proposer):
         head, state, budget = self.head, self._state, self.tree_nodes
         hidden = self._sync(token_ids)  # [1, h]: drafts the first level
         real_rows = len(state.cache)
-        # every candidate node: (log value, token, parent candidate or -1, depth)
-        values: list[float] = []
-        nodes: list[tuple[int, int, int]] = []  # (token, parent, depth)
+        values: list[float] = []  # each candidate node's log value
+        nodes: list[tuple[int, int, int]] = []  # each candidate's (token, parent or −1, depth)
         node_rows: dict[int, int] = {}  # expanded candidate → its row in the head's cache
         node_outputs: dict[int, torch.Tensor] = {}  # expanded candidate → its row's output
         frontier, outputs = [-1], hidden  # the nodes expanded at this level, their outputs
