@@ -245,7 +245,24 @@ static inline int64_t key_row(int64_t j, int64_t P, const int64_t *extra) {
 __attribute__((target("avx2,fma"))) static void weighted_sum_rows_avx2(
     const float *e, int64_t n, const float *v, int64_t ldv, int64_t d, float *out, int64_t P,
     const int64_t *extra) {
+    /* the cache's rows 0 .. P-1 in place, then the path's rows, each dim one fma chain in
+     * the order of j; 32 dims at a time in four accumulators, as weighted_sum_avx2 */
     int64_t c = 0;
+    for (; c + 32 <= d; c += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j < n; j++) {
+            __m256 w = _mm256_broadcast_ss(e + j);
+            const float *row = v + key_row(j, P, extra) * ldv + c;
+            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row), a0);
+            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8), a1);
+            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 16), a2);
+            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 24), a3);
+        }
+        _mm256_storeu_ps(out + c, a0);
+        _mm256_storeu_ps(out + c + 8, a1);
+        _mm256_storeu_ps(out + c + 16, a2);
+        _mm256_storeu_ps(out + c + 24, a3);
+    }
     for (; c + 8 <= d; c += 8) {
         __m256 a = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; j++)
