@@ -229,3 +229,35 @@ def test_refusals(tiny_target, tiny_head_file):
                           ("head:tree=a", "take integers")):
         with pytest.raises(ValueError, match=message):
             parse_proposer(spec)
+
+
+@pytest.mark.parametrize("head_dim", [64, 40, 36])  # 32-dim blocks, then 8-dim, then single
+def test_native_attention_is_each_querys_own_whatever_the_path_and_the_other_queries(head_dim):
+    """The AVX2 kernel takes all queries of a head together; each query's output equals
+    that query alone over exactly its keys, bit for bit, on AVX2 and on portable C, for a
+    chain and for a tree."""
+    kernels = native.load()
+    if kernels is None or kernels.best_isa == "portable":
+        pytest.skip("the native kernels with AVX2 are not available here")
+    generator = torch.Generator().manual_seed(2)
+    heads, kv_heads, before = 6, 2, 37
+    for tree in (None, TreePaths(PARENTS)):
+        nq = len(PARENTS)
+        query = torch.randn(heads, nq, head_dim, generator=generator)
+        keys, values = (torch.randn(kv_heads, before + nq, head_dim, generator=generator)
+                        for _ in range(2))
+        outputs = {}
+        for isa in ("avx2", "portable"):
+            kernels.isa = isa
+            out = torch.empty(nq, heads, head_dim)
+            kernels.attention(query, keys, values, 0.125, out, tree=tree)
+            outputs[isa] = out
+        kernels.isa = kernels.best_isa
+        assert torch.equal(outputs["avx2"], outputs["portable"])
+        for i in range(nq):  # query i alone, over the cache and its path as a chain
+            rows = list(range(before)) + [before + r for r in (
+                range(i + 1) if tree is None else tree.paths[i])]
+            alone = torch.empty(1, heads, head_dim)
+            kernels.attention(query[:, i:i + 1], keys[:, rows].contiguous(),
+                              values[:, rows].contiguous(), 0.125, alone)
+            assert torch.equal(alone[0], outputs["avx2"][i]), (tree is not None, i)
