@@ -34,14 +34,14 @@ def test_proposer_specs_parse_without_a_model(spec, expected):
               "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL"),
     ("prompt-lookup:corpus=100", "use one of"),  # the corpus is suffix drafting's
     ("suffix:corpus=0", "corpus = 0 must be ≥ 1"),
-    ("suffix:corpus=many", "k, L and corpus take integers"),
+    ("suffix:corpus=many", "corpus = 'many' is not an integer"),
     ("draft", "use one of"),
     ("draft:", "use one of"),
     ("none:x", "use one of"),
     ("early-exit:2:ngram=1-2", "use one of"),  # ngram belongs to prompt lookup and suffix
     ("prompt-lookup:k=4", "use one of"),  # k is -k's, not the spec's, here
     ("hf-plain", "use one of"),  # no peers here
-    ("early-exit:x", "k, L and corpus take integers"),
+    ("early-exit:x", "L = 'x' is not an integer"),
     ("early-exit:0", "L = 0 must be ≥ 1"),
     ("prompt-lookup:ngram=3-1", "ngram '3-1' is invalid: need 1 ≤ MIN ≤ MAX"),
     ("prompt-lookup:ngram=x", "ngram 'x' is invalid: give MIN-MAX n-gram sizes, e.g. 1-3"),

@@ -226,7 +226,7 @@ def test_refusals(tiny_target, tiny_head_file):
     assert parse_proposer("head:tree=6").tree == 6
     assert parse_proposer("head:x.safetensors:tree=2").head == "x.safetensors"
     for spec, message in (("head:tree=0", "must be ≥ 1"), ("suffix:tree=3", "use one of"),
-                          ("head:tree=a", "take integers")):
+                          ("head:tree=a", "tree = 'a' is not an integer")):
         with pytest.raises(ValueError, match=message):
             parse_proposer(spec)
 

@@ -18,3 +18,8 @@ exactspec bench --backend transformers --questions $Q --per-category 5 --max-new
 exactspec bench --backend transformers --questions $Q --per-category 3 --max-new-tokens 128 \
     --repetitions 1 --temperature 0.7 --seed 0 --method plain --method head:k=1 \
     --method head:k=1:tree=4 --output $OUT/bench-t0.7
+# With an attention kernel that took all the queries of a head together (reverted after:
+# 10-15 % slower per call in an A/B of the two compiled kernels), the main run again:
+exactspec bench --backend transformers --questions $Q --per-category 5 --max-new-tokens 128 \
+    --repetitions 2 --method plain --method suffix:k=8:policy=auto --method head:k=1 \
+    --method head:k=1:tree=4 --method head:k=2:tree=4 --output $OUT/bench-greedy-blocked

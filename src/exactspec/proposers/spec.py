@@ -159,13 +159,14 @@ def parse_proposer(spec: str, *, what: str = "proposer", options: Collection[str
             f"{extras[-1]}" if extras else ""))
     if peer and kind not in peers[peer]:
         raise ValueError(f"{prefix}: the {peer}- peer runs only {', '.join(peers[peer])}")
-    try:
-        k = int(keys["k"]) if "k" in keys else None
-        tree = int(keys["tree"]) if "tree" in keys else None
-        layers = int(positional[0]) if kind == "early-exit" else None
-        corpus = int(keys["corpus"]) if "corpus" in keys else None
-    except ValueError:
-        raise ValueError(f"{prefix}: k, L, corpus and tree take integers") from None
+    numbers = {name: keys[name] for name in ("k", "tree", "corpus") if name in keys}
+    if kind == "early-exit":
+        numbers["L"] = positional[0]
+    bad = next((name for name, value in numbers.items() if not value.lstrip("-").isdigit()), None)
+    if bad:
+        raise ValueError(f"{prefix}: {bad} = {numbers[bad]!r} is not an integer")
+    k, tree, corpus, layers = (int(numbers[name]) if name in numbers else None
+                               for name in ("k", "tree", "corpus", "L"))
     if corpus is not None and corpus < 1:
         raise ValueError(f"{prefix}: corpus = {corpus} must be ≥ 1 (tokens kept; leave it out "
                          "for no corpus)")

@@ -143,7 +143,7 @@ class NativeKernels:
             raise ValueError(f"tree paths for {tree.offsets.shape[0] - 1} nodes; the query has "
                              f"{q_len}")
         threads = torch.get_num_threads() if threads is None else threads
-        scratch = torch.empty(max(threads, 1) * (q_len * length + q_len), dtype=torch.float32)
+        scratch = torch.empty(max(threads, 1) * length, dtype=torch.float32)
         self._attention(query.data_ptr(), q_len, heads, head_dim, query.stride(1),
                         query.stride(0), key.data_ptr(), value.data_ptr(), kv_heads, length,
                         key.stride(0), key.stride(1), value.stride(0), value.stride(1), scale,

@@ -20,7 +20,6 @@
  * them in the last bits, so one process uses one path throughout.
  */
 #include <math.h>
-#include <stdlib.h>
 #include <stdint.h>
 #include <immintrin.h>
 #include <omp.h>
@@ -187,10 +186,7 @@ void es_linear(const float *x, int64_t ldx, int64_t rows, int64_t K, const float
  *
  * so each query's arithmetic is that of a one-token step at its position, whatever the
  * other queries, their number or the thread split (threads take whole heads). The AVX2 path
- * takes all the queries of a head together, reading each cache row once for all of them
- * (the cache's traffic then does not grow with the queries); the order of every sum is
- * unchanged, so it and the portable path (one query at a time) give the same bits; there is
- * no AVX-512 path.
+ * and the portable path give the same bits; there is no AVX-512 path.
  *
  * Token trees (tree_rows != NULL): the nq queries are the nodes of a tree of drafts, and
  * query i sees the P = L - nq keys before them, then the nodes tree_rows[tree_offsets[i] ..
@@ -301,95 +297,6 @@ static void weighted_sum_portable(const float *e, int64_t n, const float *v, int
 
 /* q: element (i, h, c) at q[i*sq + h*sh + c]; k, v: (kvh, j, c) at [kvh*skh + j*skj + c];
  * out: (i, h, c) at out[i*so + h*soh + c]; scratch: threads * L floats. */
-/* AVX2, all the queries of one head at once: each cache row is read once for all the
- * queries that see it (vis[i * nq + r]: query i sees block row r; every query sees the P
- * rows before the block). Each query's scores, softmax and per-dim fma chains still run over
- * its own keys in increasing order, starting from 0, so its bits are those of the loop over
- * one query above. e: nq * L floats, m: nq floats, scratch of the caller. */
-#define QUERY_BLOCK 3
-__attribute__((target("avx2,fma"))) static void attention_head_avx2(
-    const float *q, int64_t nq, int64_t d, int64_t sq, const float *kh, const float *vh,
-    int64_t L, int64_t skj, int64_t svj, float scale, float *out, int64_t so,
-    const unsigned char *vis, float *e, float *m) {
-    int64_t P = L - nq;
-    int64_t count[nq];
-    for (int64_t i = 0; i < nq; i++) { count[i] = 0; m[i] = -INFINITY; }
-    for (int64_t j = 0; j < L; j++) {
-        const float *kj = kh + j * skj;
-        for (int64_t i = 0; i < nq; i++) {
-            if (j >= P && !vis[i * nq + (j - P)]) continue;
-            float s = dot_avx2(q + i * sq, kj, d) * scale;
-            e[i * L + count[i]++] = s;
-            if (s > m[i]) m[i] = s;
-        }
-    }
-    float sum[nq];
-    for (int64_t i = 0; i < nq; i++) {
-        float *ei = e + i * L;
-        sum[i] = 0.0f;
-        for (int64_t t = 0; t < count[i]; t++) {
-            ei[t] = expf(ei[t] - m[i]);
-            sum[i] += ei[t];
-        }
-    }
-    for (int64_t i0 = 0; i0 < nq; i0 += QUERY_BLOCK) {
-        int64_t nb = nq - i0 < QUERY_BLOCK ? nq - i0 : QUERY_BLOCK;
-        int64_t c = 0;
-        for (; c + 32 <= d; c += 32) {
-            __m256 a[QUERY_BLOCK][4];
-            int64_t t[QUERY_BLOCK];
-            for (int64_t b = 0; b < nb; b++) {
-                t[b] = 0;
-                for (int u = 0; u < 4; u++) a[b][u] = _mm256_setzero_ps();
-            }
-            for (int64_t j = 0; j < L; j++) {
-                const float *row = vh + j * svj + c;
-                __m256 v0 = _mm256_loadu_ps(row), v1 = _mm256_loadu_ps(row + 8);
-                __m256 v2 = _mm256_loadu_ps(row + 16), v3 = _mm256_loadu_ps(row + 24);
-                for (int64_t b = 0; b < nb; b++) {
-                    int64_t i = i0 + b;
-                    if (j >= P && !vis[i * nq + (j - P)]) continue;
-                    __m256 w = _mm256_broadcast_ss(e + i * L + t[b]++);
-                    a[b][0] = _mm256_fmadd_ps(w, v0, a[b][0]);
-                    a[b][1] = _mm256_fmadd_ps(w, v1, a[b][1]);
-                    a[b][2] = _mm256_fmadd_ps(w, v2, a[b][2]);
-                    a[b][3] = _mm256_fmadd_ps(w, v3, a[b][3]);
-                }
-            }
-            for (int64_t b = 0; b < nb; b++)
-                for (int u = 0; u < 4; u++)
-                    _mm256_storeu_ps(out + (i0 + b) * so + c + 8 * u, a[b][u]);
-        }
-        for (; c + 8 <= d; c += 8) {
-            __m256 a[QUERY_BLOCK];
-            int64_t t[QUERY_BLOCK];
-            for (int64_t b = 0; b < nb; b++) { t[b] = 0; a[b] = _mm256_setzero_ps(); }
-            for (int64_t j = 0; j < L; j++) {
-                __m256 v0 = _mm256_loadu_ps(vh + j * svj + c);
-                for (int64_t b = 0; b < nb; b++) {
-                    int64_t i = i0 + b;
-                    if (j >= P && !vis[i * nq + (j - P)]) continue;
-                    a[b] = _mm256_fmadd_ps(_mm256_broadcast_ss(e + i * L + t[b]++), v0, a[b]);
-                }
-            }
-            for (int64_t b = 0; b < nb; b++) _mm256_storeu_ps(out + (i0 + b) * so + c, a[b]);
-        }
-        for (; c < d; c++) {
-            for (int64_t b = 0; b < nb; b++) {
-                int64_t i = i0 + b, tt = 0;
-                float acc = 0.0f;
-                for (int64_t j = 0; j < L; j++) {
-                    if (j >= P && !vis[i * nq + (j - P)]) continue;
-                    acc = fmaf(e[i * L + tt++], vh[j * svj + c], acc);
-                }
-                out[i * so + c] = acc;
-            }
-        }
-    }
-    for (int64_t i = 0; i < nq; i++)
-        for (int64_t c = 0; c < d; c++) out[i * so + c] = out[i * so + c] / sum[i];
-}
-
 void es_attention(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, int64_t sh,
                   const float *k, const float *v, int64_t Hkv, int64_t L, int64_t skh,
                   int64_t skj, int64_t svh, int64_t svj, float scale, float *out, int64_t so,
@@ -398,26 +305,10 @@ void es_attention(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, 
     int64_t group = H / Hkv;
     if (threads < 1) threads = 1;
     if (threads > H) threads = (int)H;
-    unsigned char *vis = NULL;  /* AVX2: which block rows each query sees */
-    if (isa >= 1) {
-        vis = calloc((size_t)(nq * nq), 1);
-        for (int64_t i = 0; i < nq; i++) {
-            if (tree_rows)
-                for (int64_t t = tree_offsets[i]; t < tree_offsets[i + 1]; t++)
-                    vis[i * nq + tree_rows[t]] = 1;
-            else
-                for (int64_t r = 0; r <= i; r++) vis[i * nq + r] = 1;
-        }
-    }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t h = 0; h < H; h++) {
-        float *e = scratch + (int64_t)omp_get_thread_num() * (nq * L + nq);
+        float *e = scratch + (int64_t)omp_get_thread_num() * L;
         const float *kh = k + (h / group) * skh, *vh = v + (h / group) * svh;
-        if (isa >= 1) {
-            attention_head_avx2(q + h * sh, nq, d, sq, kh, vh, L, skj, svj, scale, out + h * soh,
-                                so, vis, e, e + nq * L);
-            continue;
-        }
         for (int64_t i = 0; i < nq; i++) {
             const float *qi = q + i * sq + h * sh;
             int64_t P = L - nq, visible = L - nq + 1 + i;
@@ -446,5 +337,4 @@ void es_attention(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, 
             for (int64_t c = 0; c < d; c++) o[c] = o[c] / sum;
         }
     }
-    free(vis);
 }
