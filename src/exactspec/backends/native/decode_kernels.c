@@ -205,39 +205,8 @@ __attribute__((target("avx2,fma"))) static float dot_avx2(const float *a, const 
     return s;
 }
 
-/* out[0..d) = sum_j e[j] * v[j*ldv + c], fma in order of j, each dim on its own */
-__attribute__((target("avx2,fma"))) static void weighted_sum_avx2(
-    const float *e, int64_t n, const float *v, int64_t ldv, int64_t d, float *out) {
-    int64_t c = 0;
-    for (; c + 32 <= d; c += 32) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t j = 0; j < n; j++) {
-            __m256 w = _mm256_broadcast_ss(e + j);
-            const float *row = v + j * ldv + c;
-            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row), a0);
-            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8), a1);
-            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 16), a2);
-            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 24), a3);
-        }
-        _mm256_storeu_ps(out + c, a0);
-        _mm256_storeu_ps(out + c + 8, a1);
-        _mm256_storeu_ps(out + c + 16, a2);
-        _mm256_storeu_ps(out + c + 24, a3);
-    }
-    for (; c + 8 <= d; c += 8) {
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; j++)
-            a = _mm256_fmadd_ps(_mm256_broadcast_ss(e + j), _mm256_loadu_ps(v + j * ldv + c), a);
-        _mm256_storeu_ps(out + c, a);
-    }
-    for (; c < d; c++) {
-        float a = 0.0f;
-        for (int64_t j = 0; j < n; j++) a = fmaf(e[j], v[j * ldv + c], a);
-        out[c] = a;
-    }
-}
-
-/* weighted_sum_avx2 over the rows key_row(j), 8 dims per vector (each dim on its own) */
+/* out[0..d) = sum_j e[j] * v[key_row(j) * ldv + c], fma in order of j, each dim on its own:
+ * rows 0 .. P-1 in place, then a tree path's rows (a chain: P = n, no extra rows) */
 static inline int64_t key_row(int64_t j, int64_t P, const int64_t *extra) {
     return j < P ? j : P + extra[j - P];
 }
@@ -245,8 +214,7 @@ static inline int64_t key_row(int64_t j, int64_t P, const int64_t *extra) {
 __attribute__((target("avx2,fma"))) static void weighted_sum_rows_avx2(
     const float *e, int64_t n, const float *v, int64_t ldv, int64_t d, float *out, int64_t P,
     const int64_t *extra) {
-    /* the cache's rows 0 .. P-1 in place, then the path's rows, each dim one fma chain in
-     * the order of j; 32 dims at a time in four accumulators, as weighted_sum_avx2 */
+    /* 32 dims at a time in four accumulators, then 8, then one: each dim one fma chain */
     int64_t c = 0;
     for (; c + 32 <= d; c += 32) {
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -286,15 +254,6 @@ static void weighted_sum_rows_portable(const float *e, int64_t n, const float *v
     }
 }
 
-static void weighted_sum_portable(const float *e, int64_t n, const float *v, int64_t ldv,
-                                  int64_t d, float *out) {
-    for (int64_t c = 0; c < d; c++) {
-        float a = 0.0f;
-        for (int64_t j = 0; j < n; j++) a = fmaf(e[j], v[j * ldv + c], a);
-        out[c] = a;
-    }
-}
-
 /* q: element (i, h, c) at q[i*sq + h*sh + c]; k, v: (kvh, j, c) at [kvh*skh + j*skj + c];
  * out: (i, h, c) at out[i*so + h*soh + c]; scratch: threads * L floats. */
 void es_attention(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, int64_t sh,
@@ -330,10 +289,9 @@ void es_attention(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, 
                 sum += e[j];
             }
             float *o = out + i * so + h * soh;
-            if (extra && isa >= 1) weighted_sum_rows_avx2(e, visible, vh, svj, d, o, P, extra);
-            else if (extra) weighted_sum_rows_portable(e, visible, vh, svj, d, o, P, extra);
-            else if (isa >= 1) weighted_sum_avx2(e, visible, vh, svj, d, o);
-            else weighted_sum_portable(e, visible, vh, svj, d, o);
+            int64_t in_place = extra ? P : visible;  /* rows read where they are */
+            if (isa >= 1) weighted_sum_rows_avx2(e, visible, vh, svj, d, o, in_place, extra);
+            else weighted_sum_rows_portable(e, visible, vh, svj, d, o, in_place, extra);
             for (int64_t c = 0; c < d; c++) o[c] = o[c] / sum;
         }
     }
