@@ -180,6 +180,41 @@ def test_failed_requests_are_reported_never_counted_and_a_refusal_stops():
         refusing.sample("x", SamplingParams(max_new_tokens=2), 3)
 
 
+MALFORMED = {  # issue 45: each once ended the audit in a traceback, or blamed n
+    "invalid JSON": lambda: httpx.Response(200, content=b'{"choices": [', headers={
+        "content-type": "application/json"}),
+    "a JSON array": lambda: httpx.Response(200, json=[1, 2]),
+    "token ids that are words": lambda: httpx.Response(200, json={"choices": [
+        choice(0, ["a", "b"], token_ids=["a", 2])]}),
+    "token ids that are floats": lambda: httpx.Response(200, json={"choices": [
+        choice(0, ["a", "b"], token_ids=[1.5, 2])]}),
+    "no choices": lambda: httpx.Response(200, json={"object": "text_completion"}),
+    "a choice that is a string": lambda: httpx.Response(200, json={"choices": ["ab"]}),
+}
+
+
+@pytest.mark.parametrize("malformed", MALFORMED)
+def test_an_unreadable_answer_is_a_failed_request_with_its_reason(malformed):
+    calls = []
+
+    def handler(request):
+        calls.append(1)
+        if len(calls) % 2 == 0:
+            return MALFORMED[malformed]()
+        return httpx.Response(200, json={"choices": [choice(0, ["a", "b"], token_ids=[3, 4])],
+                                         "speculation": {"drafted_tokens": "many",
+                                                         "accepted_tokens": 1}})
+
+    endpoint = mock_endpoint(handler, concurrency=1)
+    samples = endpoint.sample("x", SamplingParams(max_new_tokens=2, seed=1), 6)
+    assert samples == [(3, 4)] * 3 and len(endpoint.failures) == 3
+    assert all("unreadable answer" in f for f in endpoint.failures), endpoint.failures
+    assert endpoint.drafted is None  # figures that are not counts are not counted
+    always = mock_endpoint(lambda r: MALFORMED[malformed](), concurrency=1)
+    with pytest.raises(EndpointError, match="failed in a row, the last with: unreadable answer"):
+        always.sample("x", SamplingParams(max_new_tokens=2), 30)
+
+
 def test_an_engine_ignoring_n_is_refused_and_unsendable_parameters_too():
     endpoint = mock_endpoint(lambda r: httpx.Response(200, json={"choices": [choice(0, ["a"])]}))
     with pytest.raises(EndpointError, match="ignores n"):

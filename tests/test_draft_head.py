@@ -227,6 +227,12 @@ def test_train_draft_command_trains_a_head_that_generate_uses(model_folder, tmp_
     assert json.loads((run / "history.json").read_text())["updates"] == [2, 4]
     assert cli.main(args) == 0  # resumes: nothing left to do, the same head
     assert "resuming the run" in capsys.readouterr().err
+    # resuming with other targets is refused (it trained nothing, exited 0 and printed
+    # "4 of 8 steps"), naming each changed setting
+    assert cli.main([*args[:-7], "8", *args[-6:]]) == 1
+    err = capsys.readouterr().err
+    assert "total_updates = 8 (the run's: 4)" in err and "another folder" in err
+    assert json.loads((run / "history.json").read_text())["updates"] == [2, 4]
     outputs = []
     for proposer in (f"head:{run / 'head.safetensors'}", "none"):
         assert cli.main(["generate", "tell me", "--model", str(model_folder), "--proposer",

@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from exactspec.logits_pipeline import LogitsPipeline
+from exactspec.logits_pipeline import LogitsPipeline, NoTokenAllowedError
 from exactspec.sampling import SamplingParams
+from exactspec.verification import verify
 
 VOCAB = 20
 
@@ -91,8 +92,20 @@ def test_errors():
     with pytest.raises(ValueError, match="banned_token_ids has token ids"):
         LogitsPipeline(SamplingParams(banned_token_ids=(20,)), [1], VOCAB)
     everything = LogitsPipeline(SamplingParams(banned_token_ids=tuple(range(VOCAB))), [1], VOCAB)
-    with pytest.raises(ValueError, match="every token is banned"):
-        everything.process(torch.randn(1, VOCAB), [1])
+    processed = everything.process(torch.randn(2, VOCAB), [1], [3])
+    assert everything.first_empty_row(processed) == 0 and bool(torch.isneginf(processed).all())
+    with pytest.raises(NoTokenAllowedError, match="every token is banned at output position 0"):
+        verify([1], [3], None, torch.randn(2, VOCAB), everything, None)
+
+
+def test_only_a_row_after_its_draft_can_be_empty():
+    """bad_words "3 4": the row after drafting 3 has 4 banned, and with every other token
+    banned too it is empty; the row before it is not."""
+    pipeline = LogitsPipeline(SamplingParams(banned_token_ids=tuple(range(5, VOCAB))), [1],
+                              VOCAB, bad_words_ids=[[3, 4], [3, 3], [3, 2], [3, 1], [3, 0]])
+    processed = pipeline.process(torch.randn(3, VOCAB), [1], [3, 4])
+    assert pipeline.first_empty_row(processed) == 1
+    assert pipeline.first_empty_row(processed[:1]) is None
 
 
 def test_logprobs_are_of_the_processed_distribution():

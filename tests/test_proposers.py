@@ -136,14 +136,16 @@ def test_corpus_is_bounded_evicts_the_oldest_and_clears():
     corpus.add([7, 8, 9, 10, 11])  # 11 tokens > 10: the first output goes
     assert corpus.num_tokens == 5 and corpus.num_outputs == 1
     assert corpus.best([2, 3]) is None and corpus.best([8, 9])[0] == 10
-    assert all(count > 0 for index in corpus._indexes.values()
-               for followers in index.next.values() for count, _ in followers.values())
+    assert all(count > 0 for held in corpus._scopes.values()
+               for followers in held.index.next.values() for count, _ in followers.values())
     corpus.add(list(range(100, 130)))  # longer than the bound: its last 10 tokens are kept
     assert corpus.num_tokens == 10 and corpus.best([125])[0] == 126 and corpus.best([105]) is None
     corpus.clear()
     assert corpus.num_tokens == corpus.num_ngrams == 0 and corpus.best([126]) is None
     with pytest.raises(ValueError, match="max_tokens"):
         SuffixCorpus(0)
+    with pytest.raises(ValueError, match="max_scopes = 0"):
+        SuffixCorpus(10, max_scopes=0)
 
 
 def test_corpus_drafts_earlier_outputs_except_in_reproducible_runs():
@@ -160,8 +162,11 @@ def test_corpus_drafts_earlier_outputs_except_in_reproducible_runs():
     assert suffix([7, 7, 2, 3], 3, proposer=SuffixProposer(1, 8, 0.0)) == []
 
 
-def test_corpus_scopes_draft_only_their_own_outputs_and_share_one_bound():
-    corpus = SuffixCorpus(max_tokens=10, min_ngram=1, max_ngram=3)
+def test_corpus_scopes_draft_only_their_own_outputs_each_within_its_own_bound():
+    """Issue 45: one scope's volume never evicts another's outputs (a shared bound let a
+    client sense others' traffic through its own acceptance); beyond ``max_scopes`` the
+    least recently used scope goes whole."""
+    corpus = SuffixCorpus(max_tokens=10, min_ngram=1, max_ngram=3, max_scopes=2)
     proposer = SuffixProposer(1, 8, 0.0, corpus=corpus)
     proposer.reset(scope="alice")
     proposer.end_sequence([9, 1, 2, 3, 4], num_prompt_tokens=1)  # alice's output: 1 2 3 4
@@ -170,6 +175,12 @@ def test_corpus_scopes_draft_only_their_own_outputs_and_share_one_bound():
         assert suffix([7, 1, 2], 2, proposer=proposer) == drafted
     assert corpus.best([1, 2], "alice")[0] == 3 and corpus.best([1, 2]) is None
     assert corpus.num_scopes == 1
-    corpus.add([5, 6, 7, 8, 9, 10, 11], scope="bob")  # 11 tokens > 10: alice's go, oldest
-    assert corpus.num_scopes == 1 and corpus.num_tokens == 7
-    assert corpus.best([1, 2], "alice") is None and corpus.best([6, 7], "bob")[0] == 8
+    for _ in range(5):  # bob writes 35 tokens, far beyond the bound: only his own go
+        corpus.add([5, 6, 7, 8, 9, 10, 11], scope="bob")
+    assert corpus.num_scopes == 2 and corpus.scope_tokens("bob") == 7
+    assert corpus.scope_tokens("alice") == 4 and corpus.best([1, 2], "alice")[0] == 3
+    assert corpus.best([6, 7], "bob")[0] == 8 and corpus.num_tokens == 11
+    corpus.best([1, 2], "alice")  # alice drafts: bob is now the least recently used
+    corpus.add([20, 21], scope="carol")  # a third scope evicts bob whole
+    assert corpus.num_scopes == 2 and corpus.scope_tokens("bob") == 0
+    assert corpus.best([6, 7], "bob") is None and corpus.best([1, 2], "alice")[0] == 3

@@ -72,8 +72,13 @@ def library() -> SpeculativeGenerator:
     return SpeculativeGenerator(make_target(), PromptLookupProposer(1, 3), 4, "constant")
 
 
+def metrics_text(url: str) -> str:
+    """``/metrics`` of the keyed test server (it needs the key, as ``/v1``)."""
+    return httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+
+
 def metric(url: str, name: str, labels: str = "") -> float:
-    text = httpx.get(url + "/metrics").text
+    text = metrics_text(url)
     match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0
 
@@ -309,7 +314,7 @@ def test_metrics_count_what_responses_report(server, client):
     assert delta[5:] == figures["accepted_per_position"]
     assert metric(server, "exactspec:request_success_total",
                   '{finished_reason="length"}') == success + 1
-    text = httpx.get(server + "/metrics").text
+    text = metrics_text(server)
     for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds"):
         assert f"exactspec:{histogram}_count" in text
 
@@ -408,6 +413,7 @@ def test_api_key_is_required(server):
     refused = httpx.get(server + "/v1/models")
     assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
     assert httpx.get(server + "/health").status_code == 200  # probes need no key
+    assert httpx.get(server + "/metrics").status_code == 401  # others' traffic: keyed
     assert httpx.get(server + "/docs").status_code == 404  # no open docs behind a key
 
 
@@ -483,6 +489,61 @@ def test_chat_requests_that_ask_for_what_is_not_served_are_400(server, change, p
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"]
     assert "max_new_tokens" not in error["message"]
+
+
+@pytest.mark.parametrize("endpoint, change, param, words", [
+    ("completions", {"best_of": 0}, "best_of", "only 1"),
+    ("completions", {"best_of": 2}, "best_of", "only 1"),
+    ("completions", {"logit_bias": {"5": 100, "05": -100}}, "logit_bias", "'05' is not a token id"),
+    ("completions", {"logit_bias": {" 5": 100}}, "logit_bias", "' 5' is not a token id"),
+    ("completions", {"logit_bias": {"٥": 100}}, "logit_bias", "is not a token id"),
+    ("completions", {"logit_bias": {"-1": 100}}, "logit_bias", "is not a token id"),
+    ("completions", {"logit_bias": {"5": "100"}}, "logit_bias.5", "valid number"),
+    ("completions", {"max_tokens": True}, "max_tokens", "valid integer"),
+    ("completions", {"max_tokens": 4.0}, "max_tokens", "valid integer"),
+    ("completions", {"temperature": "0"}, "temperature", "valid number"),
+    ("completions", {"n": "2"}, "n", "valid integer"),
+    ("completions", {"echo": 1}, "echo", "valid boolean"),
+    ("completions", {"prompt": [1, True]}, "prompt", "valid"),
+    ("completions", {"speculation": {"enabled": "no"}}, "speculation.enabled", "valid boolean"),
+    ("chat", {"messages": [{"role": "user", "content": "a"}, {"role": "assistant",
+      "content": None, "tool_calls": [{"id": "1", "type": "function"}]}]},
+     "messages.1.tool_calls", "not supported"),
+    ("chat", {"messages": [{"role": "user", "content": "a", "name": "bob"}]},
+     "messages.0.name", "not supported"),
+    ("chat", {"messages": [{"role": "user", "content": "a", "weight": 2}]},
+     "messages.0.weight", "xtra"),
+    ("chat", {"store": True}, "store", "not supported"),
+    ("chat", {"service_tier": "priority"}, "service_tier", "one tier"),
+    ("chat", {"logprobs": 1}, "logprobs", "valid boolean"),
+])
+def test_lenient_values_that_would_change_meaning_are_400(server, endpoint, change, param,
+                                                          words):
+    """Issue 45: strict parsing on both endpoints (each of these was accepted and read as
+    something else, or dropped)."""
+    body = ({"model": MODEL, "max_tokens": 4, "prompt": PROMPT} if endpoint == "completions"
+            else {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "a"}]})
+    response = httpx.post(f"{server}/v1/{'chat/' if endpoint == 'chat' else ''}completions",
+                          json=body | change, headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_what_sdks_echo_back_in_messages_is_accepted_empty(server):
+    body = {"model": MODEL, "max_tokens": 2, "service_tier": "auto", "user": "u1",
+            "messages": [{"role": "user", "content": "a"},
+                         {"role": "assistant", "content": "b", "tool_calls": None,
+                          "function_call": None, "refusal": None, "audio": None,
+                          "annotations": []},
+                         {"role": "user", "content": "c"}]}
+    response = httpx.post(server + "/v1/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 200, response.text
+    response = httpx.post(server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": MODEL, "max_tokens": 2, "prompt": PROMPT,
+                                "best_of": 1, "echo": False, "logit_bias": {"0": 1, "10": -1}})
+    assert response.status_code == 200, response.text
 
 
 # --- the queue: full → 503; a client that leaves cancels its generation -------------------
@@ -606,6 +667,35 @@ def test_suffix_corpus_learns_across_requests_and_is_reported():
         assert metric(url, "exactspec:suffix_corpus_tokens") == corpus.num_tokens == 80
         assert metric(url, "exactspec:suffix_corpus_max_tokens") == 1000
         assert metric(url, "exactspec:suffix_corpus_ngrams") == corpus.num_ngrams > 0
+
+
+def test_one_scopes_traffic_leaves_anothers_acceptance_unchanged():
+    """Issue 45: with a small corpus (300 tokens) a victim's repeated request accepts as
+    many drafts after another key generated 720 tokens as before (a shared bound evicted
+    the victim's outputs, and a prober's own acceptance measured others' volume)."""
+    from exactspec import SuffixCorpus, SuffixProposer
+
+    corpus = SuffixCorpus(300)
+    app = create_app(make_target(), SuffixProposer(corpus=corpus), model_name=MODEL,
+                     speculation=SpeculationSettings(6, "constant"),
+                     api_key=["key-victim", "key-other"])
+    with serving(app) as url:
+        victim, other = ({"Authorization": f"Bearer key-{who}"} for who in ("victim", "other"))
+
+        def accepted(headers, prompt):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0}
+            response = httpx.post(url + "/v1/completions", json=body, headers=headers,
+                                  timeout=60)
+            assert response.status_code == 200, response.text
+            return response.json()["speculation"]["accepted_tokens"]
+
+        accepted(victim, "hello world")
+        before = accepted(victim, "hello world")
+        assert before > 0
+        for i in range(18):  # 720 tokens of another scope
+            accepted(other, f"{chr(97 + i)} prompt number {i}")
+        assert 0 < corpus.scope_tokens((1, None)) <= 300  # the other key: its own bound
+        assert accepted(victim, "hello world") == before
 
 
 SECRET_AT = range(12, 16)

@@ -2,7 +2,7 @@
 # Audits over HTTP (exactspec audit --endpoint) behind results/audit-http-2026-12-02/README.md.
 # Usage: results/audit-http-2026-12-02/run.sh CONFIGURATION, one of exactspec, exactspec-broken,
 #   exactspec-reference, llama-cpp-python, llama-cpp-python-top-p, llama-server-draft,
-#   llama-server-ngram, greedy-exactspec, greedy-llama-server-draft
+#   llama-server-ngram, llama-server-draft-token-1, greedy-exactspec, greedy-llama-server-draft
 # Each configuration starts its servers on loopback, audits, and stops them.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -45,18 +45,22 @@ llama-cpp-python|llama-cpp-python-top-p)
   $EXACTSPEC audit --endpoint http://127.0.0.1:8022 --against http://127.0.0.1:8023 \
       --extra-body '{"repeat_penalty": 1.0}' "${SIZE[@]}" "${sampling[@]}" --concurrency 2 \
       --no-logprobs --backend llama_cpp --output "$OUT/$1" || true ;;
-llama-server-draft|llama-server-ngram)
-  # 3 tokens: llama-server drafts nothing for the last token (2 tokens: 0 drafted)
+llama-server-draft|llama-server-ngram|llama-server-draft-token-1)
+  # 3 tokens: llama-server drafts nothing for the last token (2 tokens: 0 drafted);
+  # llama-server-draft-token-1 (issue 45): the 2-token run that flagged token 1, at 10,000
+  # samples per side, to settle that flag
   SERVER=${LLAMA_SERVER:-.cache/llama-server/bin/llama-server}
   [ -x "$SERVER" ] || scripts/build_llama_server.sh
-  if [ "$1" = llama-server-draft ]; then spec=(-md "$GGUF" --spec-type draft-simple --spec-draft-n-max 4)
+  if [ "$1" != llama-server-ngram ]; then spec=(-md "$GGUF" --spec-type draft-simple --spec-draft-n-max 4)
   else spec=(--spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 8); fi
   common=(-m "$GGUF" -t 1 -fa off --host 127.0.0.1)
   "$SERVER" "${common[@]}" --port 8024 "${spec[@]}" >/dev/null 2>&1 & pids+=($!)
   "$SERVER" "${common[@]}" --port 8025 >/dev/null 2>&1 & pids+=($!)
   wait_for http://127.0.0.1:8024; wait_for http://127.0.0.1:8025
+  size=("${SMALL[@]}" --tokens 3)
+  [ "$1" = llama-server-draft-token-1 ] && size=(--samples 10000 --control-samples 1000 --tokens 2)
   $EXACTSPEC audit --endpoint http://127.0.0.1:8024 --against http://127.0.0.1:8025 \
-      --no-token-ids "${SIZE[@]}" "${SMALL[@]}" --tokens 3 --output "$OUT/$1" || true ;;
+      --no-token-ids "${SIZE[@]}" "${size[@]}" --output "$OUT/$1" || true ;;
 greedy-exactspec|greedy-llama-server-draft)
   # greedy mode over Spec-Bench (read from the shared data folder, never copied), chat
   QUESTIONS=${QUESTIONS:-../shared/data/spec_bench/question.jsonl}

@@ -45,6 +45,23 @@ def outside_vocabulary(params: SamplingParams, vocab_size: int) -> tuple[str, li
     return None
 
 
+class NoTokenAllowedError(ValueError):
+    """Every token is banned at a position the sequence reached (``logit_bias``,
+    ``bad_words``, ``banned_token_ids`` and ``min_new_tokens`` together leave nothing):
+    raised exactly where plain decoding would raise it, never for a drafted position that
+    is not committed.
+
+    Args:
+        position: the output position (0 = the first generated token) with nothing allowed.
+    """
+
+    def __init__(self, position: int) -> None:
+        super().__init__(f"every token is banned at output position {position} (logit_bias, "
+                         "bad_words, banned_token_ids and min_new_tokens together leave "
+                         "nothing)")
+        self.position = position
+
+
 class LogitsPipeline:
     """History-aware logits processing for one sequence (see module docstring).
 
@@ -100,9 +117,9 @@ class LogitsPipeline:
             context: prompt + committed tokens.
             drafted: ``[≥ n-1]`` drafted tokens (only the first n-1 are used).
         Returns:
-            ``[n, vocab]`` processed logits (a new tensor unless nothing applies).
-        Raises:
-            ValueError: if every token of a row is banned.
+            ``[n, vocab]`` processed logits (a new tensor unless nothing applies). A row
+            where every token is banned is all −inf: whether that is an error depends on
+            whether the row is reached (:meth:`first_empty_row`, :class:`NoTokenAllowedError`).
         """
         if self.is_identity:
             return logits
@@ -125,10 +142,17 @@ class LogitsPipeline:
             rows = [i for i in range(n) if num_generated + i < self.params.min_new_tokens]
             if rows:
                 scores[torch.tensor(rows)[:, None], torch.tensor(self._suppressed_until_min)] = -math.inf
-        if bool(torch.isneginf(scores).all(dim=-1).any()):
-            raise ValueError("every token is banned at some position (logit_bias, bad_words, "
-                             "banned_token_ids and min_new_tokens together leave nothing)")
         return scores
+
+    def first_empty_row(self, processed: torch.Tensor) -> int | None:
+        """The first row of :meth:`process`'s ``[n, vocab]`` output where every token is
+        banned, or None. Plain decoding raises only on reaching such a row; a verified row
+        after a drafted token is reached only if that draft is committed (docs/exactness.md,
+        "A position with no allowed token")."""
+        if self.is_identity:
+            return None
+        empty = torch.isneginf(processed).all(dim=-1)
+        return int(empty.to(torch.uint8).argmax()) if bool(empty.any()) else None
 
     def probs(self, processed: torch.Tensor) -> torch.Tensor:
         """``[n, vocab]`` processed logits → ``[n, vocab]`` sampling distribution (step 5)."""

@@ -35,7 +35,8 @@ from typing import NamedTuple
 
 import torch
 
-from exactspec.logits_pipeline import LogitsPipeline, check_finite, greedy_tokens
+from exactspec.logits_pipeline import (LogitsPipeline, NoTokenAllowedError, check_finite,
+                                       greedy_tokens)
 from exactspec.sampling import sample_from_probs
 
 PADDING_TOKEN_ID = -1
@@ -273,9 +274,14 @@ def verify(tokens: Sequence[int], draft_token_ids: list[int], draft_probs: torch
     Raises:
         ValueError: if ``logits`` holds NaN or infinity where a token could be chosen
             (:func:`~exactspec.logits_pipeline.check_finite`).
+        NoTokenAllowedError: if every token is banned at a row the sequence reaches: row 0,
+            or the row after an accepted draft (exactly where plain decoding raises). A
+            row after a draft that is not committed decides nothing: in sampling its p is
+            0, so the draft leading past it is rejected with certainty.
     """
     check_finite(logits)
     processed = pipeline.process(logits, tokens, draft_token_ids)  # [k+1, vocab]
+    empty = pipeline.first_empty_row(processed)
     target_probs = uniforms = None
     if pipeline.params.greedy:
         target_token_ids = greedy_tokens(processed).tolist()  # one host sync
@@ -285,10 +291,14 @@ def verify(tokens: Sequence[int], draft_token_ids: list[int], draft_probs: torch
         draft_ids = torch.tensor([draft_token_ids], dtype=torch.long,
                                  device=logits.device)  # [1, k]
         target_probs = pipeline.probs(processed)  # [k+1, vocab]
+        if empty is not None:  # p = 0 there: its draft is rejected, nothing drawn from it
+            target_probs[empty:] = 0
         result = sampler(draft_ids, None if draft_probs is None else draft_probs.unsqueeze(0),
                          target_probs.unsqueeze(0), rng)
         committed = [t for t in result.output_token_ids[0].tolist() if t >= 0]  # one sync
         uniforms = None if result.uniforms is None else result.uniforms[0]
+    if empty is not None and empty < len(committed):  # the sequence reached that row
+        raise NoTokenAllowedError(len(tokens) - pipeline.num_prompt_tokens + empty)
     committed_logprobs = None
     if pipeline.params.logprobs is not None:
         committed_logprobs = token_logprobs(pipeline, processed[: len(committed)], committed)
@@ -345,6 +355,8 @@ def verify_tree(tokens: Sequence[int], draft_token_ids: list[int], parents: list
     row, path, committed, processed_rows, probs_rows = 0, [], [], [], []
     while True:
         processed = pipeline.process(logits[row:row + 1], [*tokens, *committed])  # [1, vocab]
+        if pipeline.first_empty_row(processed) is not None:  # a row on the committed path
+            raise NoTokenAllowedError(len(tokens) - pipeline.num_prompt_tokens + len(committed))
         processed_rows.append(processed)
         options = children.get(row, [])
         if greedy:

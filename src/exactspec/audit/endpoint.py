@@ -245,19 +245,28 @@ class Endpoint:
                 response = self._client.completions.with_raw_response.create(
                     model=self.model, prompt=prompt if isinstance(prompt, str) else list(prompt),
                     extra_body=body)
-            data = json.loads(response.text)
         except openai.APIError as error:
             raise EndpointError(describe(error), getattr(error, "status_code", None)) from None
-        choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
-        if len(choices) != n:
-            raise EndpointError(f"asked for n = {n} choices, got {len(choices)}: this engine "
-                                "ignores n (use --samples-per-request 1)", fatal=True)
+        try:
+            data = json.loads(response.text)
+            if not isinstance(data, dict):
+                raise ValueError(f"the body is a JSON {type(data).__name__}, not an object")
+            choices = data.get("choices")
+            if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+                raise ValueError("the body has no list of choices (objects) under 'choices'")
+            choices = sorted(choices, key=lambda c: c.get("index", 0))
+            if len(choices) != n:
+                raise EndpointError(f"asked for n = {n} choices, got {len(choices)}: this "
+                                    "engine ignores n (use --samples-per-request 1)", fatal=True)
+            completions = [self._completion(choice, params.max_new_tokens) for choice in choices]
+        except (ValueError, TypeError, KeyError, AttributeError) as error:
+            raise EndpointError(f"unreadable answer: {error}") from None
         self._count_drafts(data.get("speculation"))
         timings = data.get("timings")
         if n == 1 and isinstance(timings, dict) and "draft_n" in timings:  # llama-server's
             self._count_drafts({"drafted_tokens": timings["draft_n"],
                                 "accepted_tokens": timings.get("draft_n_accepted", 0)})
-        return [self._completion(choice, params.max_new_tokens) for choice in choices]
+        return completions
 
     def sample(self, prompt: str | Sequence[int], params: SamplingParams, num_samples: int,
                progress: Callable[[int], None] = lambda n: None) -> list[tuple[Symbol, ...]]:
@@ -322,9 +331,10 @@ class Endpoint:
             text = (choice.get("message") or {}).get("content") or ""
         logprobs, top, pieces = _logprobs(choice.get("logprobs"))
         if choice.get("token_ids") is not None:
-            tokens, source = tuple(int(t) for t in choice["token_ids"]), "token_ids"
-        elif pieces is not None and pieces and all(p.startswith("token_id:") for p in pieces):
-            tokens, source = tuple(int(p.split(":", 1)[1]) for p in pieces), "logprob_ids"
+            tokens, source = tuple(_token_id(t) for t in choice["token_ids"]), "token_ids"
+        elif pieces is not None and pieces and all(isinstance(p, str) and p.startswith("token_id:")
+                                                   for p in pieces):
+            tokens, source = tuple(_token_id(p.split(":", 1)[1]) for p in pieces), "logprob_ids"
         elif pieces is not None and (pieces or not text) and not self.ids_only:
             tokens, source = tuple(pieces), "logprob_text"
         elif self.tokenizer_encode is not None:
@@ -339,9 +349,14 @@ class Endpoint:
         return Completion(tokens, text, finish, logprobs, top, source, pieces)
 
     def _count_drafts(self, figures: dict | None) -> None:
-        """Add a response's ``speculation`` figures (exactspec serve's) to the counts."""
-        if not isinstance(figures, dict) or figures.get("drafted_tokens") is None:
+        """Add a response's ``speculation`` figures (exactspec serve's) to the counts; figures
+        that are not counts (integers ≥ 0) are left out."""
+        if not isinstance(figures, dict) or not all(
+                _is_count(figures.get(name)) for name in ("drafted_tokens", "accepted_tokens")):
             return
+        figures = {name: value for name, value in figures.items()
+                   if not name.endswith("_per_position")
+                   or (isinstance(value, list) and all(map(_is_count, value)))}
         with self._lock:
             self.drafted = (self.drafted or 0) + figures["drafted_tokens"]
             self.accepted = (self.accepted or 0) + figures["accepted_tokens"]
@@ -350,6 +365,23 @@ class Endpoint:
                 new = figures.get(name) or []
                 counts += [0] * (len(new) - len(counts))
                 setattr(self, name, [a + b for a, b in zip(counts, new + [0] * len(counts))])
+
+
+def _token_id(value) -> int:
+    """A token id from an answer: an integer ≥ 0, or its decimal string (``token_id:N``).
+
+    Raises:
+        ValueError: for anything else (a float, a boolean, a word).
+    """
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    if not _is_count(value):
+        raise ValueError(f"a token id is {value!r}, not an integer ≥ 0")
+    return value
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 TRANSLATED = ("temperature", "top_p", "top_k", "min_p", "seed", "max_new_tokens")

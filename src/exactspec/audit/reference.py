@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from exactspec.backends.base import Backend, forward_one, new_sequence_id
-from exactspec.logits_pipeline import LogitsPipeline
+from exactspec.logits_pipeline import LogitsPipeline, NoTokenAllowedError
 
 
 def next_token_probs(target: Backend, prompt_ids: Sequence[int], pipeline: LogitsPipeline,
@@ -55,7 +55,10 @@ def next_token_probs(target: Backend, prompt_ids: Sequence[int], pipeline: Logit
                 target.rollback(sequence, len(path) - (len(prefix) - 1))
                 logits = forward_one(target, sequence, prefix[-1:])
             path = prefix
-            probs = pipeline.probs(pipeline.process(logits, prompt_ids + list(prefix)))[0]
+            processed = pipeline.process(logits, prompt_ids + list(prefix))
+            if pipeline.first_empty_row(processed) is not None:
+                raise NoTokenAllowedError(len(prefix))
+            probs = pipeline.probs(processed)[0]
             probs = probs.double().cpu().numpy()
             yield prefix, probs / probs.sum()
     finally:

@@ -28,7 +28,7 @@ def add_parser(commands) -> None:
                     "\"speculation\": {\"enabled\", \"num_speculative_tokens\", \"policy\"} and "
                     "every response carries its speculative figures under \"speculation\". "
                     "With --proposer suffix:corpus=N a request also drafts from earlier "
-                    "requests' outputs (the last N tokens of them are kept), but only from "
+                    "requests' outputs (the last N tokens of them are kept per scope), but only from "
                     "those of its own scope: the same "
                     "\"cache_salt\" (vLLM's request field) and, where several --api-key are "
                     "given, the same key. Requests without a salt share one scope, and an "

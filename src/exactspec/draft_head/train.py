@@ -292,20 +292,30 @@ def train(model, conversations: Sequence[Conversation], folder: str | Path,
         model: the target (its weights are only read).
         conversations: its own conversations (:func:`~exactspec.draft_head.data.read_conversations`).
         folder: the run folder (see the module docstring); a checkpoint there is resumed
-            (with its config; ``config`` is then ignored).
+            with its own config (``config`` None, or equal to it).
         config: see :class:`TrainingConfig` (default: its defaults).
         target_name: recorded in the head.
         max_minutes: stop (with a checkpoint) after this long; run again to go on.
     Returns:
         the path of ``head.safetensors``.
     Raises:
-        ValueError: for no conversations, or none left for training after the held-out split.
+        ValueError: for no conversations, none left for training after the held-out split,
+            or a ``config`` other than the resumed checkpoint's (naming each difference).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     checkpoint_path = folder / "checkpoint.pt"
     checkpoint = torch.load(checkpoint_path, weights_only=False) if checkpoint_path.exists() else None
-    config = TrainingConfig(**checkpoint["config"]) if checkpoint else (config or TrainingConfig())
+    if checkpoint:
+        stored = TrainingConfig(**checkpoint["config"])
+        if config is not None and config != stored:
+            changed = ", ".join(f"{name} = {getattr(config, name)!r} (the run's: "
+                                f"{getattr(stored, name)!r})"
+                                for name in vars(stored) if getattr(config, name) != getattr(stored, name))
+            raise ValueError(f"{folder} holds a run with other settings: {changed}; resume it "
+                             "with its own settings, or start a new run in another folder")
+        config = stored
+    config = config or TrainingConfig()
     if not conversations:
         raise ValueError("no conversations to train on")
     layers = HeadConfig.for_target(model, 1, feature_layers=config.feature_layers).feature_layers

@@ -68,12 +68,18 @@ class Corpus(Protocol):
     :meth:`Proposer.reset`); :class:`~exactspec.proposers.suffix.SuffixCorpus` is one.
 
     Attributes:
-        num_tokens: output tokens kept now.
-        max_tokens: the bound on ``num_tokens`` (the oldest outputs are evicted first).
+        num_tokens: output tokens kept now, all scopes together.
+        max_tokens: the bound per scope (a scope's oldest outputs are evicted first).
+        max_scopes: the most scopes held (the least recently used is evicted whole).
+        num_scopes: scopes held now.
         num_ngrams: n-grams indexed (its memory grows with them).
     """
 
     max_tokens: int
+    max_scopes: int
+
+    @property
+    def num_scopes(self) -> int: ...
 
     @property
     def num_tokens(self) -> int: ...

@@ -175,7 +175,7 @@ class HeadProposer(Proposer):
             level_nodes = []
             for row, parent in enumerate(frontier):
                 for value, token in zip(top_values[row], tokens[row]):
-                    if value >= floor:
+                    if value >= floor and value > -math.inf:  # never a banned token
                         level_nodes.append(len(nodes))
                         values.append(value)
                         nodes.append((token, parent, level))
@@ -204,7 +204,8 @@ class HeadProposer(Proposer):
                 logits[0, ids] = draft_logits[row]
                 rows.append(pipeline.process(logits, [*token_ids, *self._path(node, nodes)])[0, ids])
             draft_logits = torch.stack(rows)
-        return draft_logits.log_softmax(-1)
+        # A node whose every child is banned gets none (its row would be NaN).
+        return draft_logits.log_softmax(-1).nan_to_num(nan=float("-inf"))
 
     @staticmethod
     def _path(node: int, nodes: list[tuple[int, int, int]]) -> list[int]:

@@ -10,7 +10,7 @@ A spec is ``[PEER-]KIND[:ARG][:key=value...]``::
                                  the most frequent continuation of the longest earlier
                                  match, drafted while likely (default ngram=1-8); corpus=N
                                  also drafts from earlier outputs of this process, up to N
-                                 tokens of them, of the same scope only (the server's: API
+                                 tokens of them per scope, of the same scope only (the server's: API
                                  key and cache_salt; default: off)
     early-exit:L                 the target's first L ≥ 1 layers (self-draft; transformers)
     head[:PATH][:tree=N]         a draft head trained on the target's own features (EAGLE
@@ -75,7 +75,7 @@ class ProposerSpec:
         ngram: the (MIN, MAX) n-gram sizes prompt lookup or suffix drafting match.
         layers: early exit's L (None for other kinds).
         model: the draft model's name or path (None for other kinds).
-        corpus: suffix only: ``corpus=`` (tokens of earlier outputs kept), None: off.
+        corpus: suffix only: ``corpus=`` (tokens of earlier outputs kept per scope), None: off.
         head: a draft head file (``head:PATH``), None for the shipped head or other kinds.
         tree: head only: ``tree=`` (most nodes of a drafted token tree), None: a chain.
         k: ``k=`` if given, else None (the command's default).

@@ -13,10 +13,11 @@ context length (prompt lookup rescans the context every cycle). This index cover
 current sequence only and is emptied by :meth:`SuffixProposer.reset`.
 
 Optionally a :class:`SuffixCorpus` adds what earlier generations wrote (SuffixDecoding's
-global tree): their outputs, indexed the same way, bounded in tokens (the oldest outputs
-are evicted first), shared by every proposer that holds it, clearable, and kept apart by
-scope: a generation drafts only from outputs of its own scope (``reset(scope=...)``), so
-requests of different scopes cannot read each other's output through the drafts. For each
+global tree): their outputs, indexed the same way, shared by every proposer that holds it,
+clearable, and kept apart by scope: a generation drafts only from outputs of its own scope
+(``reset(scope=...)``), so requests of different scopes cannot read each other's output
+through the drafts; each scope has its own token bound (its oldest outputs evicted first),
+so that no scope's traffic changes another's drafts. For each
 drafted token the request's own index and the corpus each propose a continuation and the
 higher score wins. A seeded sampling run (``reset(reproducible=True)``) drafts from its own
 text only, so that it samples the same whatever ran before.
@@ -35,7 +36,7 @@ only decides how much to draft, never what is committed.
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -97,7 +98,18 @@ class _SuffixIndex:
 
 
 DEFAULT_CORPUS_TOKENS = 100_000
-"""A corpus's default bound (tokens of earlier outputs kept)."""
+"""A corpus's default bound per scope (tokens of earlier outputs kept)."""
+DEFAULT_CORPUS_SCOPES = 16
+"""A corpus's default cap on the number of scopes held."""
+
+
+class _Scope:
+    """One scope's outputs (oldest first), their index and their token count."""
+
+    def __init__(self, min_ngram: int, max_ngram: int) -> None:
+        self.index = _SuffixIndex(min_ngram, max_ngram)
+        self.outputs: deque[list[int]] = deque()
+        self.num_tokens = 0
 
 
 class SuffixCorpus:
@@ -106,82 +118,103 @@ class SuffixCorpus:
 
     A generation drafts only from the outputs of its own scope and adds its output to that
     scope alone, so that one client cannot learn another's output through what is drafted
-    (an accepted draft, a response's acceptance counts or its timing would tell). A scope is
-    any hashable value; None is the default scope. The server's scope of a request is its API
-    key and its ``cache_salt`` (vLLM's request field for cache isolation).
+    (an accepted draft, a response's acceptance counts or its timing would tell). Each scope
+    has its own token budget, so one scope's volume never evicts another's outputs (a
+    shared budget would let a client sense others' traffic through its own acceptance). A
+    scope is any hashable value; None is the default scope. The server's scope of a request
+    is its API key and its ``cache_salt`` (vLLM's request field for cache isolation).
 
     Args:
-        max_tokens: most output tokens kept, all scopes together; adding more evicts the
-            oldest outputs first, whatever their scope.
+        max_tokens: most output tokens kept per scope; adding more evicts that scope's
+            oldest outputs first.
         min_ngram, max_ngram: n-gram sizes indexed (as the proposer's).
+        max_scopes: most scopes held; a new scope beyond it evicts the least recently used
+            scope (drafted from or added to) whole. Memory is bounded by ``max_scopes ×
+            max_tokens`` tokens' index.
     Raises:
         ValueError: naming the bad value.
     """
 
     def __init__(self, max_tokens: int = DEFAULT_CORPUS_TOKENS,
                  min_ngram: int = DEFAULT_SUFFIX_NGRAM[0],
-                 max_ngram: int = DEFAULT_SUFFIX_NGRAM[1]) -> None:
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ValueError(f"max_tokens = {max_tokens!r} is invalid: it must be an integer ≥ 1")
+                 max_ngram: int = DEFAULT_SUFFIX_NGRAM[1],
+                 max_scopes: int = DEFAULT_CORPUS_SCOPES) -> None:
+        for name, value in (("max_tokens", max_tokens), ("max_scopes", max_scopes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} = {value!r} is invalid: it must be an integer ≥ 1")
         check_ngram_sizes(min_ngram, max_ngram, ("min_ngram", "max_ngram"))
-        self.max_tokens = max_tokens
+        self.max_tokens, self.max_scopes = max_tokens, max_scopes
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
-        self._indexes: dict[Hashable, _SuffixIndex] = {}  # scope → its outputs' index
-        self._outputs: deque[tuple[Hashable, list[int]]] = deque()  # oldest first
+        self._scopes: OrderedDict[Hashable, _Scope] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
         self._stamp = 0
-        self.num_tokens = 0
 
     def add(self, token_ids: Sequence[int], scope: Hashable = None) -> None:
-        """Index one output (its last ``max_tokens`` tokens) in ``scope``, evicting the
-        oldest outputs until at most ``max_tokens`` are kept."""
+        """Index one output (its last ``max_tokens`` tokens) in ``scope``, evicting that
+        scope's oldest outputs until it keeps at most ``max_tokens``, and the least recently
+        used scope when a new one would exceed ``max_scopes``."""
         tokens = [int(t) for t in token_ids][-self.max_tokens:]
         if len(tokens) < 2:
             return
         with self._lock:
-            index = self._indexes.get(scope)
-            if index is None:
-                index = self._indexes[scope] = _SuffixIndex(self.min_ngram, self.max_ngram)
-            index.count(tokens, 1, self._stamp)
+            held = self._scopes.get(scope)
+            if held is None:
+                if len(self._scopes) >= self.max_scopes:
+                    self._scopes.popitem(last=False)
+                held = self._scopes[scope] = _Scope(self.min_ngram, self.max_ngram)
+            self._scopes.move_to_end(scope)
+            held.index.count(tokens, 1, self._stamp)
             self._stamp += len(tokens)
-            self._outputs.append((scope, tokens))
-            self.num_tokens += len(tokens)
-            while self.num_tokens > self.max_tokens:
-                oldest_scope, oldest = self._outputs.popleft()
-                self._indexes[oldest_scope].uncount(oldest)
-                if not self._indexes[oldest_scope].next:
-                    del self._indexes[oldest_scope]
-                self.num_tokens -= len(oldest)
+            held.outputs.append(tokens)
+            held.num_tokens += len(tokens)
+            while held.num_tokens > self.max_tokens:
+                oldest = held.outputs.popleft()
+                held.index.uncount(oldest)
+                held.num_tokens -= len(oldest)
 
     def clear(self) -> None:
         """Forget every output of every scope."""
         with self._lock:
-            self._indexes.clear()
-            self._outputs.clear()
-            self.num_tokens = 0
+            self._scopes.clear()
 
     def best(self, tail: Sequence[int], scope: Hashable = None) -> tuple[int, float] | None:
         """As :meth:`_SuffixIndex.best`, over the outputs kept in ``scope``."""
         with self._lock:
-            index = self._indexes.get(scope)
-            return None if index is None else index.best(tail)
+            held = self._scopes.get(scope)
+            if held is None:
+                return None
+            self._scopes.move_to_end(scope)
+            return held.index.best(tail)
+
+    def scope_tokens(self, scope: Hashable = None) -> int:
+        """Output tokens kept in ``scope``."""
+        with self._lock:
+            held = self._scopes.get(scope)
+            return 0 if held is None else held.num_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Output tokens kept, all scopes together."""
+        with self._lock:
+            return sum(held.num_tokens for held in self._scopes.values())
 
     @property
     def num_outputs(self) -> int:
-        """Outputs kept."""
-        return len(self._outputs)
+        """Outputs kept, all scopes together."""
+        with self._lock:
+            return sum(len(held.outputs) for held in self._scopes.values())
 
     @property
     def num_scopes(self) -> int:
-        """Scopes holding at least one output."""
-        return len(self._indexes)
+        """Scopes held."""
+        return len(self._scopes)
 
     @property
     def num_ngrams(self) -> int:
         """Distinct n-grams indexed, summed over scopes (the index's size: each holds a
         small dict)."""
         with self._lock:
-            return sum(len(index.next) for index in self._indexes.values())
+            return sum(len(held.index.next) for held in self._scopes.values())
 
 
 class SuffixProposer(Proposer):

@@ -240,7 +240,7 @@ async def health() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/metrics")
+@router.get("/metrics", dependencies=[Depends(authorised)])
 async def prometheus_metrics(request: Request) -> Response:
     return Response(generate_latest(serving(request).metrics.registry),
                     media_type=CONTENT_TYPE_LATEST)

@@ -86,8 +86,12 @@ class ServerMetrics:
         p, r = "exactspec:", self.registry
         Gauge(p + "suffix_corpus_tokens", "Output tokens in the suffix proposer's corpus",
               registry=r).set_function(lambda: corpus.num_tokens)
-        Gauge(p + "suffix_corpus_max_tokens", "The corpus's bound (tokens)",
+        Gauge(p + "suffix_corpus_max_tokens", "The corpus's bound per scope (tokens)",
               registry=r).set(corpus.max_tokens)
+        Gauge(p + "suffix_corpus_scopes", "Scopes the corpus holds (API key, cache_salt)",
+              registry=r).set_function(lambda: corpus.num_scopes)
+        Gauge(p + "suffix_corpus_max_scopes", "The most scopes the corpus holds",
+              registry=r).set(corpus.max_scopes)
         Gauge(p + "suffix_corpus_ngrams", "n-grams indexed in the corpus",
               registry=r).set_function(lambda: corpus.num_ngrams)
 

@@ -21,6 +21,7 @@ generated ids, ending with the EOS that ended it) to a response. exactspec adds
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -83,14 +84,14 @@ class Speculation(BaseModel):
         policy: how k is chosen each cycle (auto, constant, heuristic, confidence).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     enabled: bool | None = None
     num_speculative_tokens: Annotated[int, Field(ge=0, le=MAX_NUM_SPECULATIVE_TOKENS)] | None = None
     policy: Literal[*POLICIES] | None = None  # type: ignore[valid-type]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
@@ -110,7 +111,9 @@ class SamplingRequest(BaseModel):
     """The API's names for the fields the engine names (:attr:`RequestError.field
     <exactspec.request.RequestError.field>`) where they differ."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: numbers are numbers, booleans booleans, strings strings ("0", true and 1.0
+    # are not read as 0, 1 and 1); an unknown field is a 400
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
@@ -122,7 +125,7 @@ class SamplingRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # a hint (OpenAI: the end user, for abuse monitoring)
     # vLLM's extra sampling parameters
     top_k: int | None = None
     min_p: float = 0.0
@@ -194,11 +197,13 @@ class SamplingRequest(BaseModel):
                                    "generated", field)
         max_tokens = asked or self.default_max_tokens(None if context is None
                                                       else context - longest)
-        try:
-            logit_bias = {int(token): bias for token, bias in (self.logit_bias or {}).items()}
-        except ValueError:
-            raise ServerError(400, f"logit_bias keys must be token ids, got "
-                                   f"{list(self.logit_bias)[:5]}", "logit_bias") from None
+        logit_bias = {}
+        for token, bias in (self.logit_bias or {}).items():
+            if not CANONICAL_TOKEN_ID.fullmatch(token):
+                raise ServerError(400, f"logit_bias key {token!r} is not a token id: keys are "
+                                       "token ids in decimal (ASCII digits, no sign, spaces "
+                                       "or leading zeros), e.g. \"50256\"", "logit_bias")
+            logit_bias[int(token)] = bias
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         seed = self.seed
         if seed is not None and -2**63 <= seed < 0:  # OpenAI takes any int64
@@ -251,6 +256,9 @@ class SamplingRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+CANONICAL_TOKEN_ID = re.compile(r"0|[1-9][0-9]*", re.ASCII)
+"""A ``logit_bias`` key: a token id as OpenAI writes it, so that two keys never name one
+token ("5" and "05", " 5" or "٥" would)."""
 OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 """SamplingParams fields whose OpenAI/vLLM name differs."""
 
@@ -270,11 +278,19 @@ class CompletionRequest(SamplingRequest):
     response_object = chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    @field_validator("echo", "suffix", "best_of")
+    @field_validator("echo", "suffix")
     @classmethod
     def _unsupported(cls, value, info):
-        if value not in (None, False) and not (info.field_name == "best_of" and value == 1):
+        if value is not None and value is not False:
             raise ValueError(f"{info.field_name} is not supported by exactspec")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best_of(cls, value):
+        if value is not None and value != 1:
+            raise ValueError(f"best_of = {value} is not supported by exactspec: only 1 (or "
+                             "null), one sample per choice")
         return value
 
     def _single(self) -> bool:
@@ -312,11 +328,27 @@ class CompletionRequest(SamplingRequest):
 
 class ChatMessage(BaseModel):
     """One message; ``content`` is text, a list of text parts, or null (an assistant turn
-    without text)."""
+    without text). The fields of OpenAI's messages that exactspec cannot pass to the chat
+    template (``name``, an assistant's ``tool_calls``, ``function_call``, ``refusal``,
+    ``audio``) are accepted only empty, as SDKs echo them back; any value is a 400."""
 
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: dict[str, Any] | None = None
+    refusal: str | None = None
+    audio: dict[str, Any] | None = None
+    annotations: list[Any] | None = None
+
+    @field_validator("name", "tool_calls", "function_call", "refusal", "audio")
+    @classmethod
+    def _empty(cls, value, info):
+        if value:
+            raise ValueError(f"{info.field_name} is not supported by exactspec: the chat "
+                             "template gets each message's role and content only")
+        return value
 
     @field_validator("role")
     @classmethod
@@ -355,10 +387,10 @@ class ChatCompletionRequest(SamplingRequest):
     # for nothing; any value that would ask for something is refused (400), never ignored
     tools: list[Any] | None = None
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # a hint
     response_format: dict[str, Any] | None = None
     store: bool | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None  # a hint (tags for stored completions)
     service_tier: str | None = None
 
     response_object, chunk_object = "chat.completion", "chat.completion.chunk"
@@ -379,6 +411,21 @@ class ChatCompletionRequest(SamplingRequest):
         if choice not in (None, "none", "auto"):
             raise ValueError("tool_choice is not supported by exactspec (no tools)")
         return choice
+
+    @field_validator("store")
+    @classmethod
+    def _not_stored(cls, store):
+        if store:
+            raise ValueError("store: true is not supported by exactspec (nothing is stored)")
+        return store
+
+    @field_validator("service_tier")
+    @classmethod
+    def _one_tier(cls, tier):
+        if tier not in (None, "auto", "default"):
+            raise ValueError(f"service_tier {tier!r} is not supported: exactspec has one tier "
+                             "(auto or default)")
+        return tier
 
     @field_validator("response_format")
     @classmethod
