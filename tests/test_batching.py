@@ -77,30 +77,65 @@ def test_a_prefill_continued_in_chunks_is_bit_identical_to_one_call(make_backend
         target.prefill(0, [1] * 2048)
 
 
-def test_a_long_prompt_joins_in_chunks_while_the_others_decode(make_backend):
-    """A prompt of three prefill chunks joins a batch that is decoding: the other row
-    commits tokens in the cycles between (one chunk per cycle), and both outputs equal
-    decoding alone."""
+class FakeClock:
+    """The batch's, engine's and requests' ``time.perf_counter`` on a clock the test moves:
+    a forward costs ``forward`` seconds, a prefill ``per_token`` seconds per token; host
+    work costs nothing."""
+
+    def __init__(self, monkeypatch, target, forward=0.010, per_token=0.001) -> None:
+        import types
+
+        import exactspec.batching
+        import exactspec.engine
+        import exactspec.request
+
+        self.now = 0.0
+        fake = types.SimpleNamespace(perf_counter=lambda: self.now)
+        for module in (exactspec.batching, exactspec.engine, exactspec.request):
+            monkeypatch.setattr(module, "time", fake)
+        real_forward, real_prefill = target.forward, target.prefill
+
+        def timed_forward(rows, num_logits=None):
+            self.now += forward
+            return real_forward(rows, num_logits)
+
+        def timed_prefill(sequence_id, token_ids):
+            self.now += per_token * len(token_ids)
+            return real_prefill(sequence_id, token_ids)
+
+        monkeypatch.setattr(target, "forward", timed_forward)
+        monkeypatch.setattr(target, "prefill", timed_prefill)
+
+
+def test_a_long_prompt_joins_in_chunks_while_the_others_decode(make_backend, monkeypatch):
+    """A prompt of three prefill chunks joins a batch that is decoding (issue 40): its
+    chunks take the time the decoding row can spare, so that row's time per token during
+    the prefill stays within 2× its time per token alone (a chunk costs 3 decoding cycles
+    here, so it waits for the credit of about 4); both outputs equal decoding alone."""
     target = make_backend(0, max_context=2048)
     target.reserve(3)
     chunk = target.prefill_chunk_size
+    clock = FakeClock(monkeypatch, target, forward=0.010, per_token=0.030 / chunk)
     long_prompt = [(5 * i + 1) % 64 for i in range(2 * chunk + 30)]
     generator = SpeculativeGenerator(target, PromptLookupProposer(1, 3), 4, "constant")
     batched = BatchedGenerator(generator, max_batch_size=2)
     events = []
     params = SamplingParams(max_new_tokens=40)
-    short = batched.submit(PROMPTS[0], params,
-                           on_commit=lambda sample, tokens: events.append(("short", len(tokens))))
-    batched.step()
-    long = batched.submit(long_prompt, SamplingParams(max_new_tokens=5),
-                          on_commit=lambda sample, tokens: events.append(("long", len(tokens))))
+    short = batched.submit(PROMPTS[0], params, on_commit=lambda sample, tokens: events.append(
+        ("short", len(tokens), clock.now)))
+    for _ in range(3):
+        batched.step()
+    long = batched.submit(long_prompt, SamplingParams(max_new_tokens=5), on_commit=lambda
+                          sample, tokens: events.append(("long", len(tokens), clock.now)))
     outputs = {}
-    cycles = 0
     while batched.num_active or batched.num_waiting:
         outputs.update(batched.step())
-        cycles += 1
-    first_long = [name for name, _ in events].index("long")
-    assert [name for name, _ in events[1:first_long]] == ["short"] * 3  # one per chunk
+    first_long = [name for name, _, _ in events].index("long")
+    idle = (events[2][2] - events[1][2]) / events[2][1]  # seconds per token, no prefill
+    during = events[3:first_long + 1]
+    per_token = (during[-1][2] - events[2][2]) / sum(n for name, n, _ in during if name == "short")
+    assert idle == pytest.approx(0.010) and per_token <= 2 * idle, (idle, per_token)
+    assert len(during) >= 6  # the short row kept committing between the three chunks
     plain = SpeculativeGenerator(make_backend(0, max_context=2048), None)
     assert outputs[short][0].token_ids == plain.generate(PROMPTS[0], params).token_ids
     assert (outputs[long][0].token_ids
@@ -108,13 +143,15 @@ def test_a_long_prompt_joins_in_chunks_while_the_others_decode(make_backend):
     assert outputs[long][0].stats.prefill_seconds > 0
 
 
-def test_a_short_prompt_arriving_during_a_long_prefill_is_not_blocked_behind_it(make_backend):
-    """No row decodes: a long prompt is still prefilled one chunk per cycle, so a short one
-    submitted after its first chunk joins at the next cycle, is prefilled first, and emits
-    its first token while the long one is still being prefilled; both outputs equal decoding
-    alone."""
+def test_a_short_prompt_arriving_during_a_long_prefill_is_not_blocked_behind_it(make_backend,
+                                                                                monkeypatch):
+    """No row decodes: a long prompt is prefilled PREFILL_SECONDS_ALONE at a time (here a
+    chunk costs 0.2 s: one chunk per cycle), so a short one submitted after its first chunk
+    joins at the next cycle, is prefilled first, and emits its first token while the long
+    one is still being prefilled; both outputs equal decoding alone."""
     target = make_backend(0, max_context=4096)
     chunk = target.prefill_chunk_size
+    FakeClock(monkeypatch, target, forward=0.010, per_token=0.2 / chunk)
     long_prompt = [(5 * i + 1) % 64 for i in range(4 * chunk + 30)]
     batched = BatchedGenerator(SpeculativeGenerator(target, PromptLookupProposer(1, 3), 4,
                                                     "constant"), max_batch_size=2)

@@ -235,6 +235,66 @@ def test_unstable_measurements_head_the_report(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["unstable"] == summary["unstable"]
 
 
+def test_the_report_gives_the_spread_between_repetitions():
+    results = synthetic({"plain": [20.0, 21.0, 20.5], "prompt-lookup:k=4": [30.0, 27.0, 33.0]})
+    summary = summarize(results)
+    assert summary["qa"]["plain"]["repetition_spread"] == pytest.approx(1 / 20.5)
+    assert summary["qa"]["prompt-lookup:k=4"]["repetition_spread"] == pytest.approx(0.2)
+    from exactspec.bench.report import markdown
+
+    report = markdown(results, summary)
+    assert "## Repeatability (3 repetitions, interleaved)" in report
+    assert "| qa | 4.9% | 20.0% |" in report
+
+
+def test_a_policy_that_never_drafted_where_drafting_was_accepted_is_flagged():
+    """Issue 40's runs: suffix auto chose k = 0 for every cycle of a group where constant
+    suffix k = 4 accepted 45 % of its drafts; a constant k of another proposer, or a group
+    where auto drafted, flags nothing."""
+    from exactspec.bench.report import never_drafted, verdict_line
+
+    def entry(policy, drafted, rate, speedup=1.0):
+        return {"policy": policy, "drafted_tokens": drafted, "acceptance_rate": rate,
+                "speedup": speedup, "mismatches": 0}
+
+    auto, constant = "suffix:k=8:policy=auto", "suffix:k=4"
+    summary = {
+        "qa": {"plain": {"speedup": 1.0, "mismatches": 0}, auto: entry("auto", 0, 0.0),
+               constant: entry("constant", 300, 0.45),
+               "prompt-lookup:k=4": entry("constant", 200, 0.6)},
+        "math": {"plain": {"speedup": 1.0, "mismatches": 0}, auto: entry("auto", 12, 0.5),
+                 constant: entry("constant", 300, 0.5)},
+        "rag": {"plain": {"speedup": 1.0, "mismatches": 0}, auto: entry("auto", 0, 0.0),
+                constant: entry("constant", 300, 0.2),
+                "prompt-lookup:k=4": entry("constant", 200, 0.6)},
+    }
+    summary["overall"] = summary["math"]
+    locked = never_drafted(summary)
+    assert locked == [f"{auto} drafted nothing on qa, where {constant} had an acceptance rate "
+                      "of 0.45"]
+    line = verdict_line(summary | {"never_drafted": locked})
+    assert "a policy never drafted where drafting was accepted (1 groups" in line
+    assert "never drafted" not in verdict_line(summary | {"never_drafted": []})
+
+
+def test_host_work_is_calibrated_with_the_runs_own_sampling_settings(monkeypatch):
+    """A steady sampling run was flagged unstable: its plain cycles (warpers, a draw) were
+    compared with a greedy cycle's calibration."""
+    from exactspec.bench import runner
+    from exactspec.bench.questions import Question
+
+    target = tiny_backend(0)
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=3)
+    assert 0 < runner.measure_host_seconds(target, params, trials=5) < 0.05  # it samples
+    seen = []
+    monkeypatch.setattr(runner, "measure_host_seconds",
+                        lambda target, params: seen.append(params) or 0.001)
+    monkeypatch.setattr(runner, "measure_forward_cost", lambda *args: {1: 0.01, 2: 0.01})
+    runner.prepare_bench(target, [Question(1, "qa", "qa", "abc abc")],
+                         [parse_method("plain", target, None)], params=params, chat=False)
+    assert seen == [params]
+
+
 def interrupted_after(calls: int, methods: list[Method]) -> list[Method]:
     """``methods`` whose runs raise KeyboardInterrupt (as Ctrl-C does) from run ``calls``
     + 1 on."""

@@ -9,6 +9,7 @@ from exactspec import (DraftModelProposer, PromptLookupProposer, SamplingParams,
                        SpeculativeGenerator)
 from exactspec.audit import (BROKEN_VERIFIERS, BrokenGenerator, ExactspecEngine,
                              audit_distribution)
+from exactspec.proposers.base import Proposer
 from exactspec.speculation_length import (AutoPolicy, ConfidencePolicy, HeuristicPolicy,
                                           make_policy)
 
@@ -131,7 +132,7 @@ def counted(proposer):
 def plain_steps_only(peek: bool = False) -> AutoPolicy:
     """An auto policy (k_max 4) that always chooses k = 0: scoring 2 or more tokens costs
     10⁴ plain steps."""
-    policy = AutoPolicy(4, peek=peek)
+    policy = AutoPolicy(4, peek=peek, probe=False)
     policy.forward_seconds[1:] = [0.01, 100.0, 100.0, 100.0, 100.0]
     return policy
 
@@ -246,3 +247,112 @@ def test_auto_sets_the_break_even_confidence_of_a_draft_that_estimates_its_accep
     run_trace(plain, 30, alpha=0.8, forward_seconds=forward, draft_seconds_per_token=0.01)
     plain.choose()
     assert plain.min_confidence == 0.0
+
+
+# --- issue 40: auto never locks itself out of drafting -----------------------------------
+
+def noisy_then_true(policy, noisy_cycles, true_cycles, alpha, cost, noise=10.0):
+    """``noisy_cycles`` cycles where every forward over 2+ tokens is measured ``noise``×
+    dearer (another process on the core) and nothing is accepted, then ``true_cycles`` at
+    the true ``cost`` with acceptance ``alpha`` per position (seeded); the chosen ks."""
+    rng, chosen = random.Random(0), []
+    for cycle in range(noisy_cycles + true_cycles):
+        noisy = cycle < noisy_cycles
+        k = policy.choose().k
+        chosen.append(k)
+        accepted = 0
+        while not noisy and accepted < k and rng.random() < alpha:
+            accepted += 1
+        policy.observe(k, accepted, 0.0, cost(k + 1) * (noise if noisy and k else 1.0))
+    return chosen
+
+
+def test_a_disturbed_stretch_never_locks_auto_out_of_drafting():
+    """The runs of issue 40: a stretch where drafting did not pay (here: forwards of 2+
+    tokens measured 10× dearer, nothing accepted), then text where it pays (α = 0.9,
+    verification nearly free). Before the fix auto chose k = 0 for every later cycle (its
+    beliefs about the dear forwards were never measured again)."""
+    cost = lambda n: 0.010 + 0.0004 * (n - 1)  # noqa: E731  native kernels: 5 tokens 1.16×
+    chosen = noisy_then_true(AutoPolicy(4), 40, 400, alpha=0.9, cost=cost)
+    assert chosen[:40].count(0) >= 30  # it did lock onto plain steps while disturbed
+    assert chosen[-100:].count(0) <= 10 and sum(chosen[-100:]) >= 250, chosen[-100:]
+
+
+def test_probes_come_at_growing_intervals_and_stop_costing_where_nothing_pays():
+    """Where drafting never pays (llama.cpp-like costs, nothing accepted) the probes come
+    after 16, 32, 64, 128, 256, 256 ... plain steps: a bounded share of the cycles."""
+    cost = lambda n: 0.010 * (1 + 0.75 * (n - 1))  # noqa: E731
+    policy = AutoPolicy(4)
+    chosen = run_trace(policy, 2000, alpha=0.0, forward_seconds=cost)
+    drafting = [i for i, k in enumerate(chosen) if k]
+    gaps = [b - a for a, b in zip(drafting, drafting[1:])]
+    assert gaps[-3:] == [257, 257, 257]  # 256 plain steps, then the probe
+    assert len(drafting) < 20 and all(chosen[i] == 1 for i in drafting[-5:])  # the cheapest
+    assert all(g2 >= g1 for g1, g2 in zip(gaps[3:], gaps[4:]))
+
+
+def test_a_probe_that_finds_acceptance_restarts_drafting_and_its_schedule():
+    cost = lambda n: 0.010 * (1 + 0.75 * (n - 1))  # noqa: E731  pays only at high α
+    policy = AutoPolicy(4)
+    run_trace(policy, 300, alpha=0.0, forward_seconds=cost)
+    assert policy.probe_interval > 16
+    chosen = run_trace(policy, 300, alpha=1.0, forward_seconds=cost)  # a probe at ~500
+    assert chosen[-20:] == [4] * 20 and policy.probe_interval == 16
+
+
+def test_forward_costs_are_robust_to_one_outlier_and_forgotten_when_stale():
+    from exactspec.speculation_length import ForwardCost
+
+    costs = ForwardCost(8, window=3, max_age=50)
+    for seconds in (0.011, 0.033, 0.012):  # one forward took 3× its neighbours
+        costs.observe(5, seconds)
+    assert costs(5) == 0.012  # the median: the outlier moves nothing
+    costs.observe(1, 0.010)
+    for _ in range(50):
+        costs.observe(1, 0.010)
+    assert costs.measured(5) is None  # 51 forwards without n = 5: forgotten
+    assert costs(5) == pytest.approx(0.010 * (1 + 0.4))  # the prior's scaling of T(1)
+    costs.observe(5, 0.020)  # measured anew: the old measurements do not come back
+    assert costs(5) == 0.020
+
+
+def test_a_reused_generator_drafts_again_after_a_disturbed_request(monkeypatch):
+    """A real generator (tiny model, prompt lookup, auto) on a clock the test controls: a
+    forward over n tokens costs 1 ms + 0.05 ms per extra token, except during the first
+    request, when forwards of 2+ tokens cost 10 ms. The second request's prompt repeats
+    itself, so prompt lookup's drafts are accepted; auto must draft there (it chose k = 0
+    for the whole request before the fix)."""
+    import types
+
+    import exactspec.engine as engine
+    import exactspec.request as request
+
+    clock = types.SimpleNamespace(now=0.0, disturbed=True)
+    fake_time = types.SimpleNamespace(perf_counter=lambda: clock.now)
+    monkeypatch.setattr(engine, "time", fake_time)
+    monkeypatch.setattr(request, "time", fake_time)
+    target = tiny_backend(0)
+    forward = target.forward
+
+    def timed_forward(rows, num_logits=None):
+        n = sum(len(ids) for _, ids in rows)
+        clock.now += 0.010 if clock.disturbed and n > 1 else 0.001 + 0.00005 * (n - 1)
+        return forward(rows, num_logits)
+
+    monkeypatch.setattr(target, "forward", timed_forward)
+    params = SamplingParams(max_new_tokens=120)
+    plain = SpeculativeGenerator(target, None).generate([3, 1, 4, 1, 5], params).token_ids
+    oracle, wrong = ScriptedProposer([3, 1, 4, 1, 5] + plain), RandomProposer()
+
+    class OracleOrWrong(Proposer):  # the oracle where it knows the text, else random drafts
+        def propose(self, token_ids, k, pipeline, rng, min_confidence=0.0):
+            return (oracle.propose(token_ids, k, pipeline, rng)
+                    or wrong.propose(token_ids, k, pipeline, rng))
+
+    generator = SpeculativeGenerator(target, OracleOrWrong(), 4)
+    first = generator.generate([9, 2, 6, 5, 3], params)  # drafts rejected, forwards dear
+    assert 0 < first.stats.drafted_tokens and first.stats.chosen_k_histogram[0] > 80
+    clock.disturbed = False
+    second = generator.generate([3, 1, 4, 1, 5], params)
+    assert second.token_ids == plain
+    assert second.stats.accepted_tokens >= 60, second.stats.chosen_k_histogram

@@ -6,8 +6,9 @@ none), one packed forward of the target scores every row's ``[last, d_1 .. d_k]`
 committed and rolled back on its own, exactly as :class:`~exactspec.engine.SpeculativeGenerator`
 does for one sequence (the same :class:`~exactspec.engine.SampleDecoding`). Rows join
 between cycles as others finish (continuous batching, Yu et al. 2022, "Orca",
-iteration-level scheduling); a joining prompt is prefilled a chunk per cycle while the
-others decode (chunked prefill, Agrawal et al. 2023, "Sarathi").
+iteration-level scheduling); a joining prompt is prefilled in chunks while the others
+decode, within a time budget that keeps their time per token within about 1.8× its idle
+value (chunked prefill, Agrawal et al. 2023, "Sarathi"; :meth:`BatchedGenerator._prefill`).
 
 Exactness: a row's logits in the packed forward are bit-identical to scoring it alone (the
 backend's kernels work row by row, attention per sequence over its own cache: see
@@ -42,6 +43,12 @@ from exactspec.threads import torch_threads
 
 DEFAULT_MAX_BATCH_SIZE = 8
 """Rows decoded together when none is given."""
+PREFILL_SHARE = 0.8
+"""While rows decode, prefill gets this many seconds per second of decoding (at most), so
+their time per token stays within about (1 + this)× its value without prefill."""
+PREFILL_SECONDS_ALONE = 0.25
+"""With no row decoding, prefill chunks run each cycle until this many seconds are spent
+(at least one chunk), so that a request arriving meanwhile waits at most about this."""
 
 
 @dataclass
@@ -66,6 +73,7 @@ class _Row:
     prefill_seconds: float = 0.0
     results: list[GenerationResult] = field(default_factory=list)
     num_prefilled: int = 0  # prompt tokens in the row's cache so far (chunked prefill)
+    prefill_seconds_per_token: float | None = None  # its last prefill chunk's (the budget)
     sample: SampleDecoding | None = None  # None while the prompt is being prefilled
 
     def start_sample(self) -> None:
@@ -128,6 +136,8 @@ class BatchedGenerator:
         self._cancelled: set[int] = set()  # cancelled during a step (from a callback)
         self.costs = ForwardCost(max_batch_size * (generator.num_speculative_tokens + 1))
         """Seconds of a packed forward over N tokens, measured (the batch-level auto policy)."""
+        self._decode_cycle_seconds: float | None = None  # a decoding cycle's, moving average
+        self._prefill_credit = 0.0  # seconds of prefill the decoding rows can spare now
 
     @property
     def num_active(self) -> int:
@@ -280,6 +290,7 @@ class BatchedGenerator:
         """:meth:`step` but the clean-up; every error is one request's output."""
         finished: dict[int, RequestOutput] = self._admit()
         self._prefill(finished)
+        decode_start = time.perf_counter()
         live = []  # (row, room): rows with room for at least one more token
         for row in self._active:
             if row.request_id in finished or row.sample is None:
@@ -321,6 +332,9 @@ class BatchedGenerator:
                     self._end_sample(row, finished)
             except Exception as error:
                 finished[row.request_id] = error
+        seconds = time.perf_counter() - decode_start
+        old = self._decode_cycle_seconds
+        self._decode_cycle_seconds = seconds if old is None else 0.8 * old + 0.2 * seconds
         return finished
 
     def _check(self, generator: SpeculativeGenerator) -> None:
@@ -363,38 +377,71 @@ class BatchedGenerator:
         return failed
 
     def _prefill(self, finished: dict[int, RequestOutput]) -> None:
-        """Prefill the prompts of rows that joined, ``prefill_chunk_size`` tokens per cycle
-        in all (chunked prefill: Agrawal et al. 2023, "Sarathi"), the prompts with the fewest
-        tokens left first: a long prompt neither stalls the rows that decode nor the
-        requests that arrive during its prefill (they join at the next cycle, and a short
-        prompt is prefilled before the long one's next chunk). The chunks start at
-        multiples of the chunk size, so the cache is bit for bit the one-call prefill's
-        (``Backend.prefill``). A row whose prompt
-        is in starts its first sample."""
-        chunk = self.target.prefill_chunk_size
-        budget = chunk
+        """Prefill the prompts of rows that joined, in chunks of ``prefill_chunk_size``
+        tokens (chunked prefill: Agrawal et al. 2023, "Sarathi"), the prompts with the
+        fewest tokens left first, within a budget of *time*, not tokens (vLLM's
+        ``max_num_batched_tokens`` plays this role): while other rows decode, each cycle
+        adds :data:`PREFILL_SHARE` × the measured seconds of a decoding cycle to a credit,
+        and a chunk runs when the credit covers its estimated seconds (the row's last chunk
+        per token, × its tokens), so prefill takes at most about that share of the time
+        and the decoding rows' time per token stays within about (1 + share)× its idle
+        value; with no row decoding, chunks run until :data:`PREFILL_SECONDS_ALONE` (at
+        least one), so a request arriving meanwhile joins soon. The chunks start at
+        multiples of the chunk size whatever the budget, so the cache is bit for bit the
+        one-call prefill's (``Backend.prefill``). A row whose prompt is in starts its first
+        sample."""
         joining = [row for row in self._active
                    if row.sample is None and row.request_id not in finished]
+        if not joining:
+            self._prefill_credit = 0.0
+            return
+        decoding = any(row.sample is not None and row.request_id not in finished
+                       for row in self._active)
+        if decoding and self._decode_cycle_seconds is not None:
+            self._prefill_credit += PREFILL_SHARE * self._decode_cycle_seconds
+            budget = self._prefill_credit
+        else:
+            budget = PREFILL_SECONDS_ALONE
+        spent = self._prefill_rows(joining, budget, at_least_one=not decoding,
+                                   finished=finished)
+        if decoding:
+            self._prefill_credit -= spent
+
+    def _prefill_rows(self, joining: list[_Row], budget: float, at_least_one: bool,
+                      finished: dict[int, RequestOutput]) -> float:
+        """Prefill chunks of ``joining``'s prompts, fewest tokens left first, while their
+        estimated seconds fit ``budget`` (``at_least_one``: the first chunk runs whatever
+        it costs); returns the seconds spent. A row whose prompt is in starts its first
+        sample; a row whose prefill fails gets its error in ``finished``."""
+        chunk = self.target.prefill_chunk_size
+        known = [row.prefill_seconds_per_token for row in self._active
+                 if row.prefill_seconds_per_token is not None]
+        spent = 0.0
         for row in sorted(joining, key=lambda row: len(row.prompt_token_ids) - row.num_prefilled):
             end = len(row.prompt_token_ids) - 1  # the cache holds all but the last token
             try:
                 while row.num_prefilled < end:
                     size = min(chunk, end - row.num_prefilled)
-                    if size > budget:
-                        return
+                    per_token = (row.prefill_seconds_per_token if row.prefill_seconds_per_token
+                                 is not None else min(known, default=0.0))
+                    if spent + per_token * size > budget and (spent > 0 or not at_least_one):
+                        return spent
                     t0 = time.perf_counter()
                     self.target.prefill(
                         row.request_id,
                         row.prompt_token_ids[row.num_prefilled:row.num_prefilled + size])
-                    row.prefill_seconds += time.perf_counter() - t0
+                    seconds = time.perf_counter() - t0
+                    row.prefill_seconds += seconds
+                    row.prefill_seconds_per_token = seconds / size
                     row.num_prefilled += size
-                    budget -= size
+                    spent += seconds
                 if row.proposer is not None:  # a shared one (batch size 1) is the row's now
                     row.proposer.reset(reproducible=not row.timed, scope=row.scope)
                     row.proposer.follow(row.request_id)
                 row.start_sample()
             except Exception as error:
                 finished[row.request_id] = error
+        return spent
 
     def _choose(self, live: list[tuple[_Row, int]],
                 finished: dict[int, RequestOutput]) -> list[Choice]:

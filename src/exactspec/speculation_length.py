@@ -35,6 +35,14 @@ verification rule is untouched, so every policy keeps the target's distribution 
                 token is never verified, but whether the plain step committed it is evidence
                 for α_1 (for a point-mass draft, P(committed = d) = p(d) is exactly its
                 acceptance probability), so drafting resumes when acceptance rises.
+                Nothing it learns can lock it out of drafting: after
+                :data:`PROBE_INTERVALS` plain steps in a row (16, then 32, 64, ... up to
+                256) it *probes*, drafting the k in 1..k_max with the best expected rate,
+                for every proposer (a suffix or prompt-lookup draft costs no model call; a
+                model's, one draft step); the probe's acceptance and timing count as any
+                cycle's, and a probe whose drafts were all accepted is followed at once by
+                another (:data:`MAX_FOLLOW_UPS`). Forward costs are robust to noise and
+                forgotten when not measured again (:class:`ForwardCost`).
                 For a draft whose probabilities estimate its acceptance (a draft head),
                 auto also sets the break-even probability below which it stops drafting
                 (:meth:`AutoPolicy.break_even_confidence`).
@@ -44,6 +52,8 @@ from __future__ import annotations
 
 import itertools
 import operator
+import statistics
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
@@ -53,6 +63,15 @@ DEFAULT_MIN_CONFIDENCE = 0.4
 """transformers' default ``assistant_confidence_threshold``."""
 PEEK_INTERVAL = 8
 """auto peeks at a free proposer's first token every this many plain steps (see above)."""
+PROBE_INTERVALS = (16, 256)
+"""auto's probes (see above): the first after this many plain steps in a row, each next one
+after twice as many as the last, at most the second figure."""
+MAX_FOLLOW_UPS = 3
+"""A probe whose drafts were all accepted is followed by another, this many at most."""
+COST_WINDOW = 3
+"""Measurements kept per forward size; the estimate is their lower median."""
+COST_MAX_AGE = 256
+"""Forwards after which a forward size not measured again is forgotten."""
 PRIOR_COST_PER_TOKEN = 0.1
 """Before any timing is measured, auto assumes a forward over n tokens costs
 1 + 0.1 (n − 1) single-token forwards (so drafting pays when α > 0.1)."""
@@ -202,6 +221,8 @@ class AutoPolicy(SpeculationLengthPolicy):
         peek: every :data:`PEEK_INTERVAL`-th plain step peeks (see the module docstring);
             only for a proposer that costs no model call
             (:attr:`~exactspec.proposers.base.Proposer.drafts_for_free`).
+        probe: after :data:`PROBE_INTERVALS` plain steps in a row, draft anyway (see the
+            module docstring); off only in tests of the other mechanisms.
         break_even: for a proposer whose confidence estimates that its draft so far is
             accepted (:attr:`~exactspec.proposers.base.Proposer.estimates_acceptance`, a
             draft head): each cycle sets ``min_confidence`` to the break-even probability
@@ -217,19 +238,25 @@ class AutoPolicy(SpeculationLengthPolicy):
     def __init__(self, k_max: int, decay: float = 0.97,
                  prior_acceptance: float = PRIOR_ACCEPTANCE,
                  prior_weight: float = 1.0, cost_smoothing: float = 0.2, *,
-                 peek: bool = False, break_even: bool = False) -> None:
-        self.k_max, self.peek, self.break_even = k_max, peek, break_even
+                 peek: bool = False, probe: bool = True, break_even: bool = False) -> None:
+        self.k_max, self.peek, self.probe, self.break_even = k_max, peek, probe, break_even
         self.decay, self.prior_acceptance, self.prior_weight = decay, prior_acceptance, prior_weight
         self.cost_smoothing = cost_smoothing
-        self.costs = ForwardCost(k_max + 1, cost_smoothing)
+        self.costs = ForwardCost(k_max + 1)
         self.draft_seconds_per_token: float | None = None
         self.reset(timed=True)
 
     def reset(self, timed: bool) -> None:
-        """Forget acceptance evidence (a new prompt). Measured costs are kept for later
-        timed generations; an untimed one uses the prior cost model alone."""
+        """Forget what the last generation taught about its text (acceptance evidence, the
+        probe schedule): a new prompt. Measured costs are kept for later timed generations
+        (they belong to the machine, not the text); an untimed one uses the prior cost
+        model alone (docs/design.md, "What auto remembers")."""
         self.timed = timed
         self.plain_steps = 0  # plain steps chosen so far in this generation
+        self.plain_run = 0  # plain steps in a row since the last cycle that drafted
+        self.probe_interval = PROBE_INTERVALS[0]
+        self.probing = 0  # the cycle under way is the n-th probe in a row (0: not a probe)
+        self.follow_ups = 0  # probes in a row so far, when the next choice is to probe again
         self.tested = [0.0] * self.k_max  # decayed count: position i was verified
         self.accepted = [0.0] * self.k_max  # decayed count: position i was accepted
 
@@ -257,8 +284,8 @@ class AutoPolicy(SpeculationLengthPolicy):
 
     @property
     def forward_seconds(self) -> list[float | None]:
-        """``[k_max + 2]`` measured seconds of a forward over n tokens (index n), None where
-        not measured."""
+        """``[k_max + 2]`` estimated seconds of a forward over n tokens (index n), None where
+        never measured (:class:`ForwardCost`)."""
         return self.costs.seconds
 
     @forward_seconds.setter
@@ -271,13 +298,20 @@ class AutoPolicy(SpeculationLengthPolicy):
         return self.costs(n) if self.timed else prior_cost(n)
 
     def choose(self) -> Choice:
-        if (self.timed and self.forward_seconds[1] is None
-                and any(s is not None for s in self.forward_seconds)):
+        if (self.timed and self.costs.measured(1) is None
+                and any(self.costs.measured(n) is not None
+                        for n in range(len(self.forward_seconds)))):
             k = 0  # measure the plain step, the baseline every k is compared with
         else:
             rates = self.expected_rates()
             k = max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
         return self.choice(k)
+
+    def probe_length(self) -> int:
+        """The k of a probe: the best of 1..k_max by :meth:`expected_rates` (ties: the
+        smaller), so that a probe costs least where drafting looks dear."""
+        rates = self.expected_rates()
+        return max(range(1, self.k_max + 1), key=lambda k: (rates[k], -k))
 
     def break_even_confidence(self, k: int) -> float:
         """The probability at which one more drafted token pays, at ``k`` drafts: its
@@ -292,6 +326,11 @@ class AutoPolicy(SpeculationLengthPolicy):
 
     def observe(self, num_drafted: int, num_accepted: int, draft_seconds: float | None,
                 verify_seconds: float | None) -> None:
+        # a probe whose every draft was accepted is followed by another (at most
+        # MAX_FOLLOW_UPS in a row): one cycle's evidence may not outweigh the prior
+        if self.probing and num_drafted and num_accepted == num_drafted \
+                and self.probing <= MAX_FOLLOW_UPS:
+            self.follow_ups = self.probing
         if verify_seconds is not None:
             self._observe_costs(num_drafted, draft_seconds or 0.0, verify_seconds)
         self.tested = [t * self.decay for t in self.tested]
@@ -316,13 +355,25 @@ class AutoPolicy(SpeculationLengthPolicy):
                 (1 - self.cost_smoothing) * old_draft + self.cost_smoothing * per_token)
 
     def choice(self, k: int) -> Choice:
-        """The :class:`Choice` for ``k`` chosen elsewhere (batched decoding's
-        :func:`batch_speculation_lengths`): a plain step counts and may peek as in
-        :meth:`choose`."""
+        """The :class:`Choice` for ``k`` (from :meth:`choose`, or chosen elsewhere: batched
+        decoding's :func:`batch_speculation_lengths`): a plain step counts, may peek, and
+        after :attr:`probe_interval` of them in a row becomes a probe (see the module
+        docstring); a cycle that drafts by choice starts the probe schedule again."""
+        follow_up, self.follow_ups = self.follow_ups, 0
+        probing = False
+        if k:
+            self.plain_run, self.probe_interval = 0, PROBE_INTERVALS[0]
+        elif self.probe and self.k_max and (follow_up or self.plain_run >= self.probe_interval):
+            if not follow_up:
+                self.probe_interval = min(2 * self.probe_interval, PROBE_INTERVALS[1])
+            self.plain_run, probing = 0, True
+            k = self.probe_length()
+        self.probing = follow_up + 1 if probing else 0
         if self.break_even:
             self.min_confidence = self.break_even_confidence(k)
         if k:
             return Choice(k)
+        self.plain_run += 1
         self.plain_steps += 1
         return Choice(0, peek=self.peek and (self.plain_steps - 1) % PEEK_INTERVAL == 0)
 
@@ -334,32 +385,58 @@ def prior_cost(n: int) -> float:
 
 
 class ForwardCost:
-    """Seconds of a target forward over n tokens, learnt online: an exponential moving
-    average of the measured seconds per n; for an n not measured, the least-squares line
-    through the measured ones (slope ≥ 0) when two or more are measured, the one measured
-    cost scaled by :func:`prior_cost` when one is, else the prior itself.
+    """Seconds of a target forward over n tokens, learnt online and robust to noise: per n,
+    the lower median of its last :data:`COST_WINDOW` measurements (one forward that took 3×
+    its neighbours moves nothing once two others are measured), forgotten once
+    :data:`COST_MAX_AGE` forwards have passed without measuring that n (so that no
+    measurement, however disturbed, fixes a belief for the rest of the process). For an n
+    without a fresh measurement: the least-squares line through the fresh ones (slope ≥ 0)
+    when two or more are, the one fresh cost scaled by :func:`prior_cost` when one is, else
+    the prior itself.
 
     Args:
         max_tokens: the largest n expected (a larger one is still measured).
-        smoothing: weight of a new timing in the moving average, in (0, 1].
+        window: measurements kept per n.
+        max_age: forwards after which an n's measurements are forgotten.
     """
 
-    def __init__(self, max_tokens: int, smoothing: float = 0.2) -> None:
-        self.smoothing = smoothing
+    def __init__(self, max_tokens: int, window: int | None = None,
+                 max_age: int | None = None) -> None:
+        self.window = COST_WINDOW if window is None else window
+        self.max_age = COST_MAX_AGE if max_age is None else max_age
         self.seconds: list[float | None] = [None] * (max_tokens + 1)  # index n = tokens scored
+        """The current estimate per n (None: never measured); :meth:`measured` says
+        whether it is still fresh."""
+        self.observations = 0  # forwards measured so far
+        self._recent: dict[int, deque[float]] = {}  # n → its last measurements
+        self._stamp: dict[int, int] = {}  # n → the observation that last measured it
 
     def observe(self, n: int, seconds: float) -> None:
         """A forward over ``n`` tokens took ``seconds``."""
+        self.observations += 1
         if n >= len(self.seconds):
             self.seconds += [None] * (n + 1 - len(self.seconds))
-        old = self.seconds[n]
-        self.seconds[n] = seconds if old is None else (
-            (1 - self.smoothing) * old + self.smoothing * seconds)
+        if n not in self._recent or self._stale(n):
+            self._recent[n] = deque(maxlen=self.window)
+        self._recent[n].append(seconds)
+        self._stamp[n] = self.observations
+        self.seconds[n] = statistics.median_low(self._recent[n])
+
+    def measured(self, n: int) -> float | None:
+        """The fresh estimate for ``n`` tokens, None where none is (never measured, or
+        forgotten)."""
+        if n >= len(self.seconds) or self.seconds[n] is None or self._stale(n):
+            return None
+        return self.seconds[n]
+
+    def _stale(self, n: int) -> bool:
+        stamp = self._stamp.get(n)
+        return stamp is not None and self.observations - stamp > self.max_age
 
     def __call__(self, n: int) -> float:
-        if n < len(self.seconds) and self.seconds[n] is not None:
-            return self.seconds[n]
-        known = [(m, s) for m, s in enumerate(self.seconds) if s is not None]
+        if (seconds := self.measured(n)) is not None:
+            return seconds
+        known = [(m, s) for m in range(len(self.seconds)) if (s := self.measured(m)) is not None]
         if not known:
             return prior_cost(n)
         if len(known) == 1:

@@ -49,6 +49,9 @@ HOST_TOLERANCE = 4.0
 """Plain decoding's host overhead per cycle above this many times the idle calibration
 (:func:`~exactspec.bench.runner.measure_host_seconds`) flags the run: host-side work on a
 busy core."""
+LOCKOUT_ACCEPTANCE = 0.3
+"""A policy that drafted nothing in a group where a constant k of its proposer was accepted
+above this rate is flagged in the verdict (:func:`never_drafted`)."""
 HOST_SLACK_SECONDS = 0.0005
 """Per-cycle bookkeeping the calibration does not time (stop checks, stats), allowed on top."""
 
@@ -74,6 +77,7 @@ def summarize(results: BenchResults) -> dict:
                 "tokens_per_second_per_repetition": tps[method],
                 "speedup": statistics.median(tps[method]) / statistics.median(tps[plain]),
                 "speedup_min": min(ratios), "speedup_max": max(ratios),
+                "repetition_spread": _spread(tps[method]),
                 "runs": len(mine),
                 "mismatches": sum(r.matches_plain is False for r in mine),
             }
@@ -86,6 +90,34 @@ def summarize(results: BenchResults) -> dict:
             if rate and plain_decoding:
                 entry["decode_speedup"] = rate / plain_decoding
     return summary
+
+
+def _spread(values: Sequence[float]) -> float:
+    """(max − min) / median of the per-repetition figures: 0 with one repetition."""
+    values = [v for v in values if v > 0]
+    return (max(values) - min(values)) / statistics.median(values) if len(values) > 1 else 0.0
+
+
+def never_drafted(summary: dict) -> list[str]:
+    """Groups where a method whose policy chooses k (not ``constant``) drafted nothing while
+    a constant-k method of the same proposer had an acceptance rate above
+    :data:`LOCKOUT_ACCEPTANCE` there: the policy locked itself out of drafting where
+    drafting was accepted (issue 40). One line each."""
+    found = []
+    for group, row in summary.items():
+        if group == OVERALL or not isinstance(row, dict):
+            continue
+        for method, entry in row.items():
+            if entry.get("policy") in (None, "constant") or entry.get("drafted_tokens"):
+                continue
+            proposer = method.split(":", 1)[0]
+            for other, e in row.items():
+                if (other.split(":", 1)[0] == proposer and e.get("policy") == "constant"
+                        and e.get("acceptance_rate", 0) > LOCKOUT_ACCEPTANCE):
+                    found.append(f"{method} drafted nothing on {group}, where {other} had an "
+                                 f"acceptance rate of {e['acceptance_rate']:.2f}")
+                    break
+    return found
 
 
 def _tokens_per_second(records) -> float:
@@ -138,6 +170,7 @@ def _acceptance(stats: list[dict], forward_seconds: dict) -> dict:
               for i in range(k + 1)]
     return {
         "k": k, "policy": stats[0]["policy"], "chosen_k_histogram": chosen,
+        "drafted_tokens": drafted,
         "acceptance_rate": alpha, "mean_acceptance_length": committed / cycles,
         "per_position_acceptance": [a / d if d else None for a, d in zip(per_accepted, per_drafted)],
         "draft_share": sum(s["draft_seconds"] for s in stats) / total,
@@ -203,24 +236,28 @@ def write_report(results: BenchResults, out_dir: str | Path) -> dict:
     whole or not at all (an error or Ctrl-C while writing leaves no partial file).
 
     Returns:
-        the summary (as :func:`summarize`), with the written paths under ``"files"`` and
-        :func:`instabilities` under ``"unstable"``.
+        the summary (as :func:`summarize`), with the written paths under ``"files"``,
+        :func:`instabilities` under ``"unstable"`` and :func:`never_drafted` under
+        ``"never_drafted"``.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(results)
     unstable = instabilities(results, summary)
+    locked = never_drafted(summary)
     write_text_atomically(out / "results.json", readable_json(
-        results.to_dict() | {"summary": summary, "unstable": unstable}))
-    write_text_atomically(out / "report.md", markdown(results, summary, unstable))
+        results.to_dict() | {"summary": summary, "unstable": unstable, "never_drafted": locked}))
+    write_text_atomically(out / "report.md", markdown(results, summary, unstable, locked))
     files = [out / "results.json", out / "report.md"] + plot(results, summary, out)
-    return summary | {"files": [str(f) for f in files], "unstable": unstable}
+    return summary | {"files": [str(f) for f in files], "unstable": unstable,
+                      "never_drafted": locked}
 
 
 def verdict_line(summary: dict, unstable: Sequence[str] = ()) -> str:
     """The bench's outcome in one sentence: the fastest method overall against plain
-    decoding with its range over groups, the greedy identity failures, and whether the
-    timings can be trusted."""
+    decoding with its range over groups, the greedy identity failures, a policy that never
+    drafted where drafting was accepted (``summary["never_drafted"]``, from
+    :func:`write_report`), and whether the timings can be trusted."""
     overall = summary[OVERALL]
     others = [m for m in overall if m != "plain" and overall[m].get("speedup") is not None]
     failures = sum(e["mismatches"] or 0 for m, e in overall.items() if not is_peer(m))
@@ -234,14 +271,20 @@ def verdict_line(summary: dict, unstable: Sequence[str] = ()) -> str:
                      "overall" + (f" ({min(by_group):.2f}–{max(by_group):.2f}× by group)"
                                   if by_group else ""))
     parts.append(f"greedy outputs differing from plain decoding: {failures}")
+    locked = summary.get("never_drafted") or []
+    if locked:
+        parts.append(f"a policy never drafted where drafting was accepted ({len(locked)} "
+                     "groups, see report.md)")
     parts.append("timings disturbed: see the warning above, compare nothing" if unstable
                  else "timings steady")
     return "verdict: " + "; ".join(parts)
 
 
-def markdown(results: BenchResults, summary: dict, unstable: Sequence[str] = ()) -> str:
+def markdown(results: BenchResults, summary: dict, unstable: Sequence[str] = (),
+             locked: Sequence[str] = ()) -> str:
     """The tables of ``report.md``, after the warnings: an incomplete run, ``unstable``
-    measurements (see :func:`instabilities`)."""
+    measurements (see :func:`instabilities`), policies ``locked`` out of drafting
+    (:func:`never_drafted`)."""
     methods = list(next(iter(summary.values())))
     failures = [r for r in results.records if r.matches_plain is False
                 and not is_peer(r.method)]
@@ -252,6 +295,9 @@ def markdown(results: BenchResults, summary: dict, unstable: Sequence[str] = ())
                   ""]
     if unstable:
         lines += [f"**{UNSTABLE_HEADLINE}**", ""] + [f"- {line}" for line in unstable] + [""]
+    if locked:
+        lines += ["**A policy never drafted where drafting was accepted:**", ""] \
+            + [f"- {line}" for line in locked] + [""]
     lines += [f"Config: `{json.dumps(results.config)}`", "",
              f"Machine: `{json.dumps(results.machine)}`", "",
              "Target forward cost by tokens scored (ms): "
@@ -266,6 +312,15 @@ def markdown(results: BenchResults, summary: dict, unstable: Sequence[str] = ())
         cells = [f"{e['speedup']:.2f}× ({e['speedup_min']:.2f}–{e['speedup_max']:.2f}); "
                  f"{e['tokens_per_second']:.1f} tok/s" for e in row.values()]
         lines.append(f"| {group} | " + " | ".join(cells) + " |")
+    reps = len(next(iter(summary[OVERALL].values()))["tokens_per_second_per_repetition"])
+    lines += ["", f"## Repeatability ({reps} repetitions, interleaved)", "",
+              "Spread of each method's tokens/s between repetitions: (max − min) / median; "
+              "0 with one repetition. Ratios between methods are trustworthy to about the "
+              "larger of their two spreads.", "",
+              "| group | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    for group, row in summary.items():
+        lines.append(f"| {group} | " + " | ".join(f"{e['repetition_spread']:.1%}"
+                                                  for e in row.values()) + " |")
     ours = [m for m in methods if "decode_speedup" in summary[OVERALL][m]]
     lines += ["", "## Decoding speedup, prefill excluded (exactspec's methods)", "",
               "Where long prompts make prefill most of the time (llama.cpp), this separates "

@@ -112,24 +112,30 @@ def measure_forward_cost(target: Backend, context_length: int, max_tokens: int,
     return cost
 
 
-def measure_host_seconds(target: Backend, trials: int = 30) -> float:
-    """Median seconds of a plain greedy cycle's host-side work (logits processing, argmax,
-    stop check) on random logits, as the engine runs it (one thread): the calibration the
-    report compares the measured overhead with, to flag a run disturbed by other work."""
+def measure_host_seconds(target: Backend, params: SamplingParams | None = None,
+                         trials: int = 30) -> float:
+    """Median seconds of a plain cycle's host-side work (logits processing, the greedy
+    choice or the warpers and a draw, the logprobs asked for) on random logits, as the
+    engine runs it (one thread) with the run's sampling ``params`` (default greedy): the
+    calibration the report compares the measured overhead with, to flag a run disturbed by
+    other work. A sampling run's plain cycle costs more (sorting for top-p, the draw) than
+    a greedy one's, so it is calibrated with its own settings."""
     from exactspec.logits_pipeline import LogitsPipeline
     from exactspec.threads import torch_threads
     from exactspec.verification import verify
 
-    params = SamplingParams(max_new_tokens=2)
+    params = SamplingParams(**{**asdict(params or SamplingParams()), "max_new_tokens": 2,
+                               "min_new_tokens": 0, "stop": ()})
     tokens = [1, 2, 3]
     pipeline = LogitsPipeline(params, tokens, target.vocab_size, target.eos_token_ids, [],
                               target.device)
     logits = torch.randn(1, target.vocab_size, generator=torch.Generator().manual_seed(0))
+    rng = torch.Generator(device=target.device).manual_seed(0)
     times = []
     with torch_threads(1):
         for _ in range(trials):
             start = time.perf_counter()
-            verify(tokens, [], None, logits, pipeline, None)
+            verify(tokens, [], None, logits, pipeline, rng)
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -173,7 +179,7 @@ def prepare_bench(target: Backend, questions: list[Question], methods: list[Meth
     median_prompt = int(statistics.median(len(p) for p in prompts.values()))
     return BenchSetup(target, questions, methods, params, prompts,
                       measure_forward_cost(target, median_prompt, max_k + 1),
-                      measure_host_seconds(target))
+                      measure_host_seconds(target, params))
 
 
 def run_bench(target: Backend, questions: list[Question], methods: list[Method], *,
