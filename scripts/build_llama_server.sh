@@ -75,7 +75,16 @@ SRC="$WORK/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
 GEN=()
 if command -v ninja >/dev/null; then GEN=(-G Ninja); fi
 
-log "configuring (Release, static, GGML_NATIVE=$GGML_NATIVE, GGML_LLAMAFILE=OFF)"
+# No AMX: -march=native enables it on CPUs that report it, but a virtual machine may report
+# AMX without letting a process use its tiles, and ggml's AMX matmul then crashes
+# (segmentation fault at ldtilecfg, seen 2026-12-03). The same flags as the README's
+# llama-cpp-python build; only where the compiler knows them (x86).
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+if echo 'int main(void){return 0;}' | cc $NO_AMX -x c -o /dev/null - >/dev/null 2>&1; then
+    export CFLAGS="${CFLAGS:-} $NO_AMX" CXXFLAGS="${CXXFLAGS:-} $NO_AMX"
+fi
+
+log "configuring (Release, static, GGML_NATIVE=$GGML_NATIVE, GGML_LLAMAFILE=OFF, no AMX)"
 cmake -S "$SRC" -B "$WORK/build" "${GEN[@]}" \
     -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF \

@@ -4,7 +4,9 @@ generate as bench peers. (The shared backend and engine tests run on it through
 ``make_backend``.)"""
 
 import importlib.util
+import re
 import sys
+import warnings
 
 import pytest
 
@@ -30,11 +32,32 @@ def embedded_model_path():
 
 def test_missing_llama_cpp_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` fail
+    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     with pytest.raises(LlamaCppNotInstalledError,
-                       match=r"CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --no-cache-dir"):
+                       match=re.escape(f'CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" CFLAGS="{no_amx}" '
+                                       f'CXXFLAGS="{no_amx}" pip install --no-cache-dir')):
         import_llama_cpp()
     with pytest.raises(LlamaCppNotInstalledError, match="llama-cpp-python"):
         LlamaCppBackend.load("model.gguf")
+
+
+@needs_llama_cpp
+def test_a_build_with_amx_warns_before_its_first_forward(monkeypatch, tmp_path):
+    """AMX crashes llama.cpp where a virtual machine reports it without enabling it (a
+    segmentation fault, no Python error): a build that has it names the reinstall command
+    before anything runs."""
+    import llama_cpp
+    from conftest import BackendFactory
+
+    make = BackendFactory("llama_cpp", tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make()  # this build (the README's flags): no AMX, no warning
+    info = llama_cpp.llama_print_system_info()
+    monkeypatch.setattr(llama_cpp, "llama_print_system_info",
+                        lambda: info + b" AMX_INT8 = 1 |")
+    with pytest.warns(RuntimeWarning, match=r"uses AMX.*-mno-amx-tile.*--force-reinstall"):
+        make()
 
 
 def test_choose_backend(monkeypatch, tmp_path):

@@ -316,6 +316,20 @@ def test_forward_costs_are_robust_to_one_outlier_and_forgotten_when_stale():
     assert costs(5) == 0.020
 
 
+def test_one_slow_draft_does_not_make_drafting_look_dear():
+    """The bench's case (results/auto-probes-2026-12-03): a suffix draft of 4 tokens slowed
+    180 ms by a pause, among drafts of 0.05 ms a token, on costs where k = 4 pays. With a
+    moving average of the draft cost, auto chose k = 0 for most of the request."""
+    policy = AutoPolicy(4, probe=False)
+    forward = lambda n: 0.033 + 0.0015 * (n - 1)  # noqa: E731 (the bench's forward costs)
+    run_trace(policy, 10, alpha=0.5, forward_seconds=forward, draft_seconds_per_token=5e-5)
+    assert policy.choose().k >= 1
+    policy.observe(1, 0, 0.180, forward(2))  # the slow draft (one token, rejected)
+    chosen = run_trace(policy, 20, alpha=0.5, forward_seconds=forward,
+                       draft_seconds_per_token=5e-5)
+    assert min(chosen) >= 1 and policy.draft_seconds_per_token < 1e-4
+
+
 def test_a_reused_generator_drafts_again_after_a_disturbed_request(monkeypatch):
     """A real generator (tiny model, prompt lookup, auto) on a clock the test controls: a
     forward over n tokens costs 1 ms + 0.05 ms per extra token, except during the first

@@ -14,8 +14,8 @@ verification rule is untouched, so every policy keeps the target's distribution 
                 of its drafted tokens' probabilities). Prompt lookup has no probabilities:
                 it is refused there.
     auto        a cost model (the default). Online, per generator: the cost of a target
-                forward over n = 1..k_max+1 tokens (exponential moving average of measured
-                verification time per n), the draft's time per drafted token, and per
+                forward over n = 1..k_max+1 tokens and the draft's time per drafted token
+                (each the lower median of its last measurements, :class:`ForwardCost`), and per
                 position i the acceptance α_i = P(draft i accepted | drafts < i accepted),
                 from decaying counts (a position not tested yet takes the estimate of the
                 position before it as its prior). Each cycle picks the k in 0..k_max maximising
@@ -69,7 +69,8 @@ after twice as many as the last, at most the second figure."""
 MAX_FOLLOW_UPS = 3
 """A probe whose drafts were all accepted is followed by another, this many at most."""
 COST_WINDOW = 3
-"""Measurements kept per forward size; the estimate is their lower median."""
+"""Measurements kept per forward size (and of the draft's seconds per token); the estimate
+is their lower median."""
 COST_MAX_AGE = 256
 """Forwards after which a forward size not measured again is forgotten."""
 PRIOR_COST_PER_TOKEN = 0.1
@@ -217,7 +218,6 @@ class AutoPolicy(SpeculationLengthPolicy):
         decay: weight kept by old acceptance evidence per cycle (0 < decay < 1).
         prior_acceptance, prior_weight: α_0's prior, worth ``prior_weight`` observations
             (α_i's prior is the estimate of α_(i−1)).
-        cost_smoothing: weight of a new timing in the forward-cost moving average.
         peek: every :data:`PEEK_INTERVAL`-th plain step peeks (see the module docstring);
             only for a proposer that costs no model call
             (:attr:`~exactspec.proposers.base.Proposer.drafts_for_free`).
@@ -237,13 +237,12 @@ class AutoPolicy(SpeculationLengthPolicy):
 
     def __init__(self, k_max: int, decay: float = 0.97,
                  prior_acceptance: float = PRIOR_ACCEPTANCE,
-                 prior_weight: float = 1.0, cost_smoothing: float = 0.2, *,
+                 prior_weight: float = 1.0, *,
                  peek: bool = False, probe: bool = True, break_even: bool = False) -> None:
         self.k_max, self.peek, self.probe, self.break_even = k_max, peek, probe, break_even
         self.decay, self.prior_acceptance, self.prior_weight = decay, prior_acceptance, prior_weight
-        self.cost_smoothing = cost_smoothing
         self.costs = ForwardCost(k_max + 1)
-        self.draft_seconds_per_token: float | None = None
+        self._draft_costs: deque[float] = deque(maxlen=COST_WINDOW)  # seconds per drafted token
         self.reset(timed=True)
 
     def reset(self, timed: bool) -> None:
@@ -281,6 +280,13 @@ class AutoPolicy(SpeculationLengthPolicy):
             cost = self.forward_cost(k + 1) + k * draft_cost
             rates.append(expected / cost)
         return rates
+
+    @property
+    def draft_seconds_per_token(self) -> float | None:
+        """Seconds the proposer takes per drafted token: the lower median of the last
+        :data:`COST_WINDOW` drafting cycles (one draft slowed by a pause, e.g. a garbage
+        collection, moves nothing once two others are measured); None before any."""
+        return statistics.median_low(self._draft_costs) if self._draft_costs else None
 
     @property
     def forward_seconds(self) -> list[float | None]:
@@ -349,10 +355,7 @@ class AutoPolicy(SpeculationLengthPolicy):
                        verify_seconds: float) -> None:
         self.costs.observe(num_drafted + 1, verify_seconds)
         if num_drafted:
-            per_token = draft_seconds / num_drafted
-            old_draft = self.draft_seconds_per_token
-            self.draft_seconds_per_token = per_token if old_draft is None else (
-                (1 - self.cost_smoothing) * old_draft + self.cost_smoothing * per_token)
+            self._draft_costs.append(draft_seconds / num_drafted)
 
     def choice(self, k: int) -> Choice:
         """The :class:`Choice` for ``k`` (from :meth:`choose`, or chosen elsewhere: batched

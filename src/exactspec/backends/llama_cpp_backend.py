@@ -22,9 +22,12 @@ batch and single-token logits are bit-identical. Every backend checks this when 
 fails; plain decoding is still allowed.
 
 ``llama-cpp-python`` is optional; it compiles llama.cpp from source (minutes; see
-docs/setup.md): ``CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" pip install --no-cache-dir
-'exactspec[llama-cpp]'`` (``--no-cache-dir`` so that pip does not reuse a wheel it built
-earlier without the flag).
+docs/setup.md): ``CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" CFLAGS="-mno-amx-tile -mno-amx-int8
+-mno-amx-bf16" CXXFLAGS="..." pip install --no-cache-dir 'exactspec[llama-cpp]'``
+(``--no-cache-dir`` so that pip does not reuse a wheel it built earlier without the flags).
+The compiler flags keep AMX out of the build: on a virtual machine whose CPU reports AMX
+without letting a process use it, llama.cpp's AMX matrix multiply crashes the process
+(docs/backends.md, "Why the build flags").
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -43,9 +47,15 @@ from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, 
                                      check_rows, check_sequence_invariance)
 from exactspec.model_files import gguf_architecture_value
 
-INSTALL_HINT = ("CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --no-cache-dir "
-                "'llama-cpp-python==0.3.36'")
-"""How to install a llama-cpp-python build whose CPU kernels are batch-invariant."""
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+INSTALL_HINT = (f"CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" CFLAGS=\"{NO_AMX}\" CXXFLAGS=\"{NO_AMX}\" "
+                "pip install --no-cache-dir 'llama-cpp-python==0.3.36'")
+"""How to install a llama-cpp-python build whose CPU kernels are batch-invariant (and that
+leaves AMX out, see the module docstring)."""
+AMX_WARNING = ("this llama-cpp-python build uses AMX (AMX_INT8 = 1 in its system info); on a "
+               "virtual machine whose CPU reports AMX without enabling it, llama.cpp crashes "
+               "with a segmentation fault in its first forward. If it does, reinstall: "
+               + INSTALL_HINT + " --force-reinstall")
 HIDDEN_FEATURES_REFUSAL = (
     "the llama.cpp backend cannot give the target's hidden features that a draft head reads "
     "(llama-cpp-python returns only final embeddings, from a context made for embeddings); "
@@ -240,6 +250,8 @@ class LlamaCppBackend:
         self._batch = llama_cpp.llama_batch_init(self._batch_capacity, 0, 1)
         self._slots: dict[int, int] = {}  # sequence id → its slot (llama.cpp seq_id)
         self._slot_lengths: list[int] = [0]  # tokens cached per slot
+        if "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode(errors="replace"):
+            warnings.warn(AMX_WARNING, RuntimeWarning, stacklevel=2)
         self.batch_invariant, self.seconds_per_token_at_load = check_batch_invariance(self)
 
     @classmethod
