@@ -162,6 +162,33 @@ def test_without_native_kernels_the_2_row_fallback_is_batch_invariant(monkeypatc
     assert torch.equal(single, block)
 
 
+def near_tie(single: torch.Tensor, block: torch.Tensor, best: int) -> tuple[int, float]:
+    """A token and a logit bias (float32, as the logits pipeline adds it) that leave
+    ``best`` strictly first in ``single`` but put the token strictly first in ``block``: the
+    rival gaining most from the block's rounding, the bias between its two gaps. The
+    candidates are the float32 values from the midpoint outwards, since where the two gaps
+    differ by a few ulps the midpoint itself may round onto one of them (a tie, which
+    argmax breaks by index). Fails where the block rounds like a single token."""
+    shift = (block - single) - (block - single)[best]  # how much more each token gains
+    for rival in shift.argsort(descending=True).tolist():
+        if shift[rival] <= 0:
+            break
+        middle = torch.tensor(float((single[best] - single[rival]
+                                     + block[best] - block[rival]) / 2))
+        candidates, up, down = [middle], middle, middle
+        for _ in range(4):
+            up, down = torch.nextafter(up, up + 1), torch.nextafter(down, down - 1)
+            candidates += [up, down]
+        for bias in candidates:
+            biased = torch.zeros_like(single)
+            biased[rival] = bias
+            s, b = single + biased, block + biased
+            if s[best] > s[rival] and s[best] == s.max() and b[rival] > b[best] \
+                    and b[rival] == b.max():
+                return rival, float(bias)
+    pytest.fail("the fast kernels round a block like a single token here: no near-tie flips")
+
+
 @pytest.mark.parametrize("k", [1, 4, 7, 8, 12])
 def test_near_tie_flips_on_the_fast_kernels_and_never_on_the_batch_invariant_ones(k):
     """A logit bias turns two tokens into a near-tie whose gap lies between the two roundings
@@ -170,10 +197,7 @@ def test_near_tie_flips_on_the_fast_kernels_and_never_on_the_batch_invariant_one
     target = backend("fast")
     single, block = first_row_logits(target, k)
     best = int(single.argmax())
-    shift = (block - single) - (block - single)[best]  # how much more each token gains
-    rival = int(shift.argmax())
-    assert shift[rival] > 0, "the fast kernels round a block like a single token here"
-    bias = float((single[best] - single[rival] + block[best] - block[rival]) / 2)
+    rival, bias = near_tie(single, block, best)
     params = SamplingParams(temperature=0, max_new_tokens=k + 1, logit_bias={rival: bias})
     plain = SpeculativeGenerator(target, None).generate(PROMPT, params).token_ids
     speculative = SpeculativeGenerator(target, FixedProposer(), k, "constant",
