@@ -16,7 +16,7 @@ case "$1" in
       --max-new-tokens 128 --concurrency 1,8 --method plain --method suffix:k=4 \
       --method suffix:k=4:policy=auto --output "$HERE/concurrency" ;;
   no-match)
-    .venv/bin/python "$HERE/auto_no_match.py" 3 | tee "$HERE/no-match.md" ;;
+    .venv/bin/python results/kernels-2026-12-01/auto_no_match.py 3 | tee "$HERE/no-match.md" ;;
   prefill-stall)
     .venv/bin/python scripts/prefill_stall.py --output "$HERE/prefill-stall.json" ;;
   *) echo "unknown run: $1" >&2; exit 2 ;;

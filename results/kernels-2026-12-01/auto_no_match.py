@@ -9,7 +9,7 @@ import statistics
 import sys
 
 from exactspec import SamplingParams, SpeculativeGenerator, load_model
-from exactspec.proposers.spec import build_proposer, parse_drafter
+from exactspec.proposers.spec import build_proposer, parse_proposer
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 PROMPTS = ["Write a haiku about autumn leaves.", "Name three animals that live in the desert.",
@@ -19,7 +19,7 @@ targets = {"transformers": load_model(backend="transformers"),
            "llama.cpp Q4_1": load_model(backend="llama_cpp"),
            "llama.cpp Q8_0": load_model(backend="llama_cpp", weight_type="Q8_0")}
 methods = ["plain", "prompt-lookup", "suffix"]
-generators = {(t, m): SpeculativeGenerator(target, build_proposer(parse_drafter(m), target, None),
+generators = {(t, m): SpeculativeGenerator(target, build_proposer(parse_proposer(m), target, None),
                                            8, "auto")
               for t, target in targets.items() for m in methods}
 rates, drafted = {}, {}

@@ -21,7 +21,7 @@ PROMPTS = ["Tell me a story about a dragon.", "Explain how a bicycle works.",
 
 def one(backend: str, threads: str, method: str) -> float:
     from exactspec import SamplingParams, SpeculativeGenerator, load_model
-    from exactspec.proposers.spec import build_proposer, parse_drafter
+    from exactspec.proposers.spec import build_proposer, parse_proposer
     from exactspec.threads import ThreadChooser
 
     fixed = None if threads == "auto" else int(threads)
@@ -29,7 +29,7 @@ def one(backend: str, threads: str, method: str) -> float:
     if backend == "transformers" and fixed is not None:
         target.threads = ThreadChooser(2)
         target.threads.choose = lambda num_tokens: fixed
-    proposer = build_proposer(parse_drafter(method), target, None)
+    proposer = build_proposer(parse_proposer(method), target, None)
     generator = SpeculativeGenerator(target, proposer, 8, "auto")
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
     generator.generate(PROMPTS[0], params, chat=True)
