@@ -274,9 +274,9 @@ class AutoPolicy(SpeculationLengthPolicy):
         """``[k_max + 1]`` expected committed tokens per second for k = 0..k_max drafts (per
         unit of the prior cost model while nothing is measured)."""
         rates, expected = [], 1.0
+        draft_cost = (self.draft_seconds_per_token or 0.0) if self.timed else 0.0
         for k, survive in enumerate([0.0, *survival(self.acceptance())]):
             expected += survive
-            draft_cost = (self.draft_seconds_per_token or 0.0) if self.timed else 0.0
             cost = self.forward_cost(k + 1) + k * draft_cost
             rates.append(expected / cost)
         return rates
