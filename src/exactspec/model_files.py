@@ -279,6 +279,35 @@ def converted_gguf_folder(gguf_path: Path) -> Path:
     return folder
 
 
+def gguf_tokenizer(gguf_path: Path):
+    """The transformers tokenizer (with the chat template) of a GGUF file, read from the
+    file's vocabulary once and then kept as a tokenizer folder in the cache (keyed like
+    :func:`converted_gguf_folder`); no weights are loaded.
+
+    Raises:
+        ValueError: if ``gguf_path`` does not start with the GGUF magic bytes.
+    """
+    import transformers
+    from transformers import AutoTokenizer
+
+    check_gguf_file(gguf_path)
+    stat = gguf_path.stat()
+    key = f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers{transformers.__version__}"
+    folder = cache_root() / "tokenizers" / key
+    if (folder / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(folder)
+    with _quiet_gguf_reader():
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".partial-"))
+        tokenizer.save_pretrained(staging)
+        staging.rename(folder)  # atomic; another process may have been first
+    except OSError:
+        pass  # not cached: read from the file again next time
+    return tokenizer
+
+
 @contextlib.contextmanager
 def _quiet_gguf_reader():
     """Silence the progress bar of transformers' GGUF reader (callers show their own)."""

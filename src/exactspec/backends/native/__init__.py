@@ -31,6 +31,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from exactspec.trees import TreePaths
@@ -45,6 +46,40 @@ COMPILE_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off")
 """-O3 unrolls the tiles' loops over rows and columns, so that the accumulators live in
 registers (at -O2 a 16-row product ran 3x slower); the source's intrinsics fix every
 rounding, and ``-ffp-contract=off`` keeps the compiler from fusing anything else."""
+WEIGHT_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "BF16": 30}
+"""The GGUF weight types the kernels read in place, by name: ggml's type numbers."""
+
+
+class Weight(ctypes.Structure):
+    """``es_weight``: a matrix's first byte and its ggml type."""
+    _fields_ = [("data", ctypes.c_void_p), ("type", ctypes.c_int64)]
+
+
+class Layer(ctypes.Structure):
+    """``es_layer``: one decoder layer's tensors (biases may be null)."""
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("attn_norm", "ffn_norm", "bq", "bk", "bv")] + [
+                (name, Weight) for name in ("wq", "wk", "wv", "wo", "gate", "up", "down")]
+
+
+class Model(ctypes.Structure):
+    """``es_model``: shapes, RoPE and normalisation constants, and the tensors."""
+    _fields_ = [(name, ctypes.c_int64) for name in
+                ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "n_vocab",
+                 "rope_dims", "rope_neox")] + [
+                (name, ctypes.c_double) for name in ("rms_eps", "rope_base", "rope_scale")] + [
+                ("rope_factors", ctypes.c_void_p), ("output_norm", ctypes.c_void_p),
+                ("tok_embd", Weight), ("output", Weight), ("layers", ctypes.POINTER(Layer))]
+
+
+class Segment(ctypes.Structure):
+    """``es_segment``: one sequence's rows in a forward: its cache and where they go."""
+    _fields_ = [("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("capacity", ctypes.c_int64), ("n_past", ctypes.c_int64),
+                ("n_tokens", ctypes.c_int64), ("tree_rows", ctypes.c_void_p),
+                ("tree_offsets", ctypes.c_void_p)]
+
+
 _lock = threading.Lock()
 _loaded: NativeKernels | None | bool = False  # False: not tried yet
 
@@ -70,6 +105,18 @@ class NativeKernels:
                                          ctypes.c_int, ctypes.c_int, ptr, ptr]
         library.es_attention.restype = None
         self._attention = library.es_attention
+        library.es_linear_typed.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int, i64, ptr, i64,
+                                            ctypes.c_int, ctypes.c_int]
+        library.es_linear_typed.restype = None
+        library.es_row_bytes.argtypes = [ctypes.c_int, i64]
+        library.es_row_bytes.restype = i64
+        library.es_forward.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Segment), i64, ptr,
+                                       ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int,
+                                       ctypes.c_int]
+        library.es_forward.restype = None
+        self.row_bytes = library.es_row_bytes
+        self.forward = library.es_forward
+        """``es_forward`` (the C source's header gives its arguments and arithmetic)."""
         self.best_isa = ISAS[library.es_best_isa()]
         self.isa = self.best_isa
         self._linear = library.es_linear
@@ -106,6 +153,33 @@ class NativeKernels:
                      ISAS.index(self.isa))
         return out
 
+
+    def linear_typed(self, x: torch.Tensor, weight: np.ndarray, weight_type: int, n: int,
+                     threads: int = 1) -> torch.Tensor:
+        """``x @ W.T`` for a weight ``W [n, K]`` in a GGUF block format (``weight``: an
+        object with the buffer protocol holding its rows, ``weight_type``: ggml's type
+        number, see :data:`WEIGHT_TYPES`), each output element the float32 arithmetic of
+        :meth:`linear` over the dequantised weights.
+
+        Args:
+            x: ``[rows, K]`` float32, contiguous.
+        Returns:
+            ``[rows, n]`` float32.
+        Raises:
+            ValueError: for a type the kernels do not take or a K it cannot split in blocks.
+        """
+        rows, k = x.shape
+        _check_cpu_float32(x)
+        if not x.is_contiguous() or self.row_bytes(weight_type, k) == 0:
+            raise ValueError(f"weight type {weight_type} with K = {k} (or a non-contiguous x) "
+                             f"is not taken: types {sorted(WEIGHT_TYPES.values())}")
+        out = torch.empty(rows, n, dtype=torch.float32)
+        if not weight.flags.c_contiguous or weight.nbytes != n * self.row_bytes(weight_type, k):
+            raise ValueError(f"the weight's {weight.nbytes} bytes are not {n} contiguous rows "
+                             f"of type {weight_type}")
+        self._lib.es_linear_typed(x.data_ptr(), k, rows, k, weight.ctypes.data, weight_type, n,
+                                  out.data_ptr(), n, threads, ISAS.index(self.isa))
+        return out
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   scale: float, out: torch.Tensor, threads: int | None = None,

@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <immintrin.h>
 #include <omp.h>
+#include <stdlib.h>
 
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
 
@@ -120,18 +121,252 @@ AVX512_TILE(1, 1) AVX512_TILE(2, 1) AVX512_TILE(3, 1) AVX512_TILE(4, 1)
 static const tile_fn avx512_wide[5] = {0, avx512_1x6, avx512_2x6, avx512_3x6, avx512_4x6};
 static const tile_fn avx512_narrow[5] = {0, avx512_1x1, avx512_2x1, avx512_3x1, avx512_4x1};
 
+/* ---- weights in their GGUF block formats ----
+ *
+ * A weight matrix w [N, K] is kept as the GGUF file stores it (memory-mapped, never copied):
+ * row j is K / B blocks of B weights each, types by ggml's numbers:
+ *
+ *     F32  (0)   B = 1   the float itself
+ *     F16  (1)   B = 1   IEEE half -> float: exact
+ *     BF16 (30)  B = 1   bfloat16 -> float (the 16 bits shifted up): exact
+ *     Q8_0 (8)   B = 32  half d, int8 q[32]:              w = (float)q * d            exact
+ *     Q4_0 (2)   B = 32  half d, 16 bytes of nibbles:     w = (float)(q - 8) * d      exact
+ *     Q4_1 (3)   B = 32  half d, half m, 16 bytes:        w = (float)q * d + m        one rounding
+ *
+ * (Q4 weight i < 16 is byte i's low nibble, weight i + 16 its high nibble.) A product of a
+ * small integer and a half's 11-bit significand fits float32's 24 bits, so every type but
+ * Q4_1 dequantises exactly, and Q4_1 rounds once (the addition of m, round to nearest even):
+ * the same floats as ggml's reference dequantisation and gguf-py's. Dequantising is thus
+ * the same on every instruction-set path.
+ *
+ * The product: for C output columns at a time (a tile), the C weight rows are dequantised
+ * once into a float panel [C, K] that stays in L1, and the float32 tile runs over every
+ * row of x against the panel (each weight block is read from memory and dequantised once
+ * per product, for all rows). An F32 matrix is its own panel. So each output element is
+ * the float32 arithmetic of the header above over the dequantised weights, whatever the
+ * rows, their number or the thread split.
+ */
+
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_BF16 = 30 };
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f,
+             mantissa = h & 0x3ff, bits;
+    if (exponent == 0x1f) bits = sign | 0x7f800000 | (mantissa << 13); /* inf, nan */
+    else if (exponent) bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    else if (!mantissa) bits = sign;                                    /* zero */
+    else { /* subnormal half: a normal float */
+        int shift = 0;
+        while (!(mantissa & 0x400)) { mantissa <<= 1; shift++; }
+        bits = sign | ((uint32_t)(113 - shift) << 23) | ((mantissa & 0x3ff) << 13);
+    }
+    float f;
+    __builtin_memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t read_u16(const uint8_t *p) {
+    uint16_t v;
+    __builtin_memcpy(&v, p, 2);
+    return v;
+}
+
+/* Bytes of one row of K weights of `type`, or 0 for a type or K these kernels do not take. */
+int64_t es_row_bytes(int type, int64_t K) {
+    switch (type) {
+    case T_F32: return 4 * K;
+    case T_F16: case T_BF16: return 2 * K;
+    case T_Q8_0: return K % 32 ? 0 : K / 32 * 34;
+    case T_Q4_0: return K % 32 ? 0 : K / 32 * 18;
+    case T_Q4_1: return K % 32 ? 0 : K / 32 * 20;
+    default: return 0;
+    }
+}
+
+/* out[0..K) = row `row` of w [N, K] of `type`, dequantised (see above); portable C */
+static void dequantize_row_portable(int type, const uint8_t *w, int64_t row, int64_t K,
+                                    float *out) {
+    const uint8_t *p = w + row * es_row_bytes(type, K);
+    switch (type) {
+    case T_F32: __builtin_memcpy(out, p, 4 * K); break;
+    case T_F16: for (int64_t i = 0; i < K; i++) out[i] = half_to_float(read_u16(p + 2 * i)); break;
+    case T_BF16:
+        for (int64_t i = 0; i < K; i++) {
+            uint32_t bits = (uint32_t)read_u16(p + 2 * i) << 16;
+            __builtin_memcpy(out + i, &bits, 4);
+        }
+        break;
+    case T_Q8_0:
+        for (int64_t b = 0; b < K / 32; b++, p += 34, out += 32) {
+            float d = half_to_float(read_u16(p));
+            const int8_t *q = (const int8_t *)(p + 2);
+            for (int i = 0; i < 32; i++) out[i] = (float)q[i] * d;
+        }
+        break;
+    case T_Q4_0:
+        for (int64_t b = 0; b < K / 32; b++, p += 18, out += 32) {
+            float d = half_to_float(read_u16(p));
+            const uint8_t *q = p + 2;
+            for (int i = 0; i < 16; i++) {
+                out[i] = (float)((q[i] & 15) - 8) * d;
+                out[i + 16] = (float)((q[i] >> 4) - 8) * d;
+            }
+        }
+        break;
+    case T_Q4_1:
+        for (int64_t b = 0; b < K / 32; b++, p += 20, out += 32) {
+            float d = half_to_float(read_u16(p)), m = half_to_float(read_u16(p + 2));
+            const uint8_t *q = p + 4;
+            for (int i = 0; i < 16; i++) {
+                out[i] = (float)(q[i] & 15) * d + m;
+                out[i + 16] = (float)(q[i] >> 4) * d + m;
+            }
+        }
+        break;
+    }
+}
+
+/* The same floats with AVX-512 (F16C for the halves: an exact conversion too). */
+__attribute__((target("avx512f,avx512bw,f16c")))
+static void dequantize_row_avx512(int type, const uint8_t *w, int64_t row, int64_t K,
+                                  float *out) {
+    const uint8_t *p = w + row * es_row_bytes(type, K);
+    const __m128i low4 = _mm_set1_epi8(15);
+    switch (type) {
+    case T_Q8_0:
+        for (int64_t b = 0; b < K / 32; b++, p += 34, out += 32) {
+            __m512 d = _mm512_set1_ps(_cvtsh_ss(read_u16(p)));
+            for (int h = 0; h < 2; h++) {
+                __m128i q = _mm_loadu_si128((const __m128i *)(p + 2 + 16 * h));
+                _mm512_storeu_ps(out + 16 * h,
+                                 _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d));
+            }
+        }
+        break;
+    case T_Q4_0: case T_Q4_1: {
+        const int offset = type == T_Q4_1 ? 4 : 2, size = type == T_Q4_1 ? 20 : 18;
+        const __m512i eight = _mm512_set1_epi32(type == T_Q4_0 ? 8 : 0);
+        for (int64_t b = 0; b < K / 32; b++, p += size, out += 32) {
+            __m512 d = _mm512_set1_ps(_cvtsh_ss(read_u16(p)));
+            __m128i q = _mm_loadu_si128((const __m128i *)(p + offset));
+            __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(q, low4));
+            __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low4));
+            __m512 wl = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight)), d);
+            __m512 wh = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight)), d);
+            if (type == T_Q4_1) {
+                __m512 m = _mm512_set1_ps(_cvtsh_ss(read_u16(p + 2)));
+                wl = _mm512_add_ps(wl, m);
+                wh = _mm512_add_ps(wh, m);
+            }
+            _mm512_storeu_ps(out, wl);
+            _mm512_storeu_ps(out + 16, wh);
+        }
+        break;
+    }
+    case T_F16:
+        for (int64_t i = 0; i + 16 <= K; i += 16)
+            _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2 * i))));
+        for (int64_t i = K / 16 * 16; i < K; i++) out[i] = _cvtsh_ss(read_u16(p + 2 * i));
+        break;
+    default: dequantize_row_portable(type, w, row, K, out);
+    }
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void dequantize_row_avx2(int type, const uint8_t *w, int64_t row, int64_t K, float *out) {
+    const uint8_t *p = w + row * es_row_bytes(type, K);
+    const __m128i low4 = _mm_set1_epi8(15);
+    switch (type) {
+    case T_Q8_0:
+        for (int64_t b = 0; b < K / 32; b++, p += 34, out += 32) {
+            __m256 d = _mm256_set1_ps(_cvtsh_ss(read_u16(p)));
+            for (int h = 0; h < 4; h++) {
+                __m128i q = _mm_loadl_epi64((const __m128i *)(p + 2 + 8 * h));
+                _mm256_storeu_ps(out + 8 * h,
+                                 _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+            }
+        }
+        break;
+    case T_Q4_0: case T_Q4_1: {
+        const int offset = type == T_Q4_1 ? 4 : 2, size = type == T_Q4_1 ? 20 : 18;
+        const __m256i eight = _mm256_set1_epi32(type == T_Q4_0 ? 8 : 0);
+        for (int64_t b = 0; b < K / 32; b++, p += size, out += 32) {
+            __m256 d = _mm256_set1_ps(_cvtsh_ss(read_u16(p)));
+            __m256 m = _mm256_set1_ps(type == T_Q4_1 ? _cvtsh_ss(read_u16(p + 2)) : 0.0f);
+            __m128i q = _mm_loadu_si128((const __m128i *)(p + offset));
+            __m128i nib[2] = {_mm_and_si128(q, low4), _mm_and_si128(_mm_srli_epi16(q, 4), low4)};
+            for (int h = 0; h < 4; h++) {
+                __m128i part = h & 1 ? _mm_srli_si128(nib[h / 2], 8) : nib[h / 2];
+                __m256 v = _mm256_mul_ps(
+                    _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(part), eight)), d);
+                if (type == T_Q4_1) v = _mm256_add_ps(v, m);
+                _mm256_storeu_ps(out + 8 * h, v);
+            }
+        }
+        break;
+    }
+    case T_F16:
+        for (int64_t i = 0; i + 8 <= K; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * i))));
+        for (int64_t i = K / 8 * 8; i < K; i++) out[i] = _cvtsh_ss(read_u16(p + 2 * i));
+        break;
+    default: dequantize_row_portable(type, w, row, K, out);
+    }
+}
+
+/* Dequantising is exact (see above), so which path runs changes no bit; the fastest the
+ * CPU runs is used whatever the product's path. */
+static int dequantize_isa = -1;
+
+static void dequantize_row(int type, const uint8_t *w, int64_t row, int64_t K, float *out) {
+    if (dequantize_isa < 0) {
+        __builtin_cpu_init();
+        dequantize_isa = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("f16c") ? 2
+                         : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") ? 1 : 0;
+    }
+    if (dequantize_isa == 2) dequantize_row_avx512(type, w, row, K, out);
+    else if (dequantize_isa == 1) dequantize_row_avx2(type, w, row, K, out);
+    else dequantize_row_portable(type, w, row, K, out);
+}
+
 /* Columns j0..j1 of every row: tiles of C columns (then single columns), each tile over
- * every row in blocks of up to 4 while its weight rows stay in L1. */
+ * every row in blocks of up to 4 while its weight rows (or their dequantised panel,
+ * `panel`: C * K floats) stay in L1. */
 static void rows_tiled(const tile_fn *wide, const tile_fn *narrow, int C,
-                       const float *x, int64_t ldx, int64_t rows, int64_t K, const float *w,
-                       float *y, int64_t ldy, int64_t j0, int64_t j1) {
+                       const float *x, int64_t ldx, int64_t rows, int64_t K, const void *w,
+                       int type, float *y, int64_t ldy, int64_t j0, int64_t j1, float *panel) {
     int64_t j = j0;
-    for (; j + C <= j1; j += C)
+    for (; j + C <= j1; j += C) {
+        const float *tile = (const float *)w + j * K;
+        if (type != T_F32) {
+            for (int c = 0; c < C; c++) dequantize_row(type, w, j + c, K, panel + c * K);
+            tile = panel;
+        }
         for (int64_t r = 0; r < rows; r += 4)
-            wide[MIN(4, rows - r)](x + r * ldx, ldx, K, w + j * K, y + r * ldy + j, ldy);
-    for (; j < j1; j++)
+            wide[MIN(4, rows - r)](x + r * ldx, ldx, K, tile, y + r * ldy + j, ldy);
+    }
+    for (; j < j1; j++) {
+        const float *tile = (const float *)w + j * K;
+        if (type != T_F32) {
+            dequantize_row(type, w, j, K, panel);
+            tile = panel;
+        }
         for (int64_t r = 0; r < rows; r += 4)
-            narrow[MIN(4, rows - r)](x + r * ldx, ldx, K, w + j * K, y + r * ldy + j, ldy);
+            narrow[MIN(4, rows - r)](x + r * ldx, ldx, K, tile, y + r * ldy + j, ldy);
+    }
+}
+
+static void rows_portable_typed(const float *x, int64_t ldx, int64_t rows, int64_t K,
+                                const void *w, int type, float *y, int64_t ldy, int64_t j0,
+                                int64_t j1, float *panel) {
+    for (int64_t j = j0; j < j1; j++) {
+        const float *row = (const float *)w + j * K;
+        if (type != T_F32) {
+            dequantize_row(type, w, j, K, panel);
+            row = panel;
+        }
+        rows_portable(x, ldx, rows, K, row, K, y + j, ldy, 0, 1);
+    }
 }
 
 /* The best instruction set this CPU runs: 2 AVX-512F, 1 AVX2 + FMA, 0 portable. */
@@ -142,35 +377,48 @@ int es_best_isa(void) {
     return 0;
 }
 
+#define PANEL_COLUMNS 6 /* the widest tile */
+
 static void columns(int isa, const float *x, int64_t ldx, int64_t rows, int64_t K,
-                    const float *w, float *y, int64_t ldy, int64_t j0, int64_t j1) {
+                    const void *w, int type, float *y, int64_t ldy, int64_t j0, int64_t j1,
+                    float *panel) {
     if (isa == 2)
-        rows_tiled(avx512_wide, avx512_narrow, 6, x, ldx, rows, K, w, y, ldy, j0, j1);
+        rows_tiled(avx512_wide, avx512_narrow, 6, x, ldx, rows, K, w, type, y, ldy, j0, j1, panel);
     else if (isa == 1)
-        rows_tiled(avx2_wide, avx2_narrow, 4, x, ldx, rows, K, w, y, ldy, j0, j1);
+        rows_tiled(avx2_wide, avx2_narrow, 4, x, ldx, rows, K, w, type, y, ldy, j0, j1, panel);
     else
-        rows_portable(x, ldx, rows, K, w, K, y, ldy, j0, j1);
+        rows_portable_typed(x, ldx, rows, K, w, type, y, ldy, j0, j1, panel);
 }
 
-/* y [rows, N] (row stride ldy) = x [rows, K] (row stride ldx) @ w [N, K]^T (w contiguous),
- * on `threads` threads that split the output columns in blocks of 48, with instruction set
- * `isa` (as es_best_isa returns; a lower one may be forced). */
-void es_linear(const float *x, int64_t ldx, int64_t rows, int64_t K, const float *w,
-               int64_t N, float *y, int64_t ldy, int threads, int isa) {
+/* Thread t of n's share of N output columns: whole blocks of 48. */
+static void column_share(int64_t N, int t, int n, int64_t *j0, int64_t *j1) {
+    int64_t blocks = (N + 47) / 48;
+    *j0 = MIN(blocks * t / n * 48, N);
+    *j1 = MIN(blocks * (t + 1) / n * 48, N);
+}
+
+/* y [rows, N] (row stride ldy) = x [rows, K] (row stride ldx) @ w [N, K]^T (w contiguous,
+ * of `type`, see above), on `threads` threads that split the output columns in blocks of 48,
+ * with instruction set `isa` (as es_best_isa returns; a lower one may be forced). */
+void es_linear_typed(const float *x, int64_t ldx, int64_t rows, int64_t K, const void *w,
+                     int type, int64_t N, float *y, int64_t ldy, int threads, int isa) {
     int64_t blocks = (N + 47) / 48;
     if (rows <= 0 || N <= 0) return;
     if (threads < 1) threads = 1;
     if (threads > blocks) threads = (int)blocks;
-    if (threads == 1) {
-        columns(isa, x, ldx, rows, K, w, y, ldy, 0, N);
-        return;
-    }
 #pragma omp parallel num_threads(threads)
     {
-        int t = omp_get_thread_num(), n = omp_get_num_threads();
-        int64_t j0 = blocks * t / n * 48, j1 = MIN(blocks * (t + 1) / n * 48, N);
-        if (j0 < j1) columns(isa, x, ldx, rows, K, w, y, ldy, j0, j1);
+        int64_t j0, j1;
+        float *panel = type == T_F32 ? NULL : malloc(sizeof(float) * PANEL_COLUMNS * K);
+        column_share(N, omp_get_thread_num(), omp_get_num_threads(), &j0, &j1);
+        if (j0 < j1) columns(isa, x, ldx, rows, K, w, type, y, ldy, j0, j1, panel);
+        free(panel);
     }
+}
+
+void es_linear(const float *x, int64_t ldx, int64_t rows, int64_t K, const float *w,
+               int64_t N, float *y, int64_t ldy, int threads, int isa) {
+    es_linear_typed(x, ldx, rows, K, w, T_F32, N, y, ldy, threads, isa);
 }
 
 /* ---- attention for a block of queries ----
@@ -254,6 +502,42 @@ static void weighted_sum_rows_portable(const float *e, int64_t n, const float *v
     }
 }
 
+/* One head h of es_attention (below); e: L floats of scratch. */
+static void attend_head(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq,
+                        int64_t sh, const float *k, const float *v, int64_t Hkv, int64_t L,
+                        int64_t skh, int64_t skj, int64_t svh, int64_t svj, float scale,
+                        float *out, int64_t so, int64_t soh, float *e, int isa,
+                        const int64_t *tree_rows, const int64_t *tree_offsets, int64_t h) {
+    int64_t group = H / Hkv;
+    const float *kh = k + (h / group) * skh, *vh = v + (h / group) * svh;
+    for (int64_t i = 0; i < nq; i++) {
+        const float *qi = q + i * sq + h * sh;
+        int64_t P = L - nq, visible = L - nq + 1 + i;
+        const int64_t *extra = NULL;  /* a tree node's path (see the header) */
+        if (tree_rows) {
+            extra = tree_rows + tree_offsets[i];
+            visible = P + tree_offsets[i + 1] - tree_offsets[i];
+        }
+        float m = -INFINITY;
+        for (int64_t j = 0; j < visible; j++) {
+            const float *kj = kh + (extra ? key_row(j, P, extra) : j) * skj;
+            float s = (isa >= 1 ? dot_avx2(qi, kj, d) : dot_portable(qi, kj, d)) * scale;
+            e[j] = s;
+            if (s > m) m = s;
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j < visible; j++) {
+            e[j] = expf(e[j] - m);
+            sum += e[j];
+        }
+        float *o = out + i * so + h * soh;
+        int64_t in_place = extra ? P : visible;  /* rows read where they are */
+        if (isa >= 1) weighted_sum_rows_avx2(e, visible, vh, svj, d, o, in_place, extra);
+        else weighted_sum_rows_portable(e, visible, vh, svj, d, o, in_place, extra);
+        for (int64_t c = 0; c < d; c++) o[c] = o[c] / sum;
+    }
+}
+
 /* q: element (i, h, c) at q[i*sq + h*sh + c]; k, v: (kvh, j, c) at [kvh*skh + j*skj + c];
  * out: (i, h, c) at out[i*so + h*soh + c]; scratch: threads * L floats. */
 void es_attention(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, int64_t sh,
@@ -261,38 +545,216 @@ void es_attention(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, 
                   int64_t skj, int64_t svh, int64_t svj, float scale, float *out, int64_t so,
                   int64_t soh, float *scratch, int threads, int isa,
                   const int64_t *tree_rows, const int64_t *tree_offsets) {
-    int64_t group = H / Hkv;
     if (threads < 1) threads = 1;
     if (threads > H) threads = (int)H;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t h = 0; h < H; h++) {
-        float *e = scratch + (int64_t)omp_get_thread_num() * L;
-        const float *kh = k + (h / group) * skh, *vh = v + (h / group) * svh;
-        for (int64_t i = 0; i < nq; i++) {
-            const float *qi = q + i * sq + h * sh;
-            int64_t P = L - nq, visible = L - nq + 1 + i;
-            const int64_t *extra = NULL;  /* a tree node's path (see the header) */
-            if (tree_rows) {
-                extra = tree_rows + tree_offsets[i];
-                visible = P + tree_offsets[i + 1] - tree_offsets[i];
-            }
-            float m = -INFINITY;
-            for (int64_t j = 0; j < visible; j++) {
-                const float *kj = kh + (extra ? key_row(j, P, extra) : j) * skj;
-                float s = (isa >= 1 ? dot_avx2(qi, kj, d) : dot_portable(qi, kj, d)) * scale;
-                e[j] = s;
-                if (s > m) m = s;
-            }
-            float sum = 0.0f;
-            for (int64_t j = 0; j < visible; j++) {
-                e[j] = expf(e[j] - m);
-                sum += e[j];
-            }
-            float *o = out + i * so + h * soh;
-            int64_t in_place = extra ? P : visible;  /* rows read where they are */
-            if (isa >= 1) weighted_sum_rows_avx2(e, visible, vh, svj, d, o, in_place, extra);
-            else weighted_sum_rows_portable(e, visible, vh, svj, d, o, in_place, extra);
-            for (int64_t c = 0; c < d; c++) o[c] = o[c] / sum;
+    for (int64_t h = 0; h < H; h++)
+        attend_head(q, nq, H, d, sq, sh, k, v, Hkv, L, skh, skj, svh, svj, scale, out, so, soh,
+                    scratch + (int64_t)omp_get_thread_num() * L, isa, tree_rows, tree_offsets,
+                    h);
+}
+
+/* ---- a Llama-family forward pass over GGUF weights ----
+ *
+ * es_forward runs the decoder of a Llama-family model (Llama, Mistral, Qwen2: RMSNorm,
+ * grouped-query attention with RoPE, optional q/k/v biases, SwiGLU) over n new tokens of
+ * one or more sequences (segments), in one OpenMP parallel region: threads split the
+ * output columns of every product (es_linear's shares), the (segment, head) pairs of
+ * attention, and the rows of the per-row steps. Per row and per layer:
+ *
+ *     x  = rms_norm(h, attn_norm)        ss = dot(h, h) (8-lane order, as the products);
+ *                                        x[c] = (h[c] * (1 / sqrtf(ss / E + eps))) * w[c]
+ *     q, k, v = x @ Wq^T (+ bq), ...     the typed product above
+ *     RoPE on q and k at the row's position: angle = pos * scale * base^(-2i / n_rot)
+ *                                        / factor[i] in double, cos and sin rounded to float;
+ *                                        (a, b) -> (a c - b s, a s + b c) in float; pairs
+ *                                        (2i, 2i+1) (llama.cpp's "norm" mode) or (i, i + n_rot/2)
+ *                                        ("neox")
+ *     k, v appended to the segment's cache at its next positions
+ *     a  = attention (attend_head: the query's keys, one-token-step arithmetic; trees too)
+ *     h  = h + a @ Wo^T
+ *     x  = rms_norm(h, ffn_norm);  g = x @ Wgate^T;  u = x @ Wup^T
+ *     h  = h + ((g / (1 + expf(-g))) * u) @ Wdown^T
+ *
+ * then logits = rms_norm(h, output_norm) @ Wout^T for the rows asked for. Every step of a
+ * row reads only that row (and its own sequence's cache), so its bits do not depend on the
+ * other rows, their number, the chunking of a prefill or the thread count.
+ */
+
+typedef struct { const void *data; int64_t type; } es_weight;
+
+typedef struct {
+    const float *attn_norm, *ffn_norm, *bq, *bk, *bv; /* biases may be NULL */
+    es_weight wq, wk, wv, wo, gate, up, down;
+} es_layer;
+
+typedef struct {
+    int64_t n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, rope_dims, rope_neox;
+    double rms_eps, rope_base, rope_scale;
+    const float *rope_factors; /* [rope_dims / 2] or NULL */
+    const float *output_norm;
+    es_weight tok_embd, output;
+    const es_layer *layers;
+} es_model;
+
+typedef struct {
+    float *k_cache, *v_cache;     /* [n_layer][n_head_kv][capacity][head_dim] */
+    int64_t capacity, n_past, n_tokens;
+    const int64_t *tree_rows, *tree_offsets; /* NULL: a chain */
+} es_segment;
+
+static float rms_scale(const float *x, int64_t E, double eps, int isa) {
+    float ss = isa >= 1 ? dot_avx2(x, x, E) : dot_portable(x, x, E);
+    return 1.0f / sqrtf(ss / (float)E + (float)eps);
+}
+
+static void rms_norm(const float *x, const float *w, int64_t E, double eps, int isa, float *y) {
+    float s = rms_scale(x, E, eps, isa);
+    for (int64_t c = 0; c < E; c++) y[c] = (x[c] * s) * w[c];
+}
+
+static void rope_row(float *x, int64_t heads, int64_t d, int64_t n_rot, int neox,
+                     const float *cs) {
+    for (int64_t h = 0; h < heads; h++) {
+        float *xh = x + h * d;
+        for (int64_t i = 0; i < n_rot / 2; i++) {
+            int64_t i0 = neox ? i : 2 * i, i1 = neox ? i + n_rot / 2 : 2 * i + 1;
+            float c = cs[2 * i], s = cs[2 * i + 1], a = xh[i0], b = xh[i1];
+            xh[i0] = a * c - b * s;
+            xh[i1] = a * s + b * c;
         }
     }
+}
+
+static void add_bias(float *y, const float *b, int64_t n) {
+    if (b) for (int64_t c = 0; c < n; c++) y[c] += b[c];
+}
+
+/* tokens, positions: [n] (the rows of all segments, in order; a tree node's position is
+ * n_past + its depth); logit_rows: [n_logits] rows whose logits are written to logits
+ * [n_logits, n_vocab]; feature_layers: [n_features] layers whose outputs are written to
+ * features [n, n_features * n_embd] (may be NULL when n_features is 0). */
+void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
+                const int64_t *tokens, const int64_t *positions, int64_t n,
+                const int64_t *logit_rows, int64_t n_logits, float *logits,
+                const int64_t *feature_layers, int64_t n_features, float *features,
+                int threads, int isa) {
+    const int64_t E = m->n_embd, H = m->n_head, Hkv = m->n_head_kv, d = m->head_dim,
+                  F = m->n_ff, QD = H * d, KD = Hkv * d, n_rot = m->rope_dims;
+    int64_t max_L = 1, max_K = E > F ? E : F;
+    for (int64_t s = 0; s < n_segs; s++)
+        if (segs[s].n_past + segs[s].n_tokens > max_L) max_L = segs[s].n_past + segs[s].n_tokens;
+    int64_t *seg_start = malloc(sizeof(int64_t) * (n_segs + 1));
+    seg_start[0] = 0;
+    for (int64_t s = 0; s < n_segs; s++) seg_start[s + 1] = seg_start[s] + segs[s].n_tokens;
+    float *h = malloc(sizeof(float) * n * E), *x = malloc(sizeof(float) * n * max_K),
+          *q = malloc(sizeof(float) * n * QD), *k = malloc(sizeof(float) * n * KD),
+          *v = malloc(sizeof(float) * n * KD), *a = malloc(sizeof(float) * n * QD),
+          *t1 = malloc(sizeof(float) * n * E), *g = malloc(sizeof(float) * n * F),
+          *u = malloc(sizeof(float) * n * F), *cs = malloc(sizeof(float) * n * (n_rot + 1)),
+          *xl = malloc(sizeof(float) * (n_logits ? n_logits : 1) * E);
+    const float scale = 1.0f / sqrtf((float)d);
+    if (threads < 1) threads = 1;
+
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t r0 = n * t / nt, r1 = n * (t + 1) / nt;
+        float *panel = malloc(sizeof(float) * PANEL_COLUMNS * max_K);
+        float *e = malloc(sizeof(float) * max_L);
+#define LINEAR(X, K, W, N, Y)                                                               \
+        do {                                                                              \
+            int64_t j0, j1;                                                               \
+            column_share(N, t, nt, &j0, &j1);                                             \
+            if (j0 < j1) columns(isa, X, K, n, K, (W).data, (int)(W).type, Y, N, j0, j1, panel); \
+        } while (0)
+
+        for (int64_t r = r0; r < r1; r++) {
+            dequantize_row((int)m->tok_embd.type, m->tok_embd.data, tokens[r], E, h + r * E);
+            for (int64_t i = 0; i < n_rot / 2; i++) {
+                double factor = m->rope_factors ? m->rope_factors[i] : 1.0;
+                double angle = (double)positions[r] * m->rope_scale
+                               * pow(m->rope_base, -2.0 * (double)i / (double)n_rot) / factor;
+                cs[r * n_rot + 2 * i] = (float)cos(angle);
+                cs[r * n_rot + 2 * i + 1] = (float)sin(angle);
+            }
+        }
+        for (int64_t l = 0; l < m->n_layer; l++) {
+            const es_layer *L = m->layers + l;
+            for (int64_t r = r0; r < r1; r++)
+                rms_norm(h + r * E, L->attn_norm, E, m->rms_eps, isa, x + r * E);
+#pragma omp barrier
+            LINEAR(x, E, L->wq, QD, q);
+            LINEAR(x, E, L->wk, KD, k);
+            LINEAR(x, E, L->wv, KD, v);
+#pragma omp barrier
+            for (int64_t s = 0; s < n_segs; s++)
+                for (int64_t r = seg_start[s] > r0 ? seg_start[s] : r0;
+                     r < seg_start[s + 1] && r < r1; r++) {
+                    add_bias(q + r * QD, L->bq, QD);
+                    add_bias(k + r * KD, L->bk, KD);
+                    add_bias(v + r * KD, L->bv, KD);
+                    rope_row(q + r * QD, H, d, n_rot, (int)m->rope_neox, cs + r * n_rot);
+                    rope_row(k + r * KD, Hkv, d, n_rot, (int)m->rope_neox, cs + r * n_rot);
+                    const es_segment *S = segs + s;
+                    int64_t at = S->n_past + (r - seg_start[s]);
+                    for (int64_t kh = 0; kh < Hkv; kh++) {
+                        int64_t off = ((l * Hkv + kh) * S->capacity + at) * d;
+                        __builtin_memcpy(S->k_cache + off, k + r * KD + kh * d, 4 * d);
+                        __builtin_memcpy(S->v_cache + off, v + r * KD + kh * d, 4 * d);
+                    }
+                }
+#pragma omp barrier
+            for (int64_t item = t; item < n_segs * H; item += nt) {
+                const es_segment *S = segs + item / H;
+                int64_t row = seg_start[item / H], cap = S->capacity;
+                attend_head(q + row * QD, S->n_tokens, H, d, QD, d,
+                            S->k_cache + l * Hkv * cap * d, S->v_cache + l * Hkv * cap * d, Hkv,
+                            S->n_past + S->n_tokens, cap * d, d, cap * d, d, scale,
+                            a + row * QD, QD, d, e, isa, S->tree_rows, S->tree_offsets,
+                            item % H);
+            }
+#pragma omp barrier
+            LINEAR(a, QD, L->wo, E, t1);
+#pragma omp barrier
+            for (int64_t r = r0; r < r1; r++) {
+                for (int64_t c = 0; c < E; c++) h[r * E + c] += t1[r * E + c];
+                rms_norm(h + r * E, L->ffn_norm, E, m->rms_eps, isa, x + r * E);
+            }
+#pragma omp barrier
+            LINEAR(x, E, L->gate, F, g);
+            LINEAR(x, E, L->up, F, u);
+#pragma omp barrier
+            for (int64_t r = r0; r < r1; r++)
+                for (int64_t c = 0; c < F; c++) {
+                    float gc = g[r * F + c];
+                    x[r * F + c] = (gc / (1.0f + expf(-gc))) * u[r * F + c];
+                }
+#pragma omp barrier
+            LINEAR(x, F, L->down, E, t1);
+#pragma omp barrier
+            for (int64_t r = r0; r < r1; r++) {
+                for (int64_t c = 0; c < E; c++) h[r * E + c] += t1[r * E + c];
+                for (int64_t f = 0; f < n_features; f++)
+                    if (feature_layers[f] == l)
+                        __builtin_memcpy(features + (r * n_features + f) * E, h + r * E, 4 * E);
+            }
+#pragma omp barrier
+        }
+        for (int64_t i = n_logits * t / nt; i < n_logits * (t + 1) / nt; i++)
+            rms_norm(h + logit_rows[i] * E, m->output_norm, E, m->rms_eps, isa, xl + i * E);
+#pragma omp barrier
+        if (n_logits) {
+            int64_t j0, j1;
+            column_share(m->n_vocab, t, nt, &j0, &j1);
+            if (j0 < j1)
+                columns(isa, xl, E, n_logits, E, m->output.data, (int)m->output.type, logits,
+                        m->n_vocab, j0, j1, panel);
+        }
+        free(panel);
+        free(e);
+#undef LINEAR
+    }
+    free(seg_start); free(h); free(x); free(q); free(k); free(v); free(a); free(t1);
+    free(g); free(u); free(cs); free(xl);
 }
