@@ -101,7 +101,7 @@ class NativeKernels:
                                       ctypes.c_int]
         library.es_linear.restype = None
         library.es_attention.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64,
-                                         i64, i64, i64, ctypes.c_float, ptr, i64, i64, ptr,
+                                         i64, i64, i64, ctypes.c_float, ptr, i64, i64,
                                          ctypes.c_int, ctypes.c_int, ptr, ptr]
         library.es_attention.restype = None
         self._attention = library.es_attention
@@ -197,7 +197,7 @@ class NativeKernels:
             scale: the scores' factor (head_dim ** -0.5 for Llama).
             out: ``[q, heads, head_dim]`` float32 written in place (head_dim contiguous).
             threads: OpenMP threads (default ``torch.get_num_threads()``); they take whole
-                heads.
+                kv heads.
             tree: the nodes' paths (:class:`TreePaths`), or None for a chain.
         Raises:
             ValueError: for layouts the kernel does not take, or paths of other than ``q``
@@ -217,11 +217,10 @@ class NativeKernels:
             raise ValueError(f"tree paths for {tree.offsets.shape[0] - 1} nodes; the query has "
                              f"{q_len}")
         threads = torch.get_num_threads() if threads is None else threads
-        scratch = torch.empty(max(threads, 1) * length, dtype=torch.float32)
         self._attention(query.data_ptr(), q_len, heads, head_dim, query.stride(1),
                         query.stride(0), key.data_ptr(), value.data_ptr(), kv_heads, length,
                         key.stride(0), key.stride(1), value.stride(0), value.stride(1), scale,
-                        out.data_ptr(), out.stride(0), out.stride(1), scratch.data_ptr(), threads,
+                        out.data_ptr(), out.stride(0), out.stride(1), threads,
                         ISAS.index(self.isa), None if tree is None else tree.rows.data_ptr(),
                         None if tree is None else tree.offsets.data_ptr())
 

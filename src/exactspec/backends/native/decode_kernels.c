@@ -329,6 +329,96 @@ static void dequantize_row(int type, const uint8_t *w, int64_t row, int64_t K, f
     else dequantize_row_portable(type, w, row, K, out);
 }
 
+/* Fused AVX-512 tiles for the block types: R <= 4 rows x C columns, each block of 32
+ * weights dequantised in registers (the same floats as dequantize_row: an FMA q * d + m
+ * rounds once, like the multiply (exact) then add) and used at once for every row, with
+ * the 16-lane order of the float32 tile (lanes over k in steps of 16, then hsum16): the
+ * same bits as the panel path, without writing the panel. */
+__attribute__((target("avx512f,avx512bw,f16c"))) static inline void dq_q4_1(
+    const uint8_t *p, __m512 *lo, __m512 *hi) {
+    const __m128i low4 = _mm_set1_epi8(15);
+    __m512 d = _mm512_set1_ps(_cvtsh_ss(read_u16(p))), m = _mm512_set1_ps(_cvtsh_ss(read_u16(p + 2)));
+    __m128i q = _mm_loadu_si128((const __m128i *)(p + 4));
+    *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low4))), d, m);
+    *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+        _mm_and_si128(_mm_srli_epi16(q, 4), low4))), d, m);
+}
+__attribute__((target("avx512f,avx512bw,f16c"))) static inline void dq_q4_0(
+    const uint8_t *p, __m512 *lo, __m512 *hi) {
+    const __m128i low4 = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+    __m512 d = _mm512_set1_ps(_cvtsh_ss(read_u16(p)));
+    __m128i q = _mm_loadu_si128((const __m128i *)(p + 2));
+    *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_sub_epi8(_mm_and_si128(q, low4), eight))), d);
+    *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), low4), eight))), d);
+}
+__attribute__((target("avx512f,avx512bw,f16c"))) static inline void dq_q8_0(
+    const uint8_t *p, __m512 *lo, __m512 *hi) {
+    __m512 d = _mm512_set1_ps(_cvtsh_ss(read_u16(p)));
+    *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 2)))), d);
+    *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 18)))), d);
+}
+
+typedef void (*qtile_fn)(const float *x, int64_t ldx, int64_t K, const uint8_t *w,
+                         int64_t row_bytes, float *y, int64_t ldy);
+
+#define QTILE(TYPE, BYTES, R, C)                                                          \
+    __attribute__((target("avx512f,avx512bw,f16c"))) static void TYPE##_##R##x##C(        \
+        const float *x, int64_t ldx, int64_t K, const uint8_t *w, int64_t row_bytes,      \
+        float *y, int64_t ldy) {                                                          \
+        __m512 acc[R][C];                                                                 \
+        for (int r = 0; r < R; r++)                                                       \
+            for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();                  \
+        for (int64_t b = 0; b < K / 32; b++) {                                            \
+            __m512 lo[C], hi[C];                                                          \
+            for (int c = 0; c < C; c++) dq_##TYPE(w + c * row_bytes + b * BYTES, lo + c, hi + c); \
+            for (int r = 0; r < R; r++) {                                                 \
+                __m512 xl = _mm512_loadu_ps(x + r * ldx + 32 * b);                        \
+                __m512 xh = _mm512_loadu_ps(x + r * ldx + 32 * b + 16);                   \
+                for (int c = 0; c < C; c++) {                                             \
+                    acc[r][c] = _mm512_fmadd_ps(xl, lo[c], acc[r][c]);                    \
+                    acc[r][c] = _mm512_fmadd_ps(xh, hi[c], acc[r][c]);                    \
+                }                                                                         \
+            }                                                                             \
+        }                                                                                 \
+        for (int r = 0; r < R; r++)                                                       \
+            for (int c = 0; c < C; c++) y[r * ldy + c] = hsum16(acc[r][c]);               \
+    }
+
+#define QTILES(TYPE, BYTES)                                                               \
+    QTILE(TYPE, BYTES, 1, 4) QTILE(TYPE, BYTES, 2, 4) QTILE(TYPE, BYTES, 3, 4)            \
+    QTILE(TYPE, BYTES, 4, 4) QTILE(TYPE, BYTES, 1, 1) QTILE(TYPE, BYTES, 2, 1)            \
+    QTILE(TYPE, BYTES, 3, 1) QTILE(TYPE, BYTES, 4, 1)                                     \
+    static const qtile_fn TYPE##_wide[5] = {0, TYPE##_1x4, TYPE##_2x4, TYPE##_3x4, TYPE##_4x4}; \
+    static const qtile_fn TYPE##_narrow[5] = {0, TYPE##_1x1, TYPE##_2x1, TYPE##_3x1, TYPE##_4x1};
+
+QTILES(q4_1, 20) QTILES(q4_0, 18) QTILES(q8_0, 34)
+
+int es_fused_rows = 4; /* rows up to which the fused tiles run (tests compare both paths) */
+
+/* Columns j0..j1 of at most FUSED_ROWS rows through the fused tiles of a block type, or 0
+ * where there are none (other types, paths or more rows). */
+static int rows_fused(int isa, const float *x, int64_t ldx, int64_t rows, int64_t K,
+                      const uint8_t *w, int type, float *y, int64_t ldy, int64_t j0, int64_t j1) {
+    const qtile_fn *wide, *narrow;
+    if (isa != 2 || rows > es_fused_rows) return 0;
+    if (type == T_Q4_1) wide = q4_1_wide, narrow = q4_1_narrow;
+    else if (type == T_Q4_0) wide = q4_0_wide, narrow = q4_0_narrow;
+    else if (type == T_Q8_0) wide = q8_0_wide, narrow = q8_0_narrow;
+    else return 0;
+    int64_t row_bytes = es_row_bytes(type, K), j = j0;
+    for (; j + 4 <= j1; j += 4)
+        for (int64_t r = 0; r < rows; r += 4)
+            wide[MIN(4, rows - r)](x + r * ldx, ldx, K, w + j * row_bytes, row_bytes,
+                                   y + r * ldy + j, ldy);
+    for (; j < j1; j++)
+        for (int64_t r = 0; r < rows; r += 4)
+            narrow[MIN(4, rows - r)](x + r * ldx, ldx, K, w + j * row_bytes, row_bytes,
+                                     y + r * ldy + j, ldy);
+    return 1;
+}
+
 /* Columns j0..j1 of every row: tiles of C columns (then single columns), each tile over
  * every row in blocks of up to 4 while its weight rows (or their dequantised panel,
  * `panel`: C * K floats) stay in L1. */
@@ -382,6 +472,7 @@ int es_best_isa(void) {
 static void columns(int isa, const float *x, int64_t ldx, int64_t rows, int64_t K,
                     const void *w, int type, float *y, int64_t ldy, int64_t j0, int64_t j1,
                     float *panel) {
+    if (rows_fused(isa, x, ldx, rows, K, w, type, y, ldy, j0, j1)) return;
     if (isa == 2)
         rows_tiled(avx512_wide, avx512_narrow, 6, x, ldx, rows, K, w, type, y, ldy, j0, j1, panel);
     else if (isa == 1)
@@ -429,12 +520,17 @@ void es_linear(const float *x, int64_t ldx, int64_t rows, int64_t K, const float
  *
  *     s_j = dot(q, k_j) * scale      dot: 8 lanes of fma over d in order, then hsum8, then
  *                                    the d % 8 last dims in order (as the linear kernel)
- *     m = max_j s_j;  e_j = expf(s_j - m);  sum = e_0 + e_1 + ... in order of j
+ *     m = max_j s_j;  e_j = exp8(s_j - m)     exp8 below: one fixed sequence of IEEE
+ *                                    operations per element, the same on every path
+ *     sum = 8 lanes of e_j over j in order (lane j % 8), then hsum8, then the n % 8 last
  *     out[c] = (fma over j in order of e_j * v_j[c]) / sum      for each dim c on its own
  *
  * so each query's arithmetic is that of a one-token step at its position, whatever the
- * other queries, their number or the thread split (threads take whole heads). The AVX2 path
- * and the portable path give the same bits; there is no AVX-512 path.
+ * other queries, their number or the thread split (threads take whole kv heads). Queries
+ * are taken in blocks of QUERY_BLOCK with the heads of their kv group, and each key of the
+ * shared prefix is scored for the whole block while it is in L1 (only the order of
+ * independent dot products changes, never one dot's arithmetic). The AVX2 path and the
+ * portable path give the same bits; there is no AVX-512 path.
  *
  * Token trees (tree_rows != NULL): the nq queries are the nodes of a tree of drafts, and
  * query i sees the P = L - nq keys before them, then the nodes tree_rows[tree_offsets[i] ..
@@ -443,7 +539,68 @@ void es_linear(const float *x, int64_t ldx, int64_t rows, int64_t K, const float
  * is that of a one-token step after its path (each output dim is its own fma chain over j:
  * gathering the rows changes nothing in it). */
 
-__attribute__((target("avx2,fma"))) static float dot_avx2(const float *a, const float *b,
+/* exp(x) for x <= 0 (Cephes' expf polynomial): x clamped to >= -87; n = rint(x * log2e);
+ * r = fma(n, -C2, fma(n, -C1, x)); p = Horner in fma over p0..p5; y = fma(p, r * r, r) + 1;
+ * result = y * 2^n (exact). Each step one IEEE operation, round to nearest even. */
+#define EXP_C1 0.693359375f
+#define EXP_C2 -2.12194440e-4f
+static const float exp_p[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+static inline float exp_portable(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = rintf(x * 1.44269504088896341f);
+    float r = fmaf(n, -EXP_C2, fmaf(n, -EXP_C1, x));
+    float y = exp_p[0];
+    for (int i = 1; i < 6; i++) y = fmaf(y, r, exp_p[i]);
+    y = fmaf(y, r * r, r) + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    __builtin_memcpy(&scale, &bits, 4);
+    return y * scale;
+}
+
+__attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_C2),
+                               _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_C1), x));
+    __m256 y = _mm256_set1_ps(exp_p[0]);
+    for (int i = 1; i < 6; i++) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(exp_p[i]));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                      _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+/* e[j] = exp(e[j] - m) in place for j < n; returns their sum in the order of the header */
+__attribute__((target("avx2,fma"))) static float exp_sum_avx2(float *e, int64_t n, float m) {
+    __m256 acc = _mm256_setzero_ps(), mv = _mm256_set1_ps(m);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(e + j), mv));
+        _mm256_storeu_ps(e + j, v);
+        acc = _mm256_add_ps(acc, v);
+    }
+    float sum = hsum8(acc);
+    for (; j < n; j++) sum += (e[j] = exp_portable(e[j] - m));
+    return sum;
+}
+
+static float exp_sum_portable(float *e, int64_t n, float m) {
+    float lane[8] = {0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; l++) lane[l] += (e[j + l] = exp_portable(e[j + l] - m));
+    for (int l = 0; l < 4; l++) lane[l] += lane[l + 4];
+    for (int l = 0; l < 2; l++) lane[l] += lane[l + 2];
+    float sum = lane[0] + lane[1];
+    for (; j < n; j++) sum += (e[j] = exp_portable(e[j] - m));
+    return sum;
+}
+
+__attribute__((target("avx2,fma"))) static inline float dot_avx2(const float *a, const float *b,
                                                           int64_t d) {
     __m256 acc = _mm256_setzero_ps();
     int64_t c = 0;
@@ -459,7 +616,7 @@ static inline int64_t key_row(int64_t j, int64_t P, const int64_t *extra) {
     return j < P ? j : P + extra[j - P];
 }
 
-__attribute__((target("avx2,fma"))) static void weighted_sum_rows_avx2(
+__attribute__((target("avx2,fma"))) static inline void weighted_sum_rows_avx2(
     const float *e, int64_t n, const float *v, int64_t ldv, int64_t d, float *out, int64_t P,
     const int64_t *extra) {
     /* 32 dims at a time in four accumulators, then 8, then one: each dim one fma chain */
@@ -502,56 +659,86 @@ static void weighted_sum_rows_portable(const float *e, int64_t n, const float *v
     }
 }
 
-/* One head h of es_attention (below); e: L floats of scratch. */
-static void attend_head(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq,
-                        int64_t sh, const float *k, const float *v, int64_t Hkv, int64_t L,
-                        int64_t skh, int64_t skj, int64_t svh, int64_t svj, float scale,
-                        float *out, int64_t so, int64_t soh, float *e, int isa,
-                        const int64_t *tree_rows, const int64_t *tree_offsets, int64_t h) {
-    int64_t group = H / Hkv;
-    const float *kh = k + (h / group) * skh, *vh = v + (h / group) * svh;
-    for (int64_t i = 0; i < nq; i++) {
-        const float *qi = q + i * sq + h * sh;
-        int64_t P = L - nq, visible = L - nq + 1 + i;
-        const int64_t *extra = NULL;  /* a tree node's path (see the header) */
-        if (tree_rows) {
-            extra = tree_rows + tree_offsets[i];
-            visible = P + tree_offsets[i + 1] - tree_offsets[i];
-        }
-        float m = -INFINITY;
-        for (int64_t j = 0; j < visible; j++) {
-            const float *kj = kh + (extra ? key_row(j, P, extra) : j) * skj;
-            float s = (isa >= 1 ? dot_avx2(qi, kj, d) : dot_portable(qi, kj, d)) * scale;
-            e[j] = s;
-            if (s > m) m = s;
-        }
-        float sum = 0.0f;
-        for (int64_t j = 0; j < visible; j++) {
-            e[j] = expf(e[j] - m);
-            sum += e[j];
-        }
-        float *o = out + i * so + h * soh;
-        int64_t in_place = extra ? P : visible;  /* rows read where they are */
-        if (isa >= 1) weighted_sum_rows_avx2(e, visible, vh, svj, d, o, in_place, extra);
-        else weighted_sum_rows_portable(e, visible, vh, svj, d, o, in_place, extra);
-        for (int64_t c = 0; c < d; c++) o[c] = o[c] / sum;
+#define QUERY_BLOCK 8
+
+/* Kv head g of es_attention (below): its heads' queries, QUERY_BLOCK at a time;
+ * e: QUERY_BLOCK * (H / Hkv) * L floats of scratch. One body, compiled for AVX2 (where the
+ * dot products inline) and for the portable path. */
+#define ATTEND_KV_HEAD(NAME, TARGET, DOT, EXP_SUM, WEIGHTED_SUM)                               \
+    TARGET static void NAME(                                                                  \
+        const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, int64_t sh,             \
+        const float *k, const float *v, int64_t Hkv, int64_t L, int64_t skh, int64_t skj,     \
+        int64_t svh, int64_t svj, float scale, float *out, int64_t so, int64_t soh, float *e, \
+        const int64_t *tree_rows, const int64_t *tree_offsets, int64_t g) {                   \
+        const int64_t G = H / Hkv, P = L - nq;                                                \
+        const float *kh = k + g * skh, *vh = v + g * svh;                                     \
+        for (int64_t i0 = 0; i0 < nq; i0 += QUERY_BLOCK) {                                    \
+            int64_t rows = MIN(QUERY_BLOCK, nq - i0) * G;                                     \
+            /* row r: query i0 + r / G, head g * G + r % G; its scores at e + r * L */        \
+            for (int64_t j = 0; j < P; j++) { /* keys every query sees, once for the block */ \
+                const float *kj = kh + j * skj;                                               \
+                for (int64_t r = 0; r < rows; r++)                                            \
+                    e[r * L + j] = DOT(q + (i0 + r / G) * sq + (g * G + r % G) * sh, kj, d) * scale; \
+            }                                                                                 \
+            for (int64_t r = 0; r < rows; r++) {                                              \
+                int64_t i = i0 + r / G, h = g * G + r % G, visible = P + 1 + i;               \
+                const int64_t *extra = NULL; /* a tree node's path (see the header) */        \
+                if (tree_rows) {                                                              \
+                    extra = tree_rows + tree_offsets[i];                                      \
+                    visible = P + tree_offsets[i + 1] - tree_offsets[i];                      \
+                }                                                                             \
+                const float *qr = q + i * sq + h * sh;                                        \
+                float *er = e + r * L;                                                        \
+                for (int64_t j = P; j < visible; j++)                                         \
+                    er[j] = DOT(qr, kh + (extra ? key_row(j, P, extra) : j) * skj, d) * scale; \
+                float m = -INFINITY;                                                          \
+                for (int64_t j = 0; j < visible; j++) m = er[j] > m ? er[j] : m;              \
+                float sum = EXP_SUM(er, visible, m);                                          \
+                float *o = out + i * so + h * soh;                                            \
+                WEIGHTED_SUM(er, visible, vh, svj, d, o, extra ? P : visible, extra);         \
+                for (int64_t c = 0; c < d; c++) o[c] = o[c] / sum;                            \
+            }                                                                                 \
+        }                                                                                     \
     }
+
+ATTEND_KV_HEAD(attend_kv_head_avx2, __attribute__((target("avx2,fma"))), dot_avx2,
+               exp_sum_avx2, weighted_sum_rows_avx2)
+ATTEND_KV_HEAD(attend_kv_head_portable, , dot_portable, exp_sum_portable,
+               weighted_sum_rows_portable)
+
+static void attend_kv_head(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq,
+                           int64_t sh, const float *k, const float *v, int64_t Hkv, int64_t L,
+                           int64_t skh, int64_t skj, int64_t svh, int64_t svj, float scale,
+                           float *out, int64_t so, int64_t soh, float *e, int isa,
+                           const int64_t *tree_rows, const int64_t *tree_offsets, int64_t g) {
+    (isa >= 1 ? attend_kv_head_avx2 : attend_kv_head_portable)(
+        q, nq, H, d, sq, sh, k, v, Hkv, L, skh, skj, svh, svj, scale, out, so, soh, e,
+        tree_rows, tree_offsets, g);
+}
+
+/* Floats of scratch attend_kv_head needs per thread. */
+static int64_t attention_scratch(int64_t H, int64_t Hkv, int64_t L) {
+    return QUERY_BLOCK * (H / Hkv) * L;
 }
 
 /* q: element (i, h, c) at q[i*sq + h*sh + c]; k, v: (kvh, j, c) at [kvh*skh + j*skj + c];
- * out: (i, h, c) at out[i*so + h*soh + c]; scratch: threads * L floats. */
+ * out: (i, h, c) at out[i*so + h*soh + c]; threads take whole kv heads. */
 void es_attention(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, int64_t sh,
                   const float *k, const float *v, int64_t Hkv, int64_t L, int64_t skh,
                   int64_t skj, int64_t svh, int64_t svj, float scale, float *out, int64_t so,
-                  int64_t soh, float *scratch, int threads, int isa,
-                  const int64_t *tree_rows, const int64_t *tree_offsets) {
+                  int64_t soh, int threads, int isa, const int64_t *tree_rows,
+                  const int64_t *tree_offsets) {
     if (threads < 1) threads = 1;
-    if (threads > H) threads = (int)H;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t h = 0; h < H; h++)
-        attend_head(q, nq, H, d, sq, sh, k, v, Hkv, L, skh, skj, svh, svj, scale, out, so, soh,
-                    scratch + (int64_t)omp_get_thread_num() * L, isa, tree_rows, tree_offsets,
-                    h);
+    if (threads > Hkv) threads = (int)Hkv;
+#pragma omp parallel num_threads(threads)
+    {
+        float *e = malloc(sizeof(float) * attention_scratch(H, Hkv, L));
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < Hkv; g++)
+            attend_kv_head(q, nq, H, d, sq, sh, k, v, Hkv, L, skh, skj, svh, svj, scale, out,
+                           so, soh, e, isa, tree_rows, tree_offsets, g);
+        free(e);
+    }
 }
 
 /* ---- a Llama-family forward pass over GGUF weights ----
@@ -571,7 +758,7 @@ void es_attention(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, 
  *                                        (2i, 2i+1) (llama.cpp's "norm" mode) or (i, i + n_rot/2)
  *                                        ("neox")
  *     k, v appended to the segment's cache at its next positions
- *     a  = attention (attend_head: the query's keys, one-token-step arithmetic; trees too)
+ *     a  = attention (attend_kv_head: the query's keys, one-token-step arithmetic; trees too)
  *     h  = h + a @ Wo^T
  *     x  = rms_norm(h, ffn_norm);  g = x @ Wgate^T;  u = x @ Wup^T
  *     h  = h + ((g / (1 + expf(-g))) * u) @ Wdown^T
@@ -661,7 +848,7 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t r0 = n * t / nt, r1 = n * (t + 1) / nt;
         float *panel = malloc(sizeof(float) * PANEL_COLUMNS * max_K);
-        float *e = malloc(sizeof(float) * max_L);
+        float *e = malloc(sizeof(float) * attention_scratch(H, Hkv, max_L));
 #define LINEAR(X, K, W, N, Y)                                                               \
         do {                                                                              \
             int64_t j0, j1;                                                               \
@@ -705,14 +892,14 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
                     }
                 }
 #pragma omp barrier
-            for (int64_t item = t; item < n_segs * H; item += nt) {
-                const es_segment *S = segs + item / H;
-                int64_t row = seg_start[item / H], cap = S->capacity;
-                attend_head(q + row * QD, S->n_tokens, H, d, QD, d,
-                            S->k_cache + l * Hkv * cap * d, S->v_cache + l * Hkv * cap * d, Hkv,
-                            S->n_past + S->n_tokens, cap * d, d, cap * d, d, scale,
-                            a + row * QD, QD, d, e, isa, S->tree_rows, S->tree_offsets,
-                            item % H);
+            for (int64_t item = t; item < n_segs * Hkv; item += nt) {
+                const es_segment *S = segs + item / Hkv;
+                int64_t row = seg_start[item / Hkv], cap = S->capacity;
+                attend_kv_head(q + row * QD, S->n_tokens, H, d, QD, d,
+                               S->k_cache + l * Hkv * cap * d, S->v_cache + l * Hkv * cap * d,
+                               Hkv, S->n_past + S->n_tokens, cap * d, d, cap * d, d, scale,
+                               a + row * QD, QD, d, e, isa, S->tree_rows, S->tree_offsets,
+                               item % Hkv);
             }
 #pragma omp barrier
             LINEAR(a, QD, L->wo, E, t1);
