@@ -142,9 +142,9 @@ def greedy() -> SamplingParams:
 
 
 class BackendFactory:
-    """Builds tiny backends of one kind (``transformers`` or ``llama_cpp``) from the same
-    seeded tiny Llama, so that a test parametrised over ``make_backend`` runs unchanged on
-    both runtimes. ``same_as=backend`` gives a second backend (own KV cache) on the same
+    """Builds tiny backends of one kind (``transformers``, ``llama_cpp`` or ``native``) from
+    the same seeded tiny Llama, so that a test parametrised over ``make_backend`` runs
+    unchanged on every runtime. ``same_as=backend`` gives a second backend (own KV cache) on the same
     weights."""
 
     def __init__(self, kind: str, folder=None) -> None:
@@ -155,29 +155,42 @@ class BackendFactory:
         if self.kind == "transformers":
             return tiny_backend(seed, eos=eos, vocab=vocab, max_context=max_context,
                                 model=same_as.model if same_as is not None else None)
-        from exactspec.backends.llama_cpp_backend import LlamaCppBackend, new_llama
         from tiny_gguf import write_tiny_gguf
 
         if same_as is not None:
-            path, max_context = same_as.llama.model_path, same_as.max_context_length
+            path = same_as.model.path if self.kind == "native" else same_as.llama.model_path
+            max_context = same_as.max_context_length
         else:
             path = self.folder / f"tiny-{seed}-{vocab}-{max_context}.gguf"
             if not path.exists():
                 write_tiny_gguf(tiny_model(seed, vocab, max_context), path)
+        if self.kind == "native":
+            from exactspec.backends.native_backend import GGUFModel, NativeBackend
+
+            return NativeBackend(GGUFModel(path), CharTokenizer(min(vocab, VOCAB)),
+                                 eos_token_ids=eos, threads=1)
+        from exactspec.backends.llama_cpp_backend import LlamaCppBackend, new_llama
+
         llama = new_llama(path, threads=1, context_length=max_context)
         return LlamaCppBackend(llama, CharTokenizer(min(vocab, VOCAB)), eos_token_ids=eos)
 
 
-@pytest.fixture(params=["transformers", "llama_cpp"])
+@pytest.fixture(params=["transformers", "llama_cpp", "native"])
 def make_backend(request, tmp_path_factory) -> BackendFactory:
     """A :class:`BackendFactory` per backend; llama_cpp is skipped when llama-cpp-python is
-    not installed."""
+    not installed, native where exactspec's kernels cannot be built (no C compiler)."""
     if request.param == "transformers":
         return BackendFactory("transformers")
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed "
-                                            "(pip install 'exactspec[llama-cpp]')")
     folder = tmp_path_factory.getbasetemp() / "tiny-gguf"
     folder.mkdir(exist_ok=True)
+    if request.param == "native":
+        from exactspec.backends import native
+
+        if native.load() is None:
+            pytest.skip("exactspec's native kernels could not be built here")
+        return BackendFactory("native", folder)
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed "
+                                            "(pip install 'exactspec[llama-cpp]')")
     return BackendFactory("llama_cpp", folder)
 
 

@@ -103,9 +103,11 @@ def test_bad_arguments_exit_2_naming_the_value(args, message, capsys):
 
 def test_backend_options_that_do_not_fit_are_clear_errors(model_folder, capsys):
     code, _, err = run(capsys, "hi", "--model", model_folder, "--weight-type", "q8_0")
-    assert code == 1 and "applies to the llama_cpp backend only" in err
+    assert code == 1 and "applies to GGUF backends only (native, llama_cpp)" in err
     code, _, err = run(capsys, "hi", "--model", model_folder, "--backend", "llama_cpp")
     assert code == 1 and ("loads .gguf files" in err or "llama-cpp-python" in err)
+    code, _, err = run(capsys, "hi", "--model", model_folder, "--backend", "native")
+    assert code == 1 and "the native backend loads .gguf files" in err
     code, _, err = run(capsys, "hi", "--model", model_folder, "--backend", "llama_cpp",
                        "--dtype", "float16")
     assert code == 1 and "dtype 'float16' applies to the transformers backend only" in err

@@ -29,7 +29,7 @@ PROMPTS = [
 ]
 
 
-BACKENDS = [pytest.param("transformers"),
+BACKENDS = [pytest.param("transformers"), pytest.param("native"),
             pytest.param("llama_cpp", marks=pytest.mark.skipif(
                 importlib.util.find_spec("llama_cpp") is None,
                 reason="llama-cpp-python is not installed (pip install 'exactspec[llama-cpp]')"))]

@@ -199,6 +199,14 @@ def _config_value(path: Path, config_keys: tuple[str, ...], gguf_key: str) -> in
     return gguf_architecture_value(path, gguf_key)
 
 
+def gguf_architecture(path: Path) -> str | None:
+    """``general.architecture`` from the header of the GGUF file at ``path`` (None if absent)."""
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).get_field("general.architecture")
+    return None if field is None else str(field.contents())
+
+
 def gguf_architecture_value(path: Path, key: str) -> int | None:
     """``<architecture>.<key>`` (e.g. ``block_count``, ``context_length``) from the header
     of the GGUF file at ``path``; None if the file does not state it."""

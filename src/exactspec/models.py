@@ -12,7 +12,7 @@ from exactspec.backends.base import Backend
 from exactspec.model_files import DEFAULT_MODEL, check_model_path
 
 
-BACKENDS = ("auto", "transformers", "llama_cpp")
+BACKENDS = ("auto", "native", "transformers", "llama_cpp")
 """Runtimes :func:`load_model` knows; ``auto`` picks one per model (see :func:`choose_backend`)."""
 
 
@@ -20,14 +20,16 @@ def choose_backend(path: Path, backend: str = "auto", *, device: str = "auto",
                    dtype: str | None = None, kernels: str | None = None) -> str:
     """The runtime for the model at ``path``: ``backend`` itself unless it is ``auto``.
 
-    ``auto`` picks llama.cpp for a ``.gguf`` file on a CPU-only machine when llama-cpp-python
-        is installed and neither a torch dtype nor torch kernels were asked for: there it decodes
-    faster than transformers in float32 (docs/backends.md). Everything else (model
-    folders, a GPU, an explicit dtype, llama-cpp-python absent) gets transformers.
+    ``auto`` picks the native backend for a ``.gguf`` file of an architecture it runs on a
+    CPU-only machine where exactspec's kernels build and neither a torch dtype nor torch
+    kernels were asked for: it decodes fastest there and verifies almost for free
+    (docs/backends.md). A GGUF file it cannot run goes to llama.cpp where llama-cpp-python
+    is installed. Everything else (model folders, a GPU, an explicit dtype) gets
+    transformers.
 
     Raises:
-        ValueError: for an unknown backend, or a combination llama.cpp cannot run (a model
-            folder, a dtype, kernels, a GPU device).
+        ValueError: for an unknown backend, or a combination llama.cpp or the native
+            backend cannot run (a model folder, a dtype, kernels, a GPU device).
     """
     from exactspec.backends.llama_cpp_backend import llama_cpp_available
     from exactspec.backends.transformers_backend import resolve_device
@@ -37,31 +39,47 @@ def choose_backend(path: Path, backend: str = "auto", *, device: str = "auto",
     if backend == "auto":
         cpu_only = device == "cpu" or (device == "auto" and resolve_device("auto").type == "cpu")
         fits = path.suffix == ".gguf" and cpu_only and dtype is None and kernels is None
+        if fits and _native_runs(path):
+            return "native"
         return "llama_cpp" if fits and llama_cpp_available() else "transformers"
-    if backend == "llama_cpp":
+    if backend in ("llama_cpp", "native"):
         if dtype is not None:
             raise ValueError(f"dtype {dtype!r} applies to the transformers backend only: "
-                             "llama.cpp runs the GGUF file's own (quantised) weights")
+                             f"the {backend} backend runs the GGUF file's own (quantised) weights")
         if kernels is not None:
             raise ValueError(f"kernels {kernels!r} applies to the transformers backend only: "
-                             "llama.cpp's batch invariance comes from its build")
+                             f"the {backend} backend's batch invariance comes from its kernels")
         if device not in ("auto", "cpu"):
-            raise ValueError(f"device {device!r} is not supported by the llama_cpp backend "
-                             "(this build runs on the CPU): use --device cpu")
+            raise ValueError(f"device {device!r} is not supported by the {backend} backend "
+                             "(it runs on the CPU): use --device cpu")
+        if backend == "native" and path.suffix != ".gguf":
+            raise ValueError(f"the native backend loads .gguf files, not {str(path)!r}; use "
+                             "--backend transformers for a model folder")
     return backend
+
+
+def _native_runs(path: Path) -> bool:
+    """Whether the native backend runs this GGUF file here: its architecture is one the
+    backend knows and the kernels build (a header read, no weights)."""
+    from exactspec.backends import native
+    from exactspec.backends.native_backend import ARCHITECTURES
+    from exactspec.model_files import gguf_architecture
+
+    return gguf_architecture(path) in ARCHITECTURES and native.load() is not None
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
                device: str = "auto", dtype: str | None = None,
                threads: int | None = None, kernels: str | None = None,
                max_model_len: int | None = None, weight_type: str | None = None) -> Backend:
-    """Load a model on the transformers or the llama.cpp backend.
+    """Load a model on the native, the transformers or the llama.cpp backend.
 
     Args:
         name_or_path: an embedded model name (default ``smollm2-135m-instruct``), a local
             Hugging Face model folder, or a ``.gguf`` file.
-        backend: ``auto`` (default, see :func:`choose_backend`), ``transformers`` or
-            ``llama_cpp`` (needs the optional extra: ``pip install 'exactspec[llama-cpp]'``).
+        backend: ``auto`` (default, see :func:`choose_backend`), ``native`` (GGUF files
+            on exactspec's own kernels), ``transformers`` or ``llama_cpp`` (needs the
+            optional extra: ``pip install 'exactspec[llama-cpp]'``).
         device: ``auto`` (cuda if available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``.
         dtype: transformers only: ``float32`` (the default), ``bfloat16`` or ``float16``.
         kernels: transformers only: ``batch-invariant`` (the default) or ``fast``, see
@@ -77,7 +95,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
             model's context; llama.cpp at most its ``DEFAULT_CONTEXT_LENGTH``). On llama.cpp
             it is also the KV cache allocated per sequence, so batched decoding's memory
             grows with ``max_model_len`` × its batch size.
-        weight_type: llama.cpp only: the GGUF file's weights converted to ``F32`` (the same
+        weight_type: native and llama.cpp: the GGUF file's weights converted to ``F32`` (the same
             weights), ``BF16``, ``F16`` or ``Q8_0`` (rounded), see
             :func:`~exactspec.model_files.converted_gguf`; None: as the file has them.
     Returns:
@@ -93,14 +111,21 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
         UnsupportedModelError: if the model's KV cache cannot be rolled back.
     """
     path = check_model_path(name_or_path)
-    if choose_backend(path, backend, device=device, dtype=dtype, kernels=kernels) == "llama_cpp":
+    chosen = choose_backend(path, backend, device=device, dtype=dtype, kernels=kernels)
+    if chosen == "native":
+        from exactspec.backends.native_backend import NativeBackend
+        from exactspec.model_files import converted_gguf
+
+        return NativeBackend.load(path if weight_type is None else converted_gguf(path, weight_type),
+                                  threads=threads, max_model_len=max_model_len)
+    if chosen == "llama_cpp":
         from exactspec.backends.llama_cpp_backend import LlamaCppBackend
 
         return LlamaCppBackend.load(path, threads=threads, context_length=max_model_len,
                                     weight_type=weight_type)
     if weight_type is not None:
-        raise ValueError(f"weight type {weight_type!r} (--weight-type) applies to the llama_cpp "
-                         "backend only, and this model runs on transformers (--dtype chooses "
+        raise ValueError(f"weight type {weight_type!r} (--weight-type) applies to GGUF "
+                         "backends only (native, llama_cpp), and this model runs on transformers (--dtype chooses "
                          "its weights' type)")
     from exactspec.backends.transformers_backend import TransformersBackend
 

@@ -62,9 +62,13 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--device", default="auto",
                        help="auto (the default: cuda if available), cpu, cuda, cuda:N")
     model.add_argument("--backend", default="auto", choices=BACKENDS,
-                       help="runtime: auto (the default: llama_cpp for a .gguf model on a "
-                            "CPU-only machine when llama-cpp-python is installed and no --dtype "
-                            "is given, else transformers), transformers (PyTorch), llama_cpp "
+                       help="runtime: auto (the default: native for a .gguf model of a "
+                            "Llama-family architecture on a CPU-only machine when no --dtype is "
+                            "given and exactspec's kernels build; llama_cpp for other .gguf "
+                            "models when llama-cpp-python is installed; else transformers), "
+                            "native (exactspec's own kernels over the GGUF file's quantised "
+                            "weights: the fastest plain step and nearly free verification), "
+                            "transformers (PyTorch), llama_cpp "
                             "(needs a batch-invariant build: CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" "
                             "pip install --no-cache-dir 'exactspec[llama-cpp]')")
     model.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -84,7 +88,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                             "single-token logits by rounding (the load-time check failed): the "
                             "output is then exact only up to that rounding")
     model.add_argument("--weight-type", default=None, choices=WEIGHT_TYPES, type=str.upper,
-                       help="llama_cpp backend only: run the GGUF file's weights converted to "
+                       help="native and llama_cpp backends: run the GGUF file's weights converted to "
                             "this type (converted once, cached). Q8_0 makes each extra token "
                             "scored cheaper than Q4_1 at a plain step no slower, so "
                             "speculation gains (results/llama-weights-2026-12-01); F32 is the same weights unrounded; BF16, F16 and Q8_0 round "
@@ -95,7 +99,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                             f"here {_default_threads()}); all cores are faster on an idle "
                             "machine, but collapse while another process "
                             "uses the CPU: then use at most the cores that are free. "
-                            "transformers: the most a forward uses (default: PyTorch's, here "
+                            "transformers and native: the most a forward uses (default: PyTorch's, here "
                             f"{_torch_threads()}); each forward runs on either one thread or "
                             "exactly this many, whichever is measured faster, so a busy core "
                             "costs little")
@@ -146,7 +150,7 @@ def check_models_before_loading(args: argparse.Namespace, drafts: dict[str, str]
     :func:`~exactspec.model_files.check_model_path`), and the model options fit the target.
 
     Returns:
-        the target's backend, ``transformers`` or ``llama_cpp``.
+        the target's backend (``native``, ``transformers`` or ``llama_cpp``).
     Raises:
         ModelNotFoundError, ValueError: naming the flag and the bad value.
     """
@@ -176,7 +180,7 @@ def check_proposer_before_loading(args: argparse.Namespace, parser: argparse.Arg
     the proposer in messages (e.g. ``--draft-model``, ``--proposer SPEC``).
 
     Returns:
-        the target's backend, ``transformers`` or ``llama_cpp``.
+        the target's backend (``native``, ``transformers`` or ``llama_cpp``).
     Raises:
         ModelNotFoundError, ValueError: naming the flag and the bad value; bad layer counts
         exit through ``parser.error``.

@@ -1,0 +1,210 @@
+"""The native backend's own checks: GGUF blocks dequantised exactly, products that do not
+depend on the rows or the path (fused tiles, panel, instruction sets), a forward that is the
+transformers model's up to float rounding, and clear refusals. (The Backend contract, greedy
+identity and sampling exactness run on it through ``make_backend`` in the other files.)"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import CharTokenizer, tiny_backend, tiny_model
+from exactspec.backends import native
+from exactspec.backends.base import UnsupportedModelError, forward_one
+
+gguf = pytest.importorskip("gguf")
+KERNELS = native.load()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="the native kernels cannot be built")
+
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
+
+
+@pytest.fixture
+def isa_path(request):
+    """Run the test body on one instruction-set path, restoring the best afterwards."""
+    best = KERNELS.isa
+    yield
+    KERNELS.isa = best
+
+
+def quantised(weight_type: str, rows: int = 52, cols: int = 96, seed: int = 0):
+    """A random ``[rows, cols]`` matrix in ``weight_type``'s blocks (gguf-py's quantiser) and
+    gguf-py's float32 dequantisation of it."""
+    values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[weight_type]
+    blocks = gguf.quants.quantize(values, qtype)
+    return np.ascontiguousarray(blocks), gguf.quants.dequantize(blocks, qtype).astype(np.float32)
+
+
+def available_isas() -> list[str]:
+    return list(native.ISAS[:native.ISAS.index(KERNELS.best_isa) + 1])
+
+
+@pytest.mark.parametrize("weight_type", TYPES)
+def test_block_products_equal_float32_products_of_the_reference_dequantisation(weight_type,
+                                                                              isa_path):
+    """Dequantising is exact (or, for Q4_1, one rounding as gguf-py's): the product over the
+    blocks is bit for bit the float32 kernel's over gguf-py's dequantised matrix, on every
+    path, for 1..9 rows."""
+    blocks, reference = quantised(weight_type)
+    x = torch.randn(9, reference.shape[1])
+    for isa in available_isas():
+        KERNELS.isa = isa
+        expected = KERNELS.linear(x, torch.from_numpy(reference))
+        got = KERNELS.linear_typed(x, blocks, native.WEIGHT_TYPES[weight_type], reference.shape[0])
+        assert torch.equal(got, expected), (weight_type, isa)
+
+
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_0", "Q4_1"])
+def test_fused_tiles_and_the_panel_give_the_same_bits_for_every_row_count(weight_type):
+    blocks, reference = quantised(weight_type, rows=100, cols=128)
+    fused_rows = ctypes.c_int.in_dll(KERNELS._lib, "es_fused_rows")
+    x = torch.randn(16, 128)
+    try:
+        fused_rows.value = 0  # the panel only
+        panel = KERNELS.linear_typed(x, blocks, native.WEIGHT_TYPES[weight_type], 100, threads=2)
+        fused_rows.value = 4
+        for rows in range(1, 17):
+            alone = KERNELS.linear_typed(x[:rows].contiguous(), blocks,
+                                         native.WEIGHT_TYPES[weight_type], 100, threads=1)
+            assert torch.equal(alone, panel[:rows]), rows
+    finally:
+        fused_rows.value = 4
+
+
+def test_a_broken_dequantisation_is_caught():
+    """Control: the comparison above fails for a matrix that differs in one block."""
+    blocks, reference = quantised("Q4_1")
+    x = torch.randn(3, reference.shape[1])
+    broken = reference.copy()
+    broken[0, :32] += np.float32(1e-3)
+    assert not torch.equal(KERNELS.linear_typed(x, blocks, native.WEIGHT_TYPES["Q4_1"], 52),
+                           KERNELS.linear(x, torch.from_numpy(broken)))
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from tiny_gguf import write_tiny_gguf
+
+    return write_tiny_gguf(tiny_model(5), tmp_path_factory.mktemp("native") / "tiny.gguf")
+
+
+def native_backend(path, **options):
+    from exactspec.backends.native_backend import GGUFModel, NativeBackend
+
+    return NativeBackend(GGUFModel(path), CharTokenizer(), **options)
+
+
+def test_the_forward_is_the_transformers_model_up_to_rounding(tiny_gguf):
+    ours, theirs = native_backend(tiny_gguf), tiny_backend(5)
+    tokens = [3, 14, 15, 9, 2, 6, 5, 3, 5]
+    for backend in (ours, theirs):
+        backend.prefill(1, tokens[:4])
+    a, b = forward_one(ours, 1, tokens[4:]), forward_one(theirs, 1, tokens[4:])
+    assert torch.allclose(a, b, atol=2e-4, rtol=1e-4), (a - b).abs().max()
+    assert ours.batch_invariant and ours.sequences_invariant
+
+
+def test_every_path_gives_the_same_forward_bits(tiny_gguf, isa_path):
+    """AVX2 and portable agree bit for bit (AVX-512 sums products in 16 lanes: its own bits,
+    batch-invariant on its own)."""
+    results = {}
+    for isa in available_isas():
+        KERNELS.isa = isa
+        backend = native_backend(tiny_gguf)
+        assert backend.batch_invariant and backend.sequences_invariant, isa
+        backend.prefill(1, [1, 2, 3])
+        results[isa] = forward_one(backend, 1, [4, 5, 6, 7])
+    if "avx2" in results:
+        assert torch.equal(results["avx2"], results["portable"])
+
+
+@pytest.mark.parametrize("weight_type", ["F16", "BF16", "Q8_0"])
+def test_converted_weights_run_batch_invariant_and_close_to_float32(tiny_gguf, weight_type,
+                                                                     tmp_path, monkeypatch):
+    from exactspec.model_files import converted_gguf
+
+    monkeypatch.setenv("EXACTSPEC_CACHE_DIR", str(tmp_path))
+    backend = native_backend(converted_gguf(tiny_gguf, weight_type))
+    assert backend.model.weight_types.get(weight_type, 0) > 0
+    assert backend.batch_invariant and backend.sequences_invariant
+    reference = native_backend(tiny_gguf)
+    for b in (backend, reference):
+        b.prefill(1, [1, 2, 3])
+    got, expected = forward_one(backend, 1, [4, 5]), forward_one(reference, 1, [4, 5])
+    assert not torch.equal(got, expected) or weight_type == "F32"
+    assert torch.allclose(got, expected, atol=0.1 * float(expected.abs().max()))
+
+
+def test_trees_score_each_node_as_its_path(tiny_gguf):
+    backend = native_backend(tiny_gguf)
+    backend.prefill(1, [1, 2])
+    tree = backend.forward_tree(1, [7, 8, 9, 10], [-1, 0, 0, 2])
+    backend.retain(1, 4, [0, 2, 3])
+    backend.prefill(2, [1, 2])
+    chain = forward_one(backend, 2, [7, 9, 10])
+    assert torch.equal(tree[[0, 2, 3]], chain)
+    assert backend.num_cached_tokens(1) == backend.num_cached_tokens(2) == 5
+    assert torch.equal(forward_one(backend, 1, [11]), forward_one(backend, 2, [11]))
+
+
+def test_hidden_features_are_the_layer_outputs_of_the_cached_positions(tiny_gguf):
+    """As the transformers backend records them (the decoder layers' outputs), up to
+    rounding, after a prefill, a block and a rollback."""
+    backend, reference = native_backend(tiny_gguf), tiny_backend(5)
+    features = []
+    for b in (backend, reference):
+        b.record_hidden_features([0, 1])
+        b.prefill(1, [1, 2, 3])
+        forward_one(b, 1, [4, 5])
+        b.rollback(1, 1)
+        features.append(b.hidden_features(1, 1))
+    assert features[0].shape == (3, 2 * backend.model.n_embd)
+    assert torch.allclose(features[0], features[1], atol=1e-4)
+    with pytest.raises(ValueError, match="cannot record"):
+        backend.record_hidden_features([1])
+
+
+def test_other_architectures_and_types_are_refused_by_name(tmp_path):
+    from exactspec.backends.native_backend import GGUFModel
+
+    path = tmp_path / "other.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="llama, mistral, qwen2; other.gguf is 'gemma3'"):
+        GGUFModel(path)
+
+
+def test_a_q4_k_tensor_is_refused_naming_the_supported_types(tiny_gguf, tmp_path):
+    from exactspec.backends.native_backend import GGUFModel
+
+    reader = gguf.GGUFReader(tiny_gguf)
+    path = tmp_path / "q4k.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        data = np.array(tensor.data)
+        if tensor.name == "blk.0.ffn_down.weight":  # 32 rows of one Q4_K block (144 bytes)
+            writer.add_tensor(tensor.name, np.zeros((32, 144), dtype=np.uint8),
+                              raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+            continue
+        writer.add_tensor(tensor.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="blk.0.ffn_down.weight is Q4_K; the native "
+                                                    "backend reads F32, F16, Q4_0, Q4_1, Q8_0, BF16"):
+        GGUFModel(path)
