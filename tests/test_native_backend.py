@@ -63,16 +63,17 @@ def test_fused_tiles_and_the_panel_give_the_same_bits_for_every_row_count(weight
     blocks, reference = quantised(weight_type, rows=100, cols=128)
     fused_rows = ctypes.c_int.in_dll(KERNELS._lib, "es_fused_rows")
     x = torch.randn(16, 128)
+    default = fused_rows.value
     try:
         fused_rows.value = 0  # the panel only
         panel = KERNELS.linear_typed(x, blocks, native.WEIGHT_TYPES[weight_type], 100, threads=2)
-        fused_rows.value = 4
+        fused_rows.value = default
         for rows in range(1, 17):
             alone = KERNELS.linear_typed(x[:rows].contiguous(), blocks,
                                          native.WEIGHT_TYPES[weight_type], 100, threads=1)
             assert torch.equal(alone, panel[:rows]), rows
     finally:
-        fused_rows.value = 4
+        fused_rows.value = default
 
 
 def test_a_broken_dequantisation_is_caught():

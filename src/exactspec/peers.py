@@ -224,12 +224,13 @@ class LlamaCppPeer(Peer):
     keeping the drafts that equal the samples, which is exact for a deterministic draft.
 
     Args:
-        target: the target's llama.cpp backend.
+        target: the target's llama.cpp backend, or a native one (then the same file is
+            loaded on llama.cpp with as many threads, for comparing the two runtimes).
         k: drafted tokens per cycle (0: no draft).
         share: with k = 0, generate with the target's own ``Llama`` (its cache is
             overwritten) instead of a second instance of the same file.
     Raises:
-        ValueError: if ``target`` is not a llama.cpp backend.
+        ValueError: if ``target`` is neither.
     """
 
     label = "llama-cpp-python generate()"
@@ -240,8 +241,14 @@ class LlamaCppPeer(Peer):
                            "different distribution by definition")
 
     def __init__(self, target: Backend, k: int = 0, *, share: bool = False) -> None:
+        if target.name == "native":  # the same GGUF file on llama.cpp, as many threads
+            from exactspec.backends.llama_cpp_backend import LlamaCppBackend
+
+            target = LlamaCppBackend.load(target.model.path, threads=target.threads.max_threads,
+                                          context_length=target.max_context_length)
+            share = True
         if target.name != "llama_cpp":
-            raise ValueError(f"{self.label} needs the llama_cpp backend (--backend llama_cpp)")
+            raise ValueError(f"{self.label} needs a GGUF target (--backend llama_cpp or native)")
         super().__init__()
         if k:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding

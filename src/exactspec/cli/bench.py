@@ -16,11 +16,13 @@ DEFAULT_BENCH_METHODS = {
                      "hf-prompt-lookup:k=4"),
     "llama_cpp": ("plain", "prompt-lookup:k=2", "prompt-lookup:k=8:policy=auto", "llama-plain",
                   "llama-prompt-lookup:k=10"),
+    "native": ("plain", "suffix:k=4:policy=auto", "prompt-lookup:k=4:policy=auto", "llama-plain"),
 }
 """Methods compared when no --method is given, by the target's backend."""
 CONCURRENCY_METHODS = {
     "transformers": ("plain", "prompt-lookup:k=4:policy=auto", "hf-plain"),
     "llama_cpp": ("plain", "prompt-lookup:k=4:policy=auto", "llama-plain"),
+    "native": ("plain", "prompt-lookup:k=4:policy=auto", "llama-plain"),
 }
 """Methods compared under --concurrency when no --method is given."""
 FULL = {"per_category": 5, "max_new_tokens": 128, "repetitions": 2}
@@ -59,9 +61,10 @@ def add_parser(commands) -> None:
                             "draft:MODEL:k=4, early-exit:L:k=4; prefixed hf- for transformers "
                             "generate() (hf-plain, hf-prompt-lookup:k=10, hf-assistant:MODEL, "
                             "hf-early-exit:L; transformers backend) or llama- for llama-cpp-python "
-                            "(llama-plain, llama-prompt-lookup:k=10; llama_cpp backend). Default "
-                            "on transformers: " + " ".join(DEFAULT_BENCH_METHODS["transformers"])
-                            + "; on llama_cpp: " + " ".join(DEFAULT_BENCH_METHODS["llama_cpp"]))
+                            "(llama-plain, llama-prompt-lookup:k=10; llama_cpp or native backend: on "
+                            "native, llama.cpp runs the same file with as many threads). Default "
+                            + "; ".join(f"on {name}: " + " ".join(methods)
+                                        for name, methods in DEFAULT_BENCH_METHODS.items()))
     bench.add_argument("--max-new-tokens", type=int, default=None,
                        help=f"default {FULL['max_new_tokens']} ({QUICK['max_new_tokens']} with "
                             "--quick)")

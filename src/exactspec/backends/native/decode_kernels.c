@@ -329,7 +329,7 @@ static void dequantize_row(int type, const uint8_t *w, int64_t row, int64_t K, f
     else dequantize_row_portable(type, w, row, K, out);
 }
 
-/* Fused AVX-512 tiles for the block types: R <= 4 rows x C columns, each block of 32
+/* Fused AVX-512 tiles for the block types: R <= 8 rows x C columns, each block of 32
  * weights dequantised in registers (the same floats as dequantize_row: an FMA q * d + m
  * rounds once, like the multiply (exact) then add) and used at once for every row, with
  * the 16-lane order of the float32 tile (lanes over k in steps of 16, then hsum16): the
@@ -386,36 +386,43 @@ typedef void (*qtile_fn)(const float *x, int64_t ldx, int64_t K, const uint8_t *
             for (int c = 0; c < C; c++) y[r * ldy + c] = hsum16(acc[r][c]);               \
     }
 
+/* Tile shapes by rows: C = 4 columns up to 4 rows, 2 up to 8 (the accumulators, two
+ * dequantised vectors per column and two of x stay in the 32 registers); each shape also
+ * in one column for the edges. Beyond 8 rows the panel is faster (measured). */
 #define QTILES(TYPE, BYTES)                                                               \
     QTILE(TYPE, BYTES, 1, 4) QTILE(TYPE, BYTES, 2, 4) QTILE(TYPE, BYTES, 3, 4)            \
-    QTILE(TYPE, BYTES, 4, 4) QTILE(TYPE, BYTES, 1, 1) QTILE(TYPE, BYTES, 2, 1)            \
-    QTILE(TYPE, BYTES, 3, 1) QTILE(TYPE, BYTES, 4, 1)                                     \
-    static const qtile_fn TYPE##_wide[5] = {0, TYPE##_1x4, TYPE##_2x4, TYPE##_3x4, TYPE##_4x4}; \
-    static const qtile_fn TYPE##_narrow[5] = {0, TYPE##_1x1, TYPE##_2x1, TYPE##_3x1, TYPE##_4x1};
+    QTILE(TYPE, BYTES, 4, 4) QTILE(TYPE, BYTES, 5, 2) QTILE(TYPE, BYTES, 6, 2)            \
+    QTILE(TYPE, BYTES, 7, 2) QTILE(TYPE, BYTES, 8, 2)                                     \
+    QTILE(TYPE, BYTES, 1, 1) QTILE(TYPE, BYTES, 2, 1) QTILE(TYPE, BYTES, 3, 1)            \
+    QTILE(TYPE, BYTES, 4, 1) QTILE(TYPE, BYTES, 5, 1) QTILE(TYPE, BYTES, 6, 1)            \
+    QTILE(TYPE, BYTES, 7, 1) QTILE(TYPE, BYTES, 8, 1)                                     \
+    static const qtile_fn TYPE##_wide[9] = {                                              \
+        0, TYPE##_1x4, TYPE##_2x4, TYPE##_3x4, TYPE##_4x4, TYPE##_5x2, TYPE##_6x2,        \
+        TYPE##_7x2, TYPE##_8x2};                                                          \
+    static const qtile_fn TYPE##_narrow[9] = {                                            \
+        0, TYPE##_1x1, TYPE##_2x1, TYPE##_3x1, TYPE##_4x1, TYPE##_5x1, TYPE##_6x1,        \
+        TYPE##_7x1, TYPE##_8x1};
 
 QTILES(q4_1, 20) QTILES(q4_0, 18) QTILES(q8_0, 34)
 
-int es_fused_rows = 4; /* rows up to which the fused tiles run (tests compare both paths) */
+int es_fused_rows = 8; /* rows up to which the fused tiles run, beyond it the panel (tests
+                           compare both paths) */
 
-/* Columns j0..j1 of at most FUSED_ROWS rows through the fused tiles of a block type, or 0
- * where there are none (other types, paths or more rows). */
+/* Columns j0..j1 of at most es_fused_rows rows through the fused tiles of a block type,
+ * or 0 where there are none (other types, paths or more rows). */
 static int rows_fused(int isa, const float *x, int64_t ldx, int64_t rows, int64_t K,
                       const uint8_t *w, int type, float *y, int64_t ldy, int64_t j0, int64_t j1) {
     const qtile_fn *wide, *narrow;
-    if (isa != 2 || rows > es_fused_rows) return 0;
+    if (isa != 2 || rows > es_fused_rows || rows > 8) return 0;
     if (type == T_Q4_1) wide = q4_1_wide, narrow = q4_1_narrow;
     else if (type == T_Q4_0) wide = q4_0_wide, narrow = q4_0_narrow;
     else if (type == T_Q8_0) wide = q8_0_wide, narrow = q8_0_narrow;
     else return 0;
-    int64_t row_bytes = es_row_bytes(type, K), j = j0;
-    for (; j + 4 <= j1; j += 4)
-        for (int64_t r = 0; r < rows; r += 4)
-            wide[MIN(4, rows - r)](x + r * ldx, ldx, K, w + j * row_bytes, row_bytes,
-                                   y + r * ldy + j, ldy);
+    int64_t row_bytes = es_row_bytes(type, K), j = j0, C = rows <= 4 ? 4 : 2;
+    for (; j + C <= j1; j += C)
+        wide[rows](x, ldx, K, w + j * row_bytes, row_bytes, y + j, ldy);
     for (; j < j1; j++)
-        for (int64_t r = 0; r < rows; r += 4)
-            narrow[MIN(4, rows - r)](x + r * ldx, ldx, K, w + j * row_bytes, row_bytes,
-                                     y + r * ldy + j, ldy);
+        narrow[rows](x, ldx, K, w + j * row_bytes, row_bytes, y + j, ldy);
     return 1;
 }
 
@@ -669,19 +676,20 @@ static void weighted_sum_rows_portable(const float *e, int64_t n, const float *v
         const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, int64_t sh,             \
         const float *k, const float *v, int64_t Hkv, int64_t L, int64_t skh, int64_t skj,     \
         int64_t svh, int64_t svj, float scale, float *out, int64_t so, int64_t soh, float *e, \
-        const int64_t *tree_rows, const int64_t *tree_offsets, int64_t g) {                   \
-        const int64_t G = H / Hkv, P = L - nq;                                                \
+        const int64_t *tree_rows, const int64_t *tree_offsets, int64_t g, int64_t h0,         \
+        int64_t h1) {                                                                         \
+        const int64_t W = h1 - h0, P = L - nq;                                                \
         const float *kh = k + g * skh, *vh = v + g * svh;                                     \
         for (int64_t i0 = 0; i0 < nq; i0 += QUERY_BLOCK) {                                    \
-            int64_t rows = MIN(QUERY_BLOCK, nq - i0) * G;                                     \
-            /* row r: query i0 + r / G, head g * G + r % G; its scores at e + r * L */        \
+            int64_t rows = MIN(QUERY_BLOCK, nq - i0) * W;                                     \
+            /* row r: query i0 + r / W, head h0 + r % W; its scores at e + r * L */           \
             for (int64_t j = 0; j < P; j++) { /* keys every query sees, once for the block */ \
                 const float *kj = kh + j * skj;                                               \
                 for (int64_t r = 0; r < rows; r++)                                            \
-                    e[r * L + j] = DOT(q + (i0 + r / G) * sq + (g * G + r % G) * sh, kj, d) * scale; \
+                    e[r * L + j] = DOT(q + (i0 + r / W) * sq + (h0 + r % W) * sh, kj, d) * scale; \
             }                                                                                 \
             for (int64_t r = 0; r < rows; r++) {                                              \
-                int64_t i = i0 + r / G, h = g * G + r % G, visible = P + 1 + i;               \
+                int64_t i = i0 + r / W, h = h0 + r % W, visible = P + 1 + i;                  \
                 const int64_t *extra = NULL; /* a tree node's path (see the header) */        \
                 if (tree_rows) {                                                              \
                     extra = tree_rows + tree_offsets[i];                                      \
@@ -706,14 +714,16 @@ ATTEND_KV_HEAD(attend_kv_head_avx2, __attribute__((target("avx2,fma"))), dot_avx
 ATTEND_KV_HEAD(attend_kv_head_portable, , dot_portable, exp_sum_portable,
                weighted_sum_rows_portable)
 
+/* Heads h0 .. h1 - 1 (all of kv head g's group, or part of it) of es_attention. */
 static void attend_kv_head(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq,
                            int64_t sh, const float *k, const float *v, int64_t Hkv, int64_t L,
                            int64_t skh, int64_t skj, int64_t svh, int64_t svj, float scale,
                            float *out, int64_t so, int64_t soh, float *e, int isa,
-                           const int64_t *tree_rows, const int64_t *tree_offsets, int64_t g) {
+                           const int64_t *tree_rows, const int64_t *tree_offsets, int64_t g,
+                           int64_t h0, int64_t h1) {
     (isa >= 1 ? attend_kv_head_avx2 : attend_kv_head_portable)(
         q, nq, H, d, sq, sh, k, v, Hkv, L, skh, skj, svh, svj, scale, out, so, soh, e,
-        tree_rows, tree_offsets, g);
+        tree_rows, tree_offsets, g, h0, h1);
 }
 
 /* Floats of scratch attend_kv_head needs per thread. */
@@ -736,7 +746,8 @@ void es_attention(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, 
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < Hkv; g++)
             attend_kv_head(q, nq, H, d, sq, sh, k, v, Hkv, L, skh, skj, svh, svj, scale, out,
-                           so, soh, e, isa, tree_rows, tree_offsets, g);
+                           so, soh, e, isa, tree_rows, tree_offsets, g, g * (H / Hkv),
+                           (g + 1) * (H / Hkv));
         free(e);
     }
 }
@@ -841,6 +852,7 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
           *u = malloc(sizeof(float) * n * F), *cs = malloc(sizeof(float) * n * (n_rot + 1)),
           *xl = malloc(sizeof(float) * (n_logits ? n_logits : 1) * E);
     const float scale = 1.0f / sqrtf((float)d);
+    const int64_t split = n <= 4 * n_segs ? H / Hkv : 1; /* attention items per kv head */
     if (threads < 1) threads = 1;
 
 #pragma omp parallel num_threads(threads)
@@ -892,14 +904,19 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
                     }
                 }
 #pragma omp barrier
-            for (int64_t item = t; item < n_segs * Hkv; item += nt) {
-                const es_segment *S = segs + item / Hkv;
-                int64_t row = seg_start[item / Hkv], cap = S->capacity;
+            /* items: (segment, kv head), or (segment, head) where few queries would
+             * leave threads idle; the split changes no arithmetic */
+            for (int64_t item = t; item < n_segs * Hkv * split; item += nt) {
+                const es_segment *S = segs + item / (Hkv * split);
+                int64_t row = seg_start[item / (Hkv * split)], cap = S->capacity;
+                int64_t g = item % (Hkv * split) / split, part = item % split;
+                int64_t h0 = g * (H / Hkv) + part * (H / Hkv) / split,
+                        h1 = g * (H / Hkv) + (part + 1) * (H / Hkv) / split;
                 attend_kv_head(q + row * QD, S->n_tokens, H, d, QD, d,
                                S->k_cache + l * Hkv * cap * d, S->v_cache + l * Hkv * cap * d,
                                Hkv, S->n_past + S->n_tokens, cap * d, d, cap * d, d, scale,
                                a + row * QD, QD, d, e, isa, S->tree_rows, S->tree_offsets,
-                               item % Hkv);
+                               g, h0, h1);
             }
 #pragma omp barrier
             LINEAR(a, QD, L->wo, E, t1);
