@@ -209,3 +209,11 @@ def test_a_q4_k_tensor_is_refused_naming_the_supported_types(tiny_gguf, tmp_path
     with pytest.raises(UnsupportedModelError, match="blk.0.ffn_down.weight is Q4_K; the native "
                                                     "backend reads F32, F16, Q4_0, Q4_1, Q8_0, BF16"):
         GGUFModel(path)
+
+
+def test_eos_comes_from_the_file(tmp_path):
+    from tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tiny_model(5), tmp_path / "eos.gguf", eos=7)
+    assert native_backend(path).eos_token_ids == (7,)
+    assert native_backend(path, eos_token_ids=[3, 4]).eos_token_ids == (3, 4)

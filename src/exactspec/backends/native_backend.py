@@ -37,6 +37,9 @@ ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": True}
 """GGUF architectures the native backend runs → whether RoPE rotates halves ("neox", as
 llama.cpp runs Qwen2) rather than adjacent pairs ("norm", as it runs Llama)."""
 
+_VOCABULARY_ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.scores",
+                      "tokenizer.ggml.token_type", "tokenizer.ggml.merges"}
+
 INITIAL_CAPACITY = 256
 """Positions a new sequence's KV cache holds before it first doubles."""
 
@@ -55,7 +58,7 @@ class GGUFModel:
         architecture, n_layer, n_embd, n_head, n_head_kv, head_dim, n_vocab: the shapes.
         context_length: the model's trained context (tokens).
         weight_types: each tensor type in the file and how many tensors have it.
-        metadata: the file's key → value fields (tokenizer arrays left out).
+        metadata: the file's key → value fields (the vocabulary's arrays left out).
     Raises:
         UnsupportedModelError: for another architecture (naming the supported ones), a
             mixture of experts, or a tensor type or shape the kernels do not take (naming
@@ -74,7 +77,7 @@ class GGUFModel:
         self._reader = reader  # keeps the memory map open
         fields = {name: field for name, field in reader.fields.items()}
         self.metadata = {name: field.contents() for name, field in fields.items()
-                         if not name.startswith("tokenizer.ggml.")}
+                         if name not in _VOCABULARY_ARRAYS}
         arch = self.metadata.get("general.architecture")
         if arch not in ARCHITECTURES:
             raise UnsupportedModelError(
