@@ -2,15 +2,17 @@
 
 ``decode_kernels.c`` (beside this file) holds a matrix product that reads the weights once
 for all rows and reduces every output element in one fixed order, whatever the number of
-rows, the other rows or the thread split (its header gives the order); this module compiles
+rows, the other rows or the thread split (its header gives the order), the same product
+over GGUF weight blocks, attention, and the native backend's whole forward pass
+(``es_forward``, :mod:`exactspec.backends.native_backend`); this module compiles
 it once per source version with the machine's C compiler into exactspec's cache
-(``$EXACTSPEC_CACHE_DIR/kernels``, about a second), loads it with ctypes and picks the
+(``$EXACTSPEC_CACHE_DIR/kernels``, 2–3 seconds), loads it with ctypes and picks the
 instruction set at run time: AVX-512F, AVX2 + FMA, or portable C (``fmaf``; the same bits
 as AVX2). Each path is batch-invariant on its own; one process uses one path.
 
 Why compiled on first use rather than at ``pip install``: the project installs as pure
 Python (``pip install -e .``, no build step to fail on a machine without a compiler), the
-source is one C file with no Python or PyTorch headers (compiles in about a second, where a
+source is one C file with no Python or PyTorch headers (compiles in 2–3 seconds, where a
 ``torch.utils.cpp_extension`` build takes a minute), and a machine without a compiler loses
 only speed: :func:`load` returns None and the backend keeps PyTorch's kernels, saying so
 once (docs/design.md, "Batch-invariant kernels that read the weights once").

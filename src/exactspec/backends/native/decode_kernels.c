@@ -1,5 +1,8 @@
 /* exactspec's batch-invariant decode kernels (see exactspec/backends/native/__init__.py and
- * docs/design.md, "Batch-invariant kernels that read the weights once").
+ * docs/design.md, "Batch-invariant kernels that read the weights once" and "The native
+ * backend"): the float32 product (es_linear), the same product over GGUF weight blocks
+ * (es_linear_typed), attention (es_attention) and a whole Llama-family forward pass over
+ * GGUF weights (es_forward), each section's header giving its arithmetic.
  *
  * es_linear: y[r, j] = sum_k x[r, k] * w[j, k], the weight as nn.Linear stores it, w [N, K].
  *
