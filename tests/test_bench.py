@@ -162,7 +162,7 @@ def test_bench_on_llama_cpp_with_its_peers(questions_file, tmp_path):
     summary = write_report(results, tmp_path / "out")
     assert summary["overall"]["llama-prompt-lookup:k=4"]["tokens_per_second"] > 0
     assert summary["overall"]["prompt-lookup:k=4:policy=auto"]["policy"] == "auto"
-    with pytest.raises(ValueError, match="needs the llama_cpp backend"):
+    with pytest.raises(ValueError, match="needs a GGUF target"):
         parse_method("llama-plain", tiny_backend(0), None)
 
 
