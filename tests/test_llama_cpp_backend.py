@@ -61,23 +61,39 @@ def test_a_build_with_amx_warns_before_its_first_forward(monkeypatch, tmp_path):
 
 
 def test_choose_backend(monkeypatch, tmp_path):
-    import exactspec.backends.llama_cpp_backend as module
+    import gguf as gguf_package
 
-    gguf, folder = tmp_path / "m.gguf", tmp_path
+    import exactspec.backends.llama_cpp_backend as module
+    from exactspec.backends import native
+    from conftest import tiny_model
+    from tiny_gguf import write_tiny_gguf
+
+    gguf, folder = write_tiny_gguf(tiny_model(0), tmp_path / "m.gguf"), tmp_path
+    other = tmp_path / "other.gguf"  # an architecture the native backend does not run
+    writer = gguf_package.GGUFWriter(str(other), "gemma3")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
     monkeypatch.setattr(module, "llama_cpp_available", lambda: True)
-    assert choose_backend(gguf, device="cpu") == "llama_cpp"
+    expected = "native" if native.load() is not None else "llama_cpp"
+    assert choose_backend(gguf, device="cpu") == expected
+    assert choose_backend(other, device="cpu") == "llama_cpp"
     assert choose_backend(folder, device="cpu") == "transformers"
     assert choose_backend(gguf, device="cpu", dtype="float32") == "transformers"
     assert choose_backend(gguf, "transformers", device="cpu") == "transformers"
+    monkeypatch.setattr(native, "load", lambda: None)  # no C compiler
+    assert choose_backend(gguf, device="cpu") == "llama_cpp"
     monkeypatch.setattr(module, "llama_cpp_available", lambda: False)
     assert choose_backend(gguf, device="cpu") == "transformers"
     with pytest.raises(ValueError, match="backend 'vllm' is invalid: choose one of auto, "
-                                         "transformers, llama_cpp"):
+                                         "native, transformers, llama_cpp"):
         choose_backend(gguf, "vllm")
     with pytest.raises(ValueError, match="dtype 'bfloat16' applies to the transformers backend"):
         choose_backend(gguf, "llama_cpp", dtype="bfloat16")
     with pytest.raises(ValueError, match="device 'cuda' is not supported by the llama_cpp"):
         choose_backend(gguf, "llama_cpp", device="cuda")
+    with pytest.raises(ValueError, match="the native backend loads .gguf files"):
+        choose_backend(folder, "native")
 
 
 @needs_llama_cpp

@@ -126,7 +126,7 @@ def test_transformers_peer_modes_and_sampling_translation(monkeypatch):
 def test_peers_need_their_backend_and_proposer():
     target = tiny_backend(0)
     assert set(PEERS) == {"hf", "llama"}
-    with pytest.raises(ValueError, match="needs the llama_cpp backend"):
+    with pytest.raises(ValueError, match="needs a GGUF target"):
         make_peer(parse_method_spec("llama-plain"), target, None, 0)
     with pytest.raises(ValueError, match="llama-cpp-python generate.. runs only none or "
                                          "prompt-lookup, not 'early-exit:1'"):
