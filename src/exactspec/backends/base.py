@@ -260,6 +260,15 @@ def check_rows(rows: Sequence[tuple[int, Sequence[int]]], num_logits: int | None
                          "integer ≥ 1")
 
 
+def check_reserve(backend: Backend, num_sequences: int) -> None:
+    """Raise ``ValueError`` unless ``num_sequences`` is an integer in [1,
+    ``backend.max_sequences``] (``reserve`` of a backend whose caches grow as used)."""
+    if (not isinstance(num_sequences, int) or isinstance(num_sequences, bool)
+            or not 1 <= num_sequences <= backend.max_sequences):
+        raise ValueError(f"{num_sequences!r} sequences cannot be reserved: this backend "
+                         f"holds 1 to {backend.max_sequences}")
+
+
 def check_tree(token_ids: Sequence[int], parents: Sequence[int]) -> TreePaths:
     """The :class:`~exactspec.trees.TreePaths` of ``forward_tree``'s arguments, or
     ``ValueError`` unless they are one tree rooted at node 0 with a parent per node."""

@@ -28,8 +28,9 @@ import torch
 
 from exactspec.backends import native
 from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError,
-                                     check_batch_invariance, check_context, check_retain,
-                                     check_rows, check_sequence_invariance, check_tree)
+                                     check_batch_invariance, check_context, check_reserve,
+                                     check_retain, check_rows, check_sequence_invariance,
+                                     check_tree)
 from exactspec.threads import ThreadChooser
 from exactspec.trees import TreePaths
 
@@ -106,15 +107,14 @@ class GGUFModel:
         self._keep: list[object] = []  # arrays whose memory the C structs point to
         layers = (native.Layer * self.n_layer)()
         for i, layer in enumerate(layers):
-            get = lambda name, optional=False: tensors.get(f"blk.{i}.{name}") if optional else \
-                self._tensor(tensors, f"blk.{i}.{name}")
+            get = lambda name: self._tensor(tensors, f"blk.{i}.{name}")
             layer.attn_norm = self._vector(get("attn_norm.weight"), self.n_embd)
             layer.ffn_norm = self._vector(get("ffn_norm.weight"), self.n_embd)
             q_width, kv_width = self.n_head * self.head_dim, self.n_head_kv * self.head_dim
             for field, name, width in (("bq", "attn_q.bias", q_width),
                                        ("bk", "attn_k.bias", kv_width),
                                        ("bv", "attn_v.bias", kv_width)):
-                bias = get(name, optional=True)
+                bias = tensors.get(f"blk.{i}.{name}")  # Qwen2 has them, Llama not
                 setattr(layer, field, None if bias is None else self._vector(bias, width))
             n_ff = int(get("ffn_gate.weight").shape[1])
             for field, name, rows, cols in (
@@ -271,6 +271,7 @@ class NativeBackend:
         self.description = f"native {self._kernels.isa} kernels, {types} weights"
         self._sequences: dict[int, _Sequence] = {}
         self._feature_layers: tuple[int, ...] | None = None
+        self._feature_layer_ids = torch.zeros(0, dtype=torch.int64)  # es_forward's argument
         self.batch_invariant = check_batch_invariance(self).invariant
 
     @classmethod
@@ -301,10 +302,7 @@ class NativeBackend:
                    max_context_length=max_model_len)
 
     def reserve(self, num_sequences: int) -> None:
-        if (not isinstance(num_sequences, int) or isinstance(num_sequences, bool)
-                or not 1 <= num_sequences <= self.max_sequences):
-            raise ValueError(f"{num_sequences!r} sequences cannot be reserved: this backend "
-                             f"holds 1 to {self.max_sequences}")
+        check_reserve(self, num_sequences)
 
     @functools.cached_property
     def sequences_invariant(self) -> bool:
@@ -374,6 +372,7 @@ class NativeBackend:
             raise ValueError(f"this backend records layers {list(self._feature_layers)} "
                              f"already; it cannot record {list(layers)} as well")
         self._feature_layers = layers
+        self._feature_layer_ids = torch.tensor(layers, dtype=torch.int64)
 
     def hidden_features(self, sequence_id: int, start: int) -> torch.Tensor:
         sequence = self._sequence(sequence_id)
@@ -418,21 +417,21 @@ class NativeBackend:
                 keep.append(tree)
                 segment.tree_rows, segment.tree_offsets = (tree.rows.data_ptr(),
                                                            tree.offsets.data_ptr())
-        vocab_ids = torch.tensor(tokens, dtype=torch.int64)
-        if vocab_ids.numel() and not 0 <= int(vocab_ids.min()) <= int(vocab_ids.max()) < self.vocab_size:
+        if tokens and not 0 <= min(tokens) <= max(tokens) < self.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}); got "
-                             f"{int(vocab_ids.min())} .. {int(vocab_ids.max())}")
+                             f"{min(tokens)} .. {max(tokens)}")
+        vocab_ids = torch.tensor(tokens, dtype=torch.int64)
         position_ids = torch.tensor(positions, dtype=torch.int64)
         logit_ids = torch.tensor(logit_rows, dtype=torch.int64)
         logits = torch.empty(len(logit_rows), self.vocab_size)
-        layers = torch.tensor(self._feature_layers or (), dtype=torch.int64)
         features = torch.empty(len(tokens), features_width)
         threads = self.threads.choose(len(tokens))
         start = time.perf_counter()
         self._kernels.forward(ctypes.byref(self.model.c_model), segments, len(parts),
                               vocab_ids.data_ptr(), position_ids.data_ptr(), len(tokens),
                               logit_ids.data_ptr(), len(logit_rows), logits.data_ptr(),
-                              layers.data_ptr(), layers.numel() if features_width else 0,
+                              self._feature_layer_ids.data_ptr(),
+                              self._feature_layer_ids.numel() if features_width else 0,
                               features.data_ptr(), threads, native.ISAS.index(self._kernels.isa))
         self.threads.record(len(tokens), threads, time.perf_counter() - start)
         row = 0

@@ -20,8 +20,9 @@ import torch
 
 from exactspec.backends import native
 from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, chat_messages,
-                                     check_batch_invariance, check_context, check_retain,
-                                     check_rows, check_sequence_invariance, check_tree)
+                                     check_batch_invariance, check_context, check_reserve,
+                                     check_retain, check_rows, check_sequence_invariance,
+                                     check_tree)
 from exactspec.backends.batch_invariant import (KERNELS, PackedSequences, kernel_mode,
                                                  native_kernels_apply, packed_sequences,
                                                  token_tree, use_exactspec_kernels)
@@ -205,10 +206,7 @@ class TransformersBackend:
     """A bound on sequences held at once (each one's cache grows as it is used)."""
 
     def reserve(self, num_sequences: int) -> None:
-        if (not isinstance(num_sequences, int) or isinstance(num_sequences, bool)
-                or not 1 <= num_sequences <= self.max_sequences):
-            raise ValueError(f"{num_sequences!r} sequences cannot be reserved: this backend "
-                             f"holds 1 to {self.max_sequences}")
+        check_reserve(self, num_sequences)
 
     @functools.cached_property
     def sequences_invariant(self) -> bool:

@@ -229,43 +229,51 @@ static void dequantize_row_portable(int type, const uint8_t *w, int64_t row, int
     }
 }
 
+/* One block of 32 weights dequantised into two AVX-512 vectors (the floats above: for
+ * Q4_1 an FMA q * d + m rounds once, like the exact multiply then the add), for
+ * dequantize_row_avx512 and the fused tiles below. */
+__attribute__((target("avx512f,avx512bw,f16c"))) static inline void dq_q4_1(
+    const uint8_t *p, __m512 *lo, __m512 *hi) {
+    const __m128i low4 = _mm_set1_epi8(15);
+    __m512 d = _mm512_set1_ps(_cvtsh_ss(read_u16(p))), m = _mm512_set1_ps(_cvtsh_ss(read_u16(p + 2)));
+    __m128i q = _mm_loadu_si128((const __m128i *)(p + 4));
+    *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low4))), d, m);
+    *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+        _mm_and_si128(_mm_srli_epi16(q, 4), low4))), d, m);
+}
+__attribute__((target("avx512f,avx512bw,f16c"))) static inline void dq_q4_0(
+    const uint8_t *p, __m512 *lo, __m512 *hi) {
+    const __m128i low4 = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+    __m512 d = _mm512_set1_ps(_cvtsh_ss(read_u16(p)));
+    __m128i q = _mm_loadu_si128((const __m128i *)(p + 2));
+    *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_sub_epi8(_mm_and_si128(q, low4), eight))), d);
+    *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), low4), eight))), d);
+}
+__attribute__((target("avx512f,avx512bw,f16c"))) static inline void dq_q8_0(
+    const uint8_t *p, __m512 *lo, __m512 *hi) {
+    __m512 d = _mm512_set1_ps(_cvtsh_ss(read_u16(p)));
+    *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 2)))), d);
+    *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 18)))), d);
+}
+
 /* The same floats with AVX-512 (F16C for the halves: an exact conversion too). */
 __attribute__((target("avx512f,avx512bw,f16c")))
 static void dequantize_row_avx512(int type, const uint8_t *w, int64_t row, int64_t K,
                                   float *out) {
     const uint8_t *p = w + row * es_row_bytes(type, K);
-    const __m128i low4 = _mm_set1_epi8(15);
+    __m512 lo, hi;
     switch (type) {
-    case T_Q8_0:
-        for (int64_t b = 0; b < K / 32; b++, p += 34, out += 32) {
-            __m512 d = _mm512_set1_ps(_cvtsh_ss(read_u16(p)));
-            for (int h = 0; h < 2; h++) {
-                __m128i q = _mm_loadu_si128((const __m128i *)(p + 2 + 16 * h));
-                _mm512_storeu_ps(out + 16 * h,
-                                 _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d));
-            }
+    case T_Q8_0: case T_Q4_0: case T_Q4_1:
+        for (int64_t b = 0; b < K / 32; b++, out += 32) {
+            if (type == T_Q8_0) dq_q8_0(p + 34 * b, &lo, &hi);
+            else if (type == T_Q4_0) dq_q4_0(p + 18 * b, &lo, &hi);
+            else dq_q4_1(p + 20 * b, &lo, &hi);
+            _mm512_storeu_ps(out, lo);
+            _mm512_storeu_ps(out + 16, hi);
         }
         break;
-    case T_Q4_0: case T_Q4_1: {
-        const int offset = type == T_Q4_1 ? 4 : 2, size = type == T_Q4_1 ? 20 : 18;
-        const __m512i eight = _mm512_set1_epi32(type == T_Q4_0 ? 8 : 0);
-        for (int64_t b = 0; b < K / 32; b++, p += size, out += 32) {
-            __m512 d = _mm512_set1_ps(_cvtsh_ss(read_u16(p)));
-            __m128i q = _mm_loadu_si128((const __m128i *)(p + offset));
-            __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(q, low4));
-            __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low4));
-            __m512 wl = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight)), d);
-            __m512 wh = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight)), d);
-            if (type == T_Q4_1) {
-                __m512 m = _mm512_set1_ps(_cvtsh_ss(read_u16(p + 2)));
-                wl = _mm512_add_ps(wl, m);
-                wh = _mm512_add_ps(wh, m);
-            }
-            _mm512_storeu_ps(out, wl);
-            _mm512_storeu_ps(out + 16, wh);
-        }
-        break;
-    }
     case T_F16:
         for (int64_t i = 0; i + 16 <= K; i += 16)
             _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2 * i))));
@@ -333,36 +341,10 @@ static void dequantize_row(int type, const uint8_t *w, int64_t row, int64_t K, f
 }
 
 /* Fused AVX-512 tiles for the block types: R <= 8 rows x C columns, each block of 32
- * weights dequantised in registers (the same floats as dequantize_row: an FMA q * d + m
- * rounds once, like the multiply (exact) then add) and used at once for every row, with
+ * weights dequantised in registers (dq_*, the same floats as dequantize_row) and used at
+ * once for every row, with
  * the 16-lane order of the float32 tile (lanes over k in steps of 16, then hsum16): the
  * same bits as the panel path, without writing the panel. */
-__attribute__((target("avx512f,avx512bw,f16c"))) static inline void dq_q4_1(
-    const uint8_t *p, __m512 *lo, __m512 *hi) {
-    const __m128i low4 = _mm_set1_epi8(15);
-    __m512 d = _mm512_set1_ps(_cvtsh_ss(read_u16(p))), m = _mm512_set1_ps(_cvtsh_ss(read_u16(p + 2)));
-    __m128i q = _mm_loadu_si128((const __m128i *)(p + 4));
-    *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low4))), d, m);
-    *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-        _mm_and_si128(_mm_srli_epi16(q, 4), low4))), d, m);
-}
-__attribute__((target("avx512f,avx512bw,f16c"))) static inline void dq_q4_0(
-    const uint8_t *p, __m512 *lo, __m512 *hi) {
-    const __m128i low4 = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
-    __m512 d = _mm512_set1_ps(_cvtsh_ss(read_u16(p)));
-    __m128i q = _mm_loadu_si128((const __m128i *)(p + 2));
-    *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_sub_epi8(_mm_and_si128(q, low4), eight))), d);
-    *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), low4), eight))), d);
-}
-__attribute__((target("avx512f,avx512bw,f16c"))) static inline void dq_q8_0(
-    const uint8_t *p, __m512 *lo, __m512 *hi) {
-    __m512 d = _mm512_set1_ps(_cvtsh_ss(read_u16(p)));
-    *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 2)))), d);
-    *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 18)))), d);
-}
-
 typedef void (*qtile_fn)(const float *x, int64_t ldx, int64_t K, const uint8_t *w,
                          int64_t row_bytes, float *y, int64_t ldy);
 
