@@ -273,3 +273,26 @@ def test_token_ids_may_come_as_an_array():
     expected = SpeculativeGenerator(target, None).generate([1, 2, 3], params).token_ids
     for prompt in (np.array([1, 2, 3]), torch.tensor([1, 2, 3])):
         assert SpeculativeGenerator(target, None).generate(prompt, params).token_ids == expected
+
+
+def test_generation_stats_merged_sums_counts_position_by_position():
+    """GenerationStats.merged, the one place counts are summed: per-position counts and
+    histograms of different lengths add position by position, the derived figures follow
+    the sums (not an average of ratios), and to_dict/from_dict round-trips."""
+    from exactspec.generation_stats import GenerationStats
+
+    short = GenerationStats(num_speculative_tokens=2, policy="auto", num_prompt_tokens=5)
+    short.record_cycle(2, 1, 2, draft_seconds=0.5)
+    long = GenerationStats(num_speculative_tokens=4, policy="constant", num_prompt_tokens=7)
+    long.record_cycle(4, 4, 5)
+    long.record_cycle(3, 0, 1, chosen_k=4)
+    total = GenerationStats.merged([short, GenerationStats.from_dict(long.to_dict())])
+    assert total.num_speculative_tokens == 4 and total.policy == "auto"
+    assert (total.cycles, total.drafted_tokens, total.accepted_tokens) == (3, 9, 5)
+    assert total.drafted_per_position == [3, 3, 2, 1]
+    assert total.accepted_per_position == [2, 1, 1, 1]
+    assert total.chosen_k_histogram == [0, 0, 1, 0, 2]
+    assert total.committed_per_cycle == [2, 5, 1]
+    assert total.num_prompt_tokens == 12 and total.draft_seconds == 0.5
+    assert total.acceptance_rate == 5 / 9 and total.mean_acceptance_length == 8 / 3
+    assert GenerationStats.merged([]).cycles == 0

@@ -4,7 +4,7 @@ Each cycle every active row drafts on its own (its own proposer state, policy, k
 none), one packed forward of the target scores every row's ``[last, d_1 .. d_k]``
 (:meth:`~exactspec.backends.base.Backend.forward`), and each row is verified,
 committed and rolled back on its own, exactly as :class:`~exactspec.engine.SpeculativeGenerator`
-does for one sequence (the same :class:`~exactspec.engine.SampleDecoding`). Rows join
+does for one sequence (each row the same :class:`~exactspec.engine.SequenceState`). Rows join
 between cycles as others finish (continuous batching, Yu et al. 2022, "Orca",
 iteration-level scheduling); a joining prompt is prefilled in chunks while the others
 decode, within a time budget that keeps their time per token within about 1.8× its idle
@@ -22,22 +22,18 @@ gives what :meth:`SpeculativeGenerator.generate` gives for the same request.
 from __future__ import annotations
 
 import copy
-import functools
 import time
 from collections import deque
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from exactspec.backends.base import Backend, UnsupportedModelError, new_sequence_id
-from exactspec.engine import (PLAIN_STEP, GenerationResult, OnCommit, SampleDecoding,
+from exactspec.engine import (PLAIN_STEP, GenerationResult, OnCommit, SequenceState,
                               SpeculativeGenerator)
-from exactspec.logits_pipeline import LogitsPipeline
-from exactspec.proposers.base import Proposer
 from exactspec.request import Prompt, Request, prepare_request
 from exactspec.sampling import SamplingParams
-from exactspec.speculation_length import (Choice, ForwardCost, SpeculationLengthPolicy,
+from exactspec.speculation_length import (Choice, ForwardCost,
                                           batch_speculation_lengths, survival)
 from exactspec.threads import torch_threads
 
@@ -49,42 +45,6 @@ their time per token stays within about (1 + this)× its value without prefill."
 PREFILL_SECONDS_ALONE = 0.25
 """With no row decoding, prefill chunks run each cycle until this many seconds are spent
 (at least one chunk), so that a request arriving meanwhile waits at most about this."""
-
-
-@dataclass
-class _Row:
-    """One request being decoded: its settings, proposer, policy and randomness, and the
-    sample being decoded. A request of ``n`` samples decodes them one after another in its
-    row, on one ``rng`` (as :meth:`SpeculativeGenerator.generate_samples` does)."""
-
-    request_id: int
-    generator: SpeculativeGenerator  # the row's proposer, k_max and policy come from it
-    prompt_token_ids: list[int]
-    pipeline: LogitsPipeline
-    rng: torch.Generator
-    proposer: Proposer | None
-    policy: SpeculationLengthPolicy
-    timed: bool  # greedy or unseeded: may depend on what ran before (SpeculationLengthPolicy.reset)
-    batch_chosen: bool  # k comes from the batch-level auto policy (BatchedGenerator._choose)
-    num_samples: int
-    on_commit: OnCommit | None = field(default=None, repr=False)
-    start: float = 0.0
-    scope: Hashable = None  # whose earlier outputs a learning proposer may use (Proposer.reset)
-    prefill_seconds: float = 0.0
-    results: list[GenerationResult] = field(default_factory=list)
-    num_prefilled: int = 0  # prompt tokens in the row's cache so far (chunked prefill)
-    prefill_seconds_per_token: float | None = None  # its last prefill chunk's (the budget)
-    sample: SampleDecoding | None = None  # None while the prompt is being prefilled
-
-    def start_sample(self) -> None:
-        """Begin the next sample (the first one's stats include the prefill)."""
-        emit = None if self.on_commit is None else functools.partial(self.on_commit,
-                                                                     len(self.results))
-        self.sample = SampleDecoding(self.generator, self.prompt_token_ids, self.pipeline,
-                                     self.rng, self.proposer, self.policy,
-                                     observe_seconds=False, start=self.start,
-                                     prefill_seconds=self.prefill_seconds, emit=emit)
-        self.prefill_seconds = 0.0
 
 
 RequestOutput = list[GenerationResult] | Exception
@@ -130,8 +90,8 @@ class BatchedGenerator:
                 "decoding it alone; batching is refused (allow_batch_variance=True batches "
                 "anyway, exact only up to rounding)")
         self.generator = generator
-        self._waiting: deque[_Row] = deque()
-        self._active: list[_Row] = []
+        self._waiting: deque[SequenceState] = deque()
+        self._active: list[SequenceState] = []
         self._stepping = False
         self._cancelled: set[int] = set()  # cancelled during a step (from a callback)
         self.costs = ForwardCost(max_batch_size * (generator.num_speculative_tokens + 1))
@@ -151,7 +111,7 @@ class BatchedGenerator:
 
     def is_active(self, request_id: int) -> bool:
         """Whether the request is being decoded (not waiting, not finished)."""
-        return any(row.request_id == request_id for row in self._active)
+        return any(row.sequence_id == request_id for row in self._active)
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -239,16 +199,12 @@ class BatchedGenerator:
         proposer = generator.proposer
         if proposer is not None and proposer.batchable:
             proposer = copy.copy(proposer)  # see Proposer.batchable; reset when it starts
-        policy = copy.deepcopy(generator.policy)
-        policy.reset(timed=False)  # a forward's time is the batch's: see the module docstring
-        row = _Row(
-            request_id=new_sequence_id(), generator=generator,
-            prompt_token_ids=request.prompt_token_ids, pipeline=request.pipeline,
-            rng=request.rng if rng is None else rng, proposer=proposer, policy=policy,
-            timed=request.timed, batch_chosen=policy.follows_batch and request.timed,
-            num_samples=request.n, on_commit=on_commit, start=start, scope=scope)
+        # untimed policy (alone=False): a forward's time is the batch's (module docstring)
+        row = SequenceState(generator, request, new_sequence_id(), proposer,
+                            copy.deepcopy(generator.policy), alone=False, rng=rng,
+                            on_commit=on_commit, scope=scope, start=start)
         self._waiting.append(row)
-        return row.request_id
+        return row.sequence_id
 
     def cancel(self, request_id: int) -> None:
         """Drop a request, waiting or active, without an output (no error if it is gone).
@@ -256,10 +212,10 @@ class BatchedGenerator:
         if self._stepping:
             self._cancelled.add(request_id)
             return
-        self._waiting = deque(row for row in self._waiting if row.request_id != request_id)
-        if any(row.request_id == request_id for row in self._active):
+        self._waiting = deque(row for row in self._waiting if row.sequence_id != request_id)
+        if any(row.sequence_id == request_id for row in self._active):
             self.target.release(request_id)
-            self._active = [row for row in self._active if row.request_id != request_id]
+            self._active = [row for row in self._active if row.sequence_id != request_id]
 
     def step(self) -> dict[int, RequestOutput]:
         """One cycle for every active row (after admitting waiting requests while there is
@@ -279,7 +235,7 @@ class BatchedGenerator:
             self._stepping = False
         for request_id in finished:
             self.target.release(request_id)
-        self._active = [row for row in self._active if row.request_id not in finished]
+        self._active = [row for row in self._active if row.sequence_id not in finished]
         for request_id in self._cancelled:
             finished.pop(request_id, None)
             self.cancel(request_id)
@@ -293,45 +249,43 @@ class BatchedGenerator:
         decode_start = time.perf_counter()
         live = []  # (row, room): rows with room for at least one more token
         for row in self._active:
-            if row.request_id in finished or row.sample is None:
+            if row.sequence_id in finished or not row.prefilled:
                 continue
             try:
-                room = row.sample.room()
-                if room:
+                if room := row.room():
                     live.append((row, room))
                 else:
-                    self._end_sample(row, finished)
+                    finished[row.sequence_id] = row.results
             except Exception as error:
-                finished[row.request_id] = error
+                finished[row.sequence_id] = error
         drafted, inputs = [], []  # rows that drafted, (sequence id, [last, drafts…]) each
         for (row, room), choice in zip(live, self._choose(live, finished)):
-            if row.request_id in finished:
+            if row.sequence_id in finished:
                 continue
             try:
-                inputs.append((row.request_id, row.sample.draft(choice, room)))
+                inputs.append((row.sequence_id, row.sample.draft(choice, room)))
                 drafted.append(row)
             except Exception as error:
-                finished[row.request_id] = error
+                finished[row.sequence_id] = error
         if not drafted:
             return finished
         t0 = time.perf_counter()
         try:
             all_logits = self.target.forward(inputs)
         except Exception as error:
-            finished.update((row.request_id, error) for row in drafted)
+            finished.update((row.sequence_id, error) for row in drafted)
             return finished
         forward_seconds = time.perf_counter() - t0
         self.costs.observe(sum(len(ids) for _, ids in inputs), forward_seconds)
         for row, logits in zip(drafted, all_logits):
-            if row.request_id in self._cancelled:
+            if row.sequence_id in self._cancelled:
                 continue
             try:
-                self.target.retain(row.request_id, logits.shape[0],
-                                   row.sample.verify_and_commit(logits, forward_seconds))
-                if row.sample.finish_reason is not None:
-                    self._end_sample(row, finished)
+                row.verify_and_commit(logits, forward_seconds)
+                if row.done:
+                    finished[row.sequence_id] = row.results
             except Exception as error:
-                finished[row.request_id] = error
+                finished[row.sequence_id] = error
         seconds = time.perf_counter() - decode_start
         old = self._decode_cycle_seconds
         self._decode_cycle_seconds = seconds if old is None else 0.8 * old + 0.2 * seconds
@@ -361,7 +315,7 @@ class BatchedGenerator:
         failed = self._admit()
         for request_id in failed:
             self.target.release(request_id)
-        self._active = [row for row in self._active if row.request_id not in failed]
+        self._active = [row for row in self._active if row.sequence_id not in failed]
         return failed
 
     def _admit(self) -> dict[int, RequestOutput]:
@@ -371,9 +325,9 @@ class BatchedGenerator:
             row = self._waiting.popleft()
             self._active.append(row)
             try:
-                self.target.prefill(row.request_id, [])
+                row.prefill(0)  # creates the sequence: a failure shows now
             except Exception as error:
-                failed[row.request_id] = error
+                failed[row.sequence_id] = error
         return failed
 
     def _prefill(self, finished: dict[int, RequestOutput]) -> None:
@@ -391,11 +345,11 @@ class BatchedGenerator:
         one-call prefill's (``Backend.prefill``). A row whose prompt is in starts its first
         sample."""
         joining = [row for row in self._active
-                   if row.sample is None and row.request_id not in finished]
+                   if not row.prefilled and row.sequence_id not in finished]
         if not joining:
             self._prefill_credit = 0.0
             return
-        decoding = any(row.sample is not None and row.request_id not in finished
+        decoding = any(row.prefilled and row.sequence_id not in finished
                        for row in self._active)
         if decoding and self._decode_cycle_seconds is not None:
             self._prefill_credit += PREFILL_SHARE * self._decode_cycle_seconds
@@ -407,7 +361,7 @@ class BatchedGenerator:
         if decoding:
             self._prefill_credit -= spent
 
-    def _prefill_rows(self, joining: list[_Row], budget: float, at_least_one: bool,
+    def _prefill_rows(self, joining: list[SequenceState], budget: float, at_least_one: bool,
                       finished: dict[int, RequestOutput]) -> float:
         """Prefill chunks of ``joining``'s prompts, fewest tokens left first, while their
         estimated seconds fit ``budget`` (``at_least_one``: the first chunk runs whatever
@@ -417,33 +371,20 @@ class BatchedGenerator:
         known = [row.prefill_seconds_per_token for row in self._active
                  if row.prefill_seconds_per_token is not None]
         spent = 0.0
-        for row in sorted(joining, key=lambda row: len(row.prompt_token_ids) - row.num_prefilled):
-            end = len(row.prompt_token_ids) - 1  # the cache holds all but the last token
+        for row in sorted(joining, key=lambda row: row.num_tokens_to_prefill):
             try:
-                while row.num_prefilled < end:
-                    size = min(chunk, end - row.num_prefilled)
+                while not row.prefilled:
+                    size = min(chunk, row.num_tokens_to_prefill)
                     per_token = (row.prefill_seconds_per_token if row.prefill_seconds_per_token
                                  is not None else min(known, default=0.0))
                     if spent + per_token * size > budget and (spent > 0 or not at_least_one):
                         return spent
-                    t0 = time.perf_counter()
-                    self.target.prefill(
-                        row.request_id,
-                        row.prompt_token_ids[row.num_prefilled:row.num_prefilled + size])
-                    seconds = time.perf_counter() - t0
-                    row.prefill_seconds += seconds
-                    row.prefill_seconds_per_token = seconds / size
-                    row.num_prefilled += size
-                    spent += seconds
-                if row.proposer is not None:  # a shared one (batch size 1) is the row's now
-                    row.proposer.reset(reproducible=not row.timed, scope=row.scope)
-                    row.proposer.follow(row.request_id)
-                row.start_sample()
+                    spent += row.prefill(size)
             except Exception as error:
-                finished[row.request_id] = error
+                finished[row.sequence_id] = error
         return spent
 
-    def _choose(self, live: list[tuple[_Row, int]],
+    def _choose(self, live: list[tuple[SequenceState, int]],
                 finished: dict[int, RequestOutput]) -> list[Choice]:
         """Each live row's choice: rows under ``auto`` that may be timed (greedy or unseeded)
         get k from :func:`batch_speculation_lengths` over the batch's measured forward cost;
@@ -452,13 +393,13 @@ class BatchedGenerator:
         choices: list[Choice] = [PLAIN_STEP] * len(live)
         batch_chosen, fixed_tokens, fixed_expected = [], 0, 0.0
         for i, (row, room) in enumerate(live):
-            if row.batch_chosen and row.sample.k_max:
+            if row.policy.follows_batch and row.timed and row.sample.k_max:
                 batch_chosen.append(i)
                 continue
             try:
                 choices[i] = row.sample.choose()
             except Exception as error:
-                finished[row.request_id] = error
+                finished[row.sequence_id] = error
                 continue
             k = min(choices[i].k, room - 1)
             fixed_tokens += k + 1
@@ -471,14 +412,3 @@ class BatchedGenerator:
             for i, k in zip(batch_chosen, ks):
                 choices[i] = live[i][0].policy.choice(k)
         return choices
-
-    def _end_sample(self, row: _Row, finished: dict[int, RequestOutput]) -> None:
-        """Record ``row``'s finished sample; start its next one, or finish the request."""
-        row.results.append(row.sample.result())
-        if len(row.results) == row.num_samples:
-            finished[row.request_id] = row.results
-            return
-        self.target.rollback(row.request_id, self.target.num_cached_tokens(row.request_id)
-                                      - (len(row.prompt_token_ids) - 1))
-        row.start = time.perf_counter()
-        row.start_sample()

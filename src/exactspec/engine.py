@@ -1,16 +1,19 @@
 """The speculative decoding loop for one sequence: draft → verify → commit → rollback.
 
 Source: Leviathan et al. 2022 (arXiv 2211.17192), Algorithm 1, one cycle per iteration of
-the loop in :meth:`SpeculativeGenerator.generate`. The target's KV cache always holds every
+the loop in :meth:`SpeculativeGenerator._decode`. The target's KV cache always holds every
 token of the context except the last one, so each cycle scores ``[last, d_1 .. d_k]`` in
 one forward pass: row i of the logits is the target's distribution for position i + 1,
 and row k gives the bonus token. After verification the cache is cut back to the context
 minus its new last token. With k = 0 (or no proposer) the same loop is plain decoding.
 
 The engine is the one owner of the committed length: ``SampleDecoding.tokens`` (prompt +
-committed) is the only record of a sequence; proposers and backends follow it.
-:class:`SampleDecoding` holds one sample's half of a cycle, so that decoding one sequence
-(here) and many in one packed forward (:mod:`exactspec.batching`) run the same steps.
+committed) is the only record of a sample; proposers and backends follow it. Per sequence
+there is one state, :class:`SequenceState` (prefill, the request's samples, its proposer
+and policy, the cache's rollback), holding the sample being decoded, a
+:class:`SampleDecoding` (one sample's half of each cycle); decoding one sequence (here, a
+batch of one) and many in one packed forward (:mod:`exactspec.batching`) drive the same
+states and differ only in the forward.
 """
 
 from __future__ import annotations
@@ -249,6 +252,135 @@ class SampleDecoding:
             logprobs=self.logprobs, trace=self.trace, stop_offset=self.stopper.stop_offset)
 
 
+class SequenceState:
+    """One request in one sequence of the target, from its prompt's prefill to its last
+    sample: the one state both drivers keep per sequence (as llama.cpp's
+    ``common/speculative.cpp`` keeps one per sequence).
+
+    It prefills the prompt (all at once or in chunks: the cache's bits are the same,
+    ``Backend.prefill``), then decodes the request's ``n`` samples one after another on its
+    one ``rng`` (as many independent continuations; the cache is rolled back to the prompt
+    between them), each a :class:`SampleDecoding`; after every cycle it keeps the rows the
+    target's cache retains (``Backend.retain``). It owns the request's proposer and policy
+    (a batch gives each row copies of its own). What it does not do is the target forward:
+    :class:`SpeculativeGenerator` runs one per cycle for one sequence (a batch of one),
+    :class:`~exactspec.batching.BatchedGenerator` one packed forward for all its rows.
+
+    Args:
+        generator: the engine whose target, stochastic verifier and k_max the request uses.
+        request: the prepared request (:func:`~exactspec.request.prepare_request`).
+        sequence_id: the target's sequence to decode in (empty, or not yet created); the
+            caller releases it.
+        proposer, policy: the request's proposer (None: plain decoding) and policy.
+        alone: the sequence has every forward to itself, so a request that may be timed
+            (greedy or unseeded) lets its policy observe seconds; in a batch a forward's time
+            is the batch's and the policy uses its prior cost model only.
+        rng: the request's random source (default ``request.rng``).
+        on_commit: called with (sample index, tokens) after every cycle that emitted tokens.
+        scope: whose earlier outputs a learning proposer may use (``Proposer.reset``).
+        trace: record every cycle of every sample (``GenerationResult.trace``).
+        start: ``time.perf_counter()`` when the request started (default ``request.start``).
+    """
+
+    def __init__(self, generator: SpeculativeGenerator, request: Request, sequence_id: int,
+                 proposer: Proposer | None, policy: SpeculationLengthPolicy, *, alone: bool,
+                 rng: torch.Generator | None = None, on_commit: OnCommit | None = None,
+                 scope: Hashable = None, trace: bool = False, start: float | None = None) -> None:
+        self.generator, self.target, self.sequence_id = generator, generator.target, sequence_id
+        self.prompt_token_ids, self.pipeline = request.prompt_token_ids, request.pipeline
+        self.rng = request.rng if rng is None else rng
+        self.num_samples, self.timed = request.n, request.timed
+        self.proposer, self.policy = proposer, policy
+        self.observe_seconds = alone and request.timed
+        policy.reset(self.observe_seconds)
+        self.on_commit, self.scope, self.trace = on_commit, scope, trace
+        self.start = request.start if start is None else start
+        self.num_prefilled = 0  # prompt tokens in the cache so far
+        self.prefill_seconds = 0.0
+        self.prefill_seconds_per_token: float | None = None  # the last chunk's
+        self.sample: SampleDecoding | None = None  # None while prefilling and once done
+        self.results: list[GenerationResult] = []
+
+    @property
+    def prefilled(self) -> bool:
+        """Whether the prompt is in the cache (all but its last token) and decoding began."""
+        return self.sample is not None or self.done
+
+    @property
+    def done(self) -> bool:
+        """Whether every sample is finished (``results`` holds them)."""
+        return len(self.results) == self.num_samples
+
+    @property
+    def num_tokens_to_prefill(self) -> int:
+        """Prompt tokens not yet in the cache (the cache holds all but the last one)."""
+        return len(self.prompt_token_ids) - 1 - self.num_prefilled
+
+    def prefill(self, num_tokens: int | None = None) -> float:
+        """Add the next ``num_tokens`` tokens of the prompt to the target's cache (None: all
+        that are left; 0 creates the sequence only). Once the prompt is in, the proposer
+        starts following the sequence and the first sample begins.
+
+        Returns:
+            the seconds it took.
+        """
+        left = self.num_tokens_to_prefill
+        size = left if num_tokens is None else min(num_tokens, left)
+        t0 = time.perf_counter()
+        self.target.prefill(self.sequence_id,
+                            self.prompt_token_ids[self.num_prefilled:self.num_prefilled + size])
+        seconds = time.perf_counter() - t0
+        self.num_prefilled += size
+        self.prefill_seconds += seconds
+        if size:
+            self.prefill_seconds_per_token = seconds / size
+        if not self.num_tokens_to_prefill:
+            if self.proposer is not None:
+                self.proposer.reset(reproducible=not self.timed, scope=self.scope)
+                self.proposer.follow(self.sequence_id)
+            self._start_sample()
+        return seconds
+
+    def room(self) -> int:
+        """Tokens the sample being decoded may still generate; a sample with none left is
+        finished here (and the next one begins). 0 once every sample is done."""
+        while self.sample is not None:
+            if room := self.sample.room():
+                return room
+            self._end_sample()
+        return 0
+
+    def verify_and_commit(self, logits: torch.Tensor, forward_seconds: float) -> None:
+        """Verify and commit the sample's cycle (:meth:`SampleDecoding.verify_and_commit`:
+        ``logits`` ``[len(block), vocab]``, the target's scores of the drafted block),
+        keep the accepted rows in the target's cache, and finish the sample on a stop."""
+        kept = self.sample.verify_and_commit(logits, forward_seconds)
+        self.target.retain(self.sequence_id, logits.shape[0], kept)
+        if self.sample.finish_reason is not None:
+            self._end_sample()
+
+    def _start_sample(self) -> None:
+        """Begin the next sample (the first one's stats include the prefill)."""
+        emit = (None if self.on_commit is None
+                else functools.partial(self.on_commit, len(self.results)))
+        self.sample = SampleDecoding(
+            self.generator, self.prompt_token_ids, self.pipeline, self.rng, self.proposer,
+            self.policy, observe_seconds=self.observe_seconds, start=self.start,
+            prefill_seconds=self.prefill_seconds, emit=emit, trace=[] if self.trace else None)
+        self.prefill_seconds = 0.0
+
+    def _end_sample(self) -> None:
+        """Record the finished sample; roll the cache back to the prompt and begin the next
+        one, unless it was the last."""
+        self.results.append(self.sample.result())
+        self.sample = None
+        if not self.done:
+            self.target.rollback(self.sequence_id, self.target.num_cached_tokens(self.sequence_id)
+                                 - (len(self.prompt_token_ids) - 1))
+            self.start = time.perf_counter()
+            self._start_sample()
+
+
 class SpeculativeGenerator:
     """Exact speculative decoding of one sequence at a time.
 
@@ -353,45 +485,26 @@ class SpeculativeGenerator:
             ``[n]`` :class:`GenerationResult`; the first one's stats include the prefill.
         """
         request = prepare_request(self.target, prompt, params, n=n, chat=chat)
-        prompt_token_ids, target, sequence = request.prompt_token_ids, self.target, self._sequence
-        start, timed = request.start, request.timed
-        target.release(sequence)
+        state = SequenceState(self, request, self._sequence, self.proposer, self.policy,
+                              alone=True, on_commit=on_commit, scope=scope, trace=trace)
+        self.target.release(self._sequence)
         try:
-            target.prefill(sequence, prompt_token_ids[:-1])
-            self.policy.reset(timed)
-            if self.proposer is not None:
-                self.proposer.reset(reproducible=not timed, scope=scope)
-                self.proposer.follow(sequence)
-            prefill_seconds = time.perf_counter() - start
-            results = []
-            for index in range(n):
-                target.rollback(sequence, target.num_cached_tokens(sequence)
-                                - (len(prompt_token_ids) - 1))
-                emit = None if on_commit is None else functools.partial(on_commit, index)
-                with torch_threads(1):  # host-side work; the backend chooses its own (threads.py)
-                    results.append(self._decode(request, start, prefill_seconds, emit,
-                                                [] if trace else None))
-                start, prefill_seconds = time.perf_counter(), 0.0
+            with torch_threads(1):  # host-side work; the backend chooses its own (threads.py)
+                state.prefill()
+                self._decode(state)
         finally:
-            target.release(sequence)
-        return results
+            self.target.release(self._sequence)
+        return state.results
 
-    def _decode(self, request: Request, start: float, prefill_seconds: float,
-                emit: Callable[[list[int]], None] | None,
-                trace: list[CycleTrace] | None) -> GenerationResult:
-        """The speculative loop for one sample; the target's cache holds the prompt but its
-        last token. Each cycle: choose → draft → forward → verify, commit, observe →
-        rollback (:class:`SampleDecoding` does all but the forward and the rollback)."""
-        sample = SampleDecoding(self, request.prompt_token_ids, request.pipeline, request.rng,
-                                self.proposer, self.policy, observe_seconds=request.timed,
-                                start=start, prefill_seconds=prefill_seconds, emit=emit,
-                                trace=trace)
-        while sample.finish_reason is None and (room := sample.room()):
+    def _decode(self, state: SequenceState) -> None:
+        """The speculative loop, one forward per cycle: choose → draft → forward → verify,
+        commit, observe, roll back (``state`` does all but the forward), until every sample
+        of the request is done."""
+        while room := state.room():
+            sample = state.sample
             block = sample.draft(sample.choose(), room)
             t0 = time.perf_counter()
             parents = sample.tree_parents()
             logits = (forward_one(self.target, self._sequence, block) if parents is None
                       else self.target.forward_tree(self._sequence, block, parents))
-            kept = sample.verify_and_commit(logits, time.perf_counter() - t0)
-            self.target.retain(self._sequence, len(block), kept)
-        return sample.result()
+            state.verify_and_commit(logits, time.perf_counter() - t0)

@@ -12,7 +12,8 @@ accepted count is capped at the emitted tokens, so nothing after a stop is count
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -95,6 +96,36 @@ class GenerationStats:
             self.drafted_per_position[i] += 1
         for i in range(accepted):
             self.accepted_per_position[i] += 1
+
+    @classmethod
+    def merged(cls, stats: Iterable[GenerationStats]) -> GenerationStats:
+        """The figures of several generations together (a request's samples, a bench
+        group, an audit's engine): counts, per-position counts and histograms summed
+        position by position (the longest k wins; shorter lists count 0 beyond their end),
+        seconds summed, ``committed_per_cycle`` concatenated, ``policy`` the first one's.
+        The one place exactspec sums these counts."""
+        stats = list(stats)
+        k = max((s.num_speculative_tokens for s in stats), default=0)
+        total = cls(num_speculative_tokens=k, policy=stats[0].policy if stats else "none")
+        for s in stats:
+            for f in fields(cls):
+                value = getattr(s, f.name)
+                if f.name in ("num_speculative_tokens", "policy"):
+                    continue
+                if f.name == "committed_per_cycle":
+                    total.committed_per_cycle.extend(value)
+                elif isinstance(value, list):
+                    summed = getattr(total, f.name)
+                    for i, n in enumerate(value):
+                        summed[i] += n
+                else:
+                    setattr(total, f.name, getattr(total, f.name) + value)
+        return total
+
+    @classmethod
+    def from_dict(cls, figures: dict) -> GenerationStats:
+        """The stats :meth:`to_dict` wrote (its derived figures are left out)."""
+        return cls(**{f.name: figures[f.name] for f in fields(cls) if f.name in figures})
 
     @property
     def acceptance_rate(self) -> float | None:

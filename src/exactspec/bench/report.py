@@ -35,6 +35,7 @@ from exactspec.bench.methods import is_peer
 from exactspec.bench.questions import GROUPS
 from exactspec.bench.runner import BenchResults
 from exactspec.files import readable_json, replaced_atomically, write_text_atomically
+from exactspec.generation_stats import GenerationStats
 
 OVERALL = "overall"
 UNSTABLE_HEADLINE = ("Unstable measurements: something else was probably using the CPU; "
@@ -148,33 +149,25 @@ def _overhead(stats: list[dict]) -> dict:
 
 
 def _acceptance(stats: list[dict], forward_seconds: dict) -> dict:
-    k = max((s["num_speculative_tokens"] for s in stats), default=0)
+    total = GenerationStats.merged(map(GenerationStats.from_dict, stats))
+    k, cycles, committed = total.num_speculative_tokens, total.cycles, total.num_generated_tokens
     if not stats or k == 0:
         return {}
-    drafted = sum(s["drafted_tokens"] for s in stats)
-    accepted = sum(s["accepted_tokens"] for s in stats)
-    cycles = sum(s["cycles"] for s in stats)
-    committed = sum(s["num_generated_tokens"] for s in stats)
-    total = sum(s["total_seconds"] for s in stats)
-    per_drafted = [sum(s["drafted_per_position"][i] for s in stats) for i in range(k)]
-    per_accepted = [sum(s["accepted_per_position"][i] for s in stats) for i in range(k)]
-    alpha = accepted / drafted if drafted else 0.0
+    alpha = total.acceptance_rate or 0.0
     expected = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
-    draft_per_cycle = sum(s["draft_seconds"] for s in stats) / cycles
+    draft_per_cycle = total.draft_seconds / cycles
     cost = {int(n): seconds for n, seconds in forward_seconds.items()}
     # Cycles that drafted exactly j tokens, from "cycles that drafted ≥ i + 1" per position.
-    at_least = [cycles] + per_drafted + [0]
+    at_least = [cycles] + total.drafted_per_position + [0]
     mean_cycle_cost = sum((at_least[j] - at_least[j + 1]) * cost[j + 1]
                           for j in range(k + 1)) / cycles + draft_per_cycle
-    chosen = [sum(s["chosen_k_histogram"][i] for s in stats if i < len(s["chosen_k_histogram"]))
-              for i in range(k + 1)]
     return {
-        "k": k, "policy": stats[0]["policy"], "chosen_k_histogram": chosen,
-        "drafted_tokens": drafted,
+        "k": k, "policy": total.policy, "chosen_k_histogram": total.chosen_k_histogram,
+        "drafted_tokens": total.drafted_tokens,
         "acceptance_rate": alpha, "mean_acceptance_length": committed / cycles,
-        "per_position_acceptance": [a / d if d else None for a, d in zip(per_accepted, per_drafted)],
-        "draft_share": sum(s["draft_seconds"] for s in stats) / total,
-        "verify_share": sum(s["verify_seconds"] for s in stats) / total,
+        "per_position_acceptance": total.per_position_acceptance,
+        "draft_share": total.draft_seconds / total.total_seconds,
+        "verify_share": total.verify_seconds / total.total_seconds,
         "speedup_leviathan": expected * cost[1] / (cost[k + 1] + draft_per_cycle),
         "speedup_bound": (committed / cycles) * cost[1] / mean_cycle_cost,
     }

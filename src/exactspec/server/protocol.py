@@ -501,20 +501,13 @@ def speculation_figures(stats: list[GenerationStats]) -> dict[str, Any]:
     """The request's speculative figures over its choices: drafted and accepted tokens,
     acceptance rate, mean acceptance length, per-position counts (glossary of
     docs/design.md)."""
-    k = max((s.num_speculative_tokens for s in stats), default=0)
-    drafted = [sum(s.drafted_per_position[i] for s in stats if i < len(s.drafted_per_position))
-               for i in range(k)]
-    accepted = [sum(s.accepted_per_position[i] for s in stats
-                    if i < len(s.accepted_per_position)) for i in range(k)]
-    cycles = sum(s.cycles for s in stats)
-    num_drafted, num_accepted = sum(s.drafted_tokens for s in stats), sum(s.accepted_tokens
-                                                                           for s in stats)
-    return {"num_speculative_tokens": k, "policy": stats[0].policy if stats else "none",
-            "cycles": cycles, "drafted_tokens": num_drafted, "accepted_tokens": num_accepted,
-            "acceptance_rate": num_accepted / num_drafted if num_drafted else None,
-            "mean_acceptance_length": (sum(s.num_generated_tokens for s in stats) / cycles
-                                       if cycles else None),
-            "drafted_per_position": drafted, "accepted_per_position": accepted}
+    total = GenerationStats.merged(stats)
+    return {"num_speculative_tokens": total.num_speculative_tokens, "policy": total.policy,
+            "cycles": total.cycles, "drafted_tokens": total.drafted_tokens,
+            "accepted_tokens": total.accepted_tokens, "acceptance_rate": total.acceptance_rate,
+            "mean_acceptance_length": total.mean_acceptance_length,
+            "drafted_per_position": total.drafted_per_position,
+            "accepted_per_position": total.accepted_per_position}
 
 
 def usage(results: list[GenerationResult], prompt_lengths: list[int]) -> dict[str, int]:
