@@ -38,7 +38,7 @@ def test_auto_settles_on_plain_decoding_when_nothing_is_accepted():
 
 def test_auto_grows_k_with_high_acceptance_and_cheap_verification():
     chosen = run_trace(AutoPolicy(8), 40, alpha=1.0, forward_seconds=lambda n: 0.1 + 0.002 * n)
-    assert chosen[0] == 2 and min(chosen[-10:]) >= 6  # from the prior's choice up to ~k_max
+    assert chosen[0] == 2 and min(chosen[-10:]) >= 6  # from the prior's choice up to ~num_speculative_tokens
 
 
 def test_auto_keeps_k_small_when_verification_is_expensive():
@@ -71,7 +71,7 @@ def test_auto_without_timings_uses_the_prior_and_acceptance_alone():
 
 
 def test_heuristic_schedule():
-    policy = HeuristicPolicy(k_max=6, k_min=1)
+    policy = HeuristicPolicy(num_speculative_tokens=6, k_min=1)
     ks = []
     for accepted_all in (False, False, True, True, True, False):
         k = policy.choose().k
@@ -130,7 +130,7 @@ def counted(proposer):
 
 
 def plain_steps_only(peek: bool = False) -> AutoPolicy:
-    """An auto policy (k_max 4) that always chooses k = 0: scoring 2 or more tokens costs
+    """An auto policy (num_speculative_tokens 4) that always chooses k = 0: scoring 2 or more tokens costs
     10⁴ plain steps."""
     policy = AutoPolicy(4, peek=peek, probe=False)
     policy.forward_seconds[1:] = [0.01, 100.0, 100.0, 100.0, 100.0]

@@ -393,7 +393,7 @@ class BatchedGenerator:
         choices: list[Choice] = [PLAIN_STEP] * len(live)
         batch_chosen, fixed_tokens, fixed_expected = [], 0, 0.0
         for i, (row, room) in enumerate(live):
-            if row.policy.follows_batch and row.timed and row.sample.k_max:
+            if row.policy.follows_batch and row.timed and row.sample.num_speculative_tokens:
                 batch_chosen.append(i)
                 continue
             try:
@@ -407,7 +407,8 @@ class BatchedGenerator:
         if batch_chosen:
             ks = batch_speculation_lengths(
                 [live[i][0].policy.acceptance() for i in batch_chosen],
-                [min(live[i][0].sample.k_max, live[i][1] - 1) for i in batch_chosen],
+                [min(live[i][0].sample.num_speculative_tokens, live[i][1] - 1)
+                 for i in batch_chosen],
                 self.costs, fixed_tokens, fixed_expected)
             for i, k in zip(batch_chosen, ks):
                 choices[i] = live[i][0].policy.choice(k)

@@ -43,7 +43,7 @@ FinishReason = Literal["stop", "length"]
 OnCommit = Callable[[int, list[int]], None]
 """Called after each cycle with (sample index, the tokens that cycle emitted)."""
 PLAIN_STEP = Choice(0)
-"""The cycle of plain decoding (no proposer, or k_max = 0)."""
+"""The cycle of plain decoding (no proposer, or num_speculative_tokens = 0)."""
 
 
 @dataclass
@@ -109,7 +109,7 @@ class SampleDecoding:
 
     Args:
         generator: the engine whose target, stochastic verifier (``rejection_sampler``) and
-            k_max the sample uses.
+            num_speculative_tokens the sample uses.
         prompt_token_ids: ``[prompt_len]`` the prompt as the model sees it.
         pipeline: the sample's logits processing (its :class:`SamplingParams`).
         rng: its random source.
@@ -134,9 +134,9 @@ class SampleDecoding:
         self.start, self.emit, self.trace = start, emit, trace
         self.tokens = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.tokens)
-        self.k_max = generator.num_speculative_tokens
-        self.stats = GenerationStats(num_speculative_tokens=self.k_max,
-                                     policy=policy.name if self.k_max else "none",
+        self.num_speculative_tokens = generator.num_speculative_tokens
+        self.stats = GenerationStats(num_speculative_tokens=self.num_speculative_tokens,
+                                     policy=policy.name if self.num_speculative_tokens else "none",
                                      num_prompt_tokens=self.num_prompt_tokens,
                                      prefill_seconds=prefill_seconds)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos
@@ -160,7 +160,7 @@ class SampleDecoding:
 
     def choose(self) -> Choice:
         """The policy's choice for the next cycle (a plain step without a proposer)."""
-        return self.policy.choose() if self.k_max else PLAIN_STEP
+        return self.policy.choose() if self.num_speculative_tokens else PLAIN_STEP
 
     def draft(self, choice: Choice, room: int) -> list[int]:
         """Draft ``choice.k`` tokens (fewer near the end: ``room`` − 1 at most), or peek on a
@@ -210,7 +210,7 @@ class SampleDecoding:
                 self.stats.cycles, generated, self.chosen_k, path_tokens, proposal.probs,
                 verified.processed, verified.target_probs, verified.uniforms,
                 committed[:num_emitted], num_accepted))
-        if self.k_max:
+        if self.num_speculative_tokens:
             self.proposer.observe(num_accepted)
             self.policy.observe(proposal.depth, num_accepted,
                                 self.draft_seconds if self.observe_seconds else None,
@@ -267,7 +267,8 @@ class SequenceState:
     :class:`~exactspec.batching.BatchedGenerator` one packed forward for all its rows.
 
     Args:
-        generator: the engine whose target, stochastic verifier and k_max the request uses.
+        generator: the engine whose target, stochastic verifier and num_speculative_tokens
+            the request uses.
         request: the prepared request (:func:`~exactspec.request.prepare_request`).
         sequence_id: the target's sequence to decode in (empty, or not yet created); the
             caller releases it.
@@ -387,7 +388,7 @@ class SpeculativeGenerator:
     Args:
         target: the target model's backend.
         proposer: what drafts tokens; None means plain decoding (k = 0).
-        num_speculative_tokens: k_max, the most tokens drafted per cycle (≥ 0; 0 = plain
+        num_speculative_tokens: the most tokens drafted per cycle (≥ 0; 0 = plain
             decoding). Clamped per cycle so that neither max_new_tokens nor the context
             limit is exceeded.
         policy: how k is chosen each cycle, a name from

@@ -21,7 +21,7 @@ class GenerationStats:
     """Counts and timings of one generation. Times in seconds, counts in tokens.
 
     Attributes:
-        num_speculative_tokens: k_max, the most tokens drafted per cycle.
+        num_speculative_tokens: the most tokens drafted per cycle.
         policy: the speculation-length policy that chose k each cycle ("none" for plain).
         num_prompt_tokens: prompt length (tokens).
         num_generated_tokens: tokens emitted (EOS included when it ended generation).

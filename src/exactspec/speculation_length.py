@@ -4,22 +4,22 @@ A policy only chooses k (0 = a plain decoding step: one-token forward, no draft 
 auto's occasional peek at a free proposer, below); the
 verification rule is untouched, so every policy keeps the target's distribution exactly.
 
-    constant    always k_max.
+    constant    always num_speculative_tokens.
     heuristic   transformers' schedule (``num_assistant_tokens_schedule="heuristic"``):
                 +2 after a cycle whose drafts were all accepted, −1 otherwise, within
-                [k_min, k_max].
-    confidence  k_max, and a draft model stops drafting early once its own probability for
-                the token it drafts falls below a threshold (llama.cpp's ``--draft-p-min``;
+                [k_min, num_speculative_tokens].
+    confidence  num_speculative_tokens, and a draft model stops drafting early once its own
+                probability for the token it drafts falls below a threshold (llama.cpp's ``--draft-p-min``;
                 transformers' ``assistant_confidence_threshold``; a draft head: the product
                 of its drafted tokens' probabilities). Prompt lookup has no probabilities:
                 it is refused there.
     auto        a cost model (the default). Online, per generator: the cost of a target
-                forward over n = 1..k_max+1 tokens and the draft's time per drafted token
-                (each the lower median of its last measurements, :class:`ForwardCost`), and per
+                forward over n = 1..num_speculative_tokens + 1 tokens and the draft's time
+                per drafted token (each the lower median of its last measurements, :class:`ForwardCost`), and per
                 position i the acceptance α_i = P(draft i accepted | drafts < i accepted),
                 from decaying counts (a position not tested yet takes the estimate of the
-                position before it as its prior). Each cycle picks the k in 0..k_max maximising
-                expected committed tokens per second,
+                position before it as its prior). Each cycle picks the k in
+                0..num_speculative_tokens maximising expected committed tokens per second,
                     E(k) / (T(k+1) + k·t_draft),  E(k) = 1 + Σ_{j≤k} Π_{i≤j} α_i,
                 Leviathan et al. 2022 (arXiv 2211.17192) §3.1, (1−α^(k+1))/(1−α) generalised
                 to per-position α. A forward cost not measured yet comes from a straight
@@ -37,8 +37,8 @@ verification rule is untouched, so every policy keeps the target's distribution 
                 acceptance probability), so drafting resumes when acceptance rises.
                 Nothing it learns can lock it out of drafting: after
                 :data:`PROBE_INTERVALS` plain steps in a row (16, then 32, 64, ... up to
-                256) it *probes*, drafting the k in 1..k_max with the best expected rate,
-                for every proposer (a suffix or prompt-lookup draft costs no model call; a
+                256) it *probes*, drafting the k in 1..num_speculative_tokens with the best
+                expected rate, for every proposer (a suffix or prompt-lookup draft costs no model call; a
                 model's, one draft step); the probe's acceptance and timing count as any
                 cycle's, and a probe whose drafts were all accepted is followed at once by
                 another (:data:`MAX_FOLLOW_UPS`). Forward costs are robust to noise and
@@ -93,8 +93,8 @@ class Choice(NamedTuple):
     """A policy's decision for the next cycle.
 
     Attributes:
-        k: tokens to draft, in 0..k_max (0 = a plain step; the engine may lower it near a
-            limit).
+        k: tokens to draft, in 0..num_speculative_tokens (0 = a plain step; the engine may
+            lower it near a limit).
         peek: on a plain step, ask the proposer for the one token it would draft, never to
             verify it, only to learn whether the step committed it (see
             :meth:`SpeculationLengthPolicy.observe_peek`).
@@ -109,7 +109,7 @@ class SpeculationLengthPolicy(Protocol):
     to inherit the defaults."""
 
     name: str
-    k_max: int
+    num_speculative_tokens: int
     follows_batch: bool = False
     """Under batched decoding, greedy and unseeded rows let the batch choose their k
     (:func:`batch_speculation_lengths` over every row's :meth:`acceptance`) and record it
@@ -143,9 +143,9 @@ class SpeculationLengthPolicy(Protocol):
         ignored)."""
 
     def acceptance(self) -> list[float]:
-        """``[k_max]`` estimated α_i per 0-based position i (default: the prior,
+        """``[num_speculative_tokens]`` estimated α_i per 0-based position i (default: the prior,
         :data:`PRIOR_ACCEPTANCE`, everywhere)."""
-        return [PRIOR_ACCEPTANCE] * self.k_max
+        return [PRIOR_ACCEPTANCE] * self.num_speculative_tokens
 
     def choice(self, k: int) -> Choice:
         """The :class:`Choice` for ``k`` chosen by the batch (only for a policy that
@@ -154,18 +154,18 @@ class SpeculationLengthPolicy(Protocol):
 
 
 class ConstantPolicy(SpeculationLengthPolicy):
-    """Always ``k_max``."""
+    """Always ``num_speculative_tokens``."""
 
     name = "constant"
 
-    def __init__(self, k_max: int) -> None:
-        self.k_max = k_max
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.num_speculative_tokens = num_speculative_tokens
 
     def reset(self, timed: bool) -> None:
         pass
 
     def choose(self) -> Choice:
-        return Choice(self.k_max)
+        return Choice(self.num_speculative_tokens)
 
     def observe(self, num_drafted: int, num_accepted: int, draft_seconds: float | None,
                 verify_seconds: float | None) -> None:
@@ -173,17 +173,18 @@ class ConstantPolicy(SpeculationLengthPolicy):
 
 
 class HeuristicPolicy(SpeculationLengthPolicy):
-    """+2 after a fully accepted cycle, −1 otherwise, within [k_min, k_max] (transformers'
-    heuristic schedule); starts at k_max."""
+    """+2 after a fully accepted cycle, −1 otherwise, within [k_min,
+    num_speculative_tokens] (transformers' heuristic schedule); starts at num_speculative_tokens."""
 
     name = "heuristic"
 
-    def __init__(self, k_max: int, k_min: int = 1) -> None:
-        self.k_min, self.k_max = min(k_min, k_max), k_max
-        self.k = k_max
+    def __init__(self, num_speculative_tokens: int, k_min: int = 1) -> None:
+        self.k_min = min(k_min, num_speculative_tokens)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.k = num_speculative_tokens
 
     def reset(self, timed: bool) -> None:
-        self.k = self.k_max
+        self.k = self.num_speculative_tokens
 
     def choose(self) -> Choice:
         return Choice(self.k)
@@ -193,18 +194,19 @@ class HeuristicPolicy(SpeculationLengthPolicy):
         if num_drafted == 0:
             return
         step = 2 if num_accepted == num_drafted else -1
-        self.k = max(self.k_min, min(self.k_max, self.k + step))
+        self.k = max(self.k_min, min(self.num_speculative_tokens, self.k + step))
 
 
 class ConfidencePolicy(ConstantPolicy):
-    """``k_max`` drafts at most; a draft model stops early below ``min_confidence`` (the
-    engine passes it to every ``propose`` call, see
+    """``num_speculative_tokens`` drafts at most; a draft model stops early below
+    ``min_confidence`` (the engine passes it to every ``propose`` call, see
     :class:`~exactspec.proposers.draft_model.DraftModelProposer`)."""
 
     name = "confidence"
 
-    def __init__(self, k_max: int, min_confidence: float = DEFAULT_MIN_CONFIDENCE) -> None:
-        super().__init__(k_max)
+    def __init__(self, num_speculative_tokens: int,
+                 min_confidence: float = DEFAULT_MIN_CONFIDENCE) -> None:
+        super().__init__(num_speculative_tokens)
         if not 0 < min_confidence < 1:
             raise ValueError(f"min_confidence = {min_confidence!r} is invalid: it must be in (0, 1)")
         self.min_confidence = min_confidence
@@ -214,7 +216,7 @@ class AutoPolicy(SpeculationLengthPolicy):
     """The cost model (see module docstring).
 
     Args:
-        k_max: the longest draft considered.
+        num_speculative_tokens: the longest draft considered.
         decay: weight kept by old acceptance evidence per cycle (0 < decay < 1).
         prior_acceptance, prior_weight: α_0's prior, worth ``prior_weight`` observations
             (α_i's prior is the estimate of α_(i−1)).
@@ -235,13 +237,14 @@ class AutoPolicy(SpeculationLengthPolicy):
     name = "auto"
     follows_batch = True
 
-    def __init__(self, k_max: int, decay: float = 0.97,
+    def __init__(self, num_speculative_tokens: int, decay: float = 0.97,
                  prior_acceptance: float = PRIOR_ACCEPTANCE,
                  prior_weight: float = 1.0, *,
                  peek: bool = False, probe: bool = True, break_even: bool = False) -> None:
-        self.k_max, self.peek, self.probe, self.break_even = k_max, peek, probe, break_even
+        self.num_speculative_tokens = num_speculative_tokens
+        self.peek, self.probe, self.break_even = peek, probe, break_even
         self.decay, self.prior_acceptance, self.prior_weight = decay, prior_acceptance, prior_weight
-        self.costs = ForwardCost(k_max + 1)
+        self.costs = ForwardCost(num_speculative_tokens + 1)
         self._draft_costs: deque[float] = deque(maxlen=COST_WINDOW)  # seconds per drafted token
         self.reset(timed=True)
 
@@ -256,11 +259,11 @@ class AutoPolicy(SpeculationLengthPolicy):
         self.probe_interval = PROBE_INTERVALS[0]
         self.probing = 0  # the cycle under way is the n-th probe in a row (0: not a probe)
         self.follow_ups = 0  # probes in a row so far, when the next choice is to probe again
-        self.tested = [0.0] * self.k_max  # decayed count: position i was verified
-        self.accepted = [0.0] * self.k_max  # decayed count: position i was accepted
+        self.tested = [0.0] * self.num_speculative_tokens  # decayed count: position i was verified
+        self.accepted = [0.0] * self.num_speculative_tokens  # decayed count: position i was accepted
 
     def acceptance(self) -> list[float]:
-        """``[k_max]`` estimated α_i (0-based position i). Position 0's prior is
+        """``[num_speculative_tokens]`` estimated α_i (0-based position i). Position 0's prior is
         ``prior_acceptance``; each later position's prior is the estimate of the one before
         it (acceptance is strongly correlated along a draft), so a position never tested
         yet is expected to do as well as the last one tested, not reset to the prior."""
@@ -271,8 +274,9 @@ class AutoPolicy(SpeculationLengthPolicy):
         return estimates
 
     def expected_rates(self) -> list[float]:
-        """``[k_max + 1]`` expected committed tokens per second for k = 0..k_max drafts (per
-        unit of the prior cost model while nothing is measured)."""
+        """``[num_speculative_tokens + 1]`` expected committed tokens per second for
+        k = 0..num_speculative_tokens drafts (per unit of the prior cost model while nothing
+        is measured)."""
         rates, expected = [], 1.0
         draft_cost = (self.draft_seconds_per_token or 0.0) if self.timed else 0.0
         for k, survive in enumerate([0.0, *survival(self.acceptance())]):
@@ -290,8 +294,8 @@ class AutoPolicy(SpeculationLengthPolicy):
 
     @property
     def forward_seconds(self) -> list[float | None]:
-        """``[k_max + 2]`` estimated seconds of a forward over n tokens (index n), None where
-        never measured (:class:`ForwardCost`)."""
+        """``[num_speculative_tokens + 2]`` estimated seconds of a forward over n tokens
+        (index n), None where never measured (:class:`ForwardCost`)."""
         return self.costs.seconds
 
     @forward_seconds.setter
@@ -310,14 +314,14 @@ class AutoPolicy(SpeculationLengthPolicy):
             k = 0  # measure the plain step, the baseline every k is compared with
         else:
             rates = self.expected_rates()
-            k = max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
+            k = max(range(self.num_speculative_tokens + 1), key=lambda k: (rates[k], -k))
         return self.choice(k)
 
     def probe_length(self) -> int:
-        """The k of a probe: the best of 1..k_max by :meth:`expected_rates` (ties: the
-        smaller), so that a probe costs least where drafting looks dear."""
+        """The k of a probe: the best of 1..num_speculative_tokens by
+        :meth:`expected_rates` (ties: the smaller), so that a probe costs least where drafting looks dear."""
         rates = self.expected_rates()
-        return max(range(1, self.k_max + 1), key=lambda k: (rates[k], -k))
+        return max(range(1, self.num_speculative_tokens + 1), key=lambda k: (rates[k], -k))
 
     def break_even_confidence(self, k: int) -> float:
         """The probability at which one more drafted token pays, at ``k`` drafts: its
@@ -366,7 +370,8 @@ class AutoPolicy(SpeculationLengthPolicy):
         probing = False
         if k:
             self.plain_run, self.probe_interval = 0, PROBE_INTERVALS[0]
-        elif self.probe and self.k_max and (follow_up or self.plain_run >= self.probe_interval):
+        elif (self.probe and self.num_speculative_tokens
+              and (follow_up or self.plain_run >= self.probe_interval)):
             if not follow_up:
                 self.probe_interval = min(2 * self.probe_interval, PROBE_INTERVALS[1])
             self.plain_run, probing = 0, True
@@ -494,10 +499,10 @@ def batch_speculation_lengths(acceptances: Sequence[Sequence[float]], caps: Sequ
     return ks
 
 
-def make_policy(name: str, k_max: int, drafts_for_free: bool = False,
+def make_policy(name: str, num_speculative_tokens: int, drafts_for_free: bool = False,
                 estimates_acceptance: bool = False) -> SpeculationLengthPolicy:
-    """The policy called ``name`` (one of :data:`POLICIES`) for drafts of at most ``k_max``;
-    ``drafts_for_free``: the proposer costs no model call, so ``auto`` peeks at it;
+    """The policy called ``name`` (one of :data:`POLICIES`) for drafts of at most
+    ``num_speculative_tokens``; ``drafts_for_free``: the proposer costs no model call, so ``auto`` peeks at it;
     ``estimates_acceptance``: its confidence estimates acceptance, so ``auto`` stops it at
     the break-even probability (:class:`AutoPolicy`).
 
@@ -505,10 +510,11 @@ def make_policy(name: str, k_max: int, drafts_for_free: bool = False,
         ValueError: for an unknown name.
     """
     if name == "auto":
-        return AutoPolicy(k_max, peek=drafts_for_free, break_even=estimates_acceptance)
+        return AutoPolicy(num_speculative_tokens, peek=drafts_for_free,
+                          break_even=estimates_acceptance)
     policies = {"constant": ConstantPolicy, "heuristic": HeuristicPolicy,
                 "confidence": ConfidencePolicy}
     if name not in policies:
         raise ValueError(f"speculation-length policy {name!r} is invalid: choose one of "
                          f"{', '.join(POLICIES)}")
-    return policies[name](k_max)
+    return policies[name](num_speculative_tokens)
