@@ -26,7 +26,7 @@ PROMPTS = [[1, 5, 9, 3, 1, 5, 9], [2, 7], [4, 4, 4, 8, 1, 2, 3, 4, 4], [3] * 5,
 
 
 def proposers():
-    return {"none": None, "prompt-lookup": PromptLookupProposer(1, 3), "suffix": SuffixProposer()}
+    return {"plain": None, "prompt-lookup": PromptLookupProposer(1, 3), "suffix": SuffixProposer()}
 
 
 def test_the_packed_forward_scores_each_sequence_as_alone(make_backend):
@@ -177,7 +177,7 @@ def test_a_short_prompt_arriving_during_a_long_prefill_is_not_blocked_behind_it(
 
 
 @pytest.mark.parametrize("policy", ["constant", "auto"])
-@pytest.mark.parametrize("proposer_name", ["none", "prompt-lookup", "suffix"])
+@pytest.mark.parametrize("proposer_name", ["plain", "prompt-lookup", "suffix"])
 def test_greedy_rows_equal_decoding_them_alone(proposer_name, policy, make_backend):
     """Six requests of different prompts and lengths, three at a time (rows join as others
     finish), equal plain decoding of each alone; the same request in another batch too."""
@@ -191,7 +191,7 @@ def test_greedy_rows_equal_decoding_them_alone(proposer_name, policy, make_backe
     assert [r.token_ids for r in results] == expected
     assert [len(r.token_ids) for r in results] == [p.max_new_tokens for p in params]
     assert batched.num_active == batched.num_waiting == 0
-    if proposer_name != "none" and policy == "constant":  # under auto, drafting follows timings
+    if proposer_name != "plain" and policy == "constant":  # under auto, drafting follows timings
         assert sum(r.stats.accepted_tokens for r in results) > 0
     other = BatchedGenerator(generator, max_batch_size=2).generate(PROMPTS[::-1], params[::-1])
     assert [r.token_ids for r in other] == expected[::-1]

@@ -46,7 +46,7 @@ def test_proposer_spec_and_its_shorthand_are_the_same(model_folder, capsys):
         outputs[2] | {"stats": outputs[0]["stats"]}
     assert outputs[2]["method"] == "prompt lookup 1:2"
     assert outputs[2]["stats"]["drafted_tokens"] == outputs[0]["stats"]["drafted_tokens"] > 0
-    plain = json.loads(run(capsys, *args, "--proposer", "none")[1])
+    plain = json.loads(run(capsys, *args, "--proposer", "plain")[1])
     assert plain["method"] == "none (plain decoding)" and plain["token_ids"] == outputs[0]["token_ids"]
 
 
@@ -85,10 +85,10 @@ def test_stop_string_via_cli(model_folder, capsys):
     (["--backend", "vllm"], "invalid choice: 'vllm'"),
     (["--threads", "0"], "'0' is invalid: give an integer ≥ 1"),
     (["--proposer", "magic"], "argument --proposer: proposer 'magic' is invalid: use one of "
-                              "none (or plain), prompt-lookup[:ngram=MIN-MAX], "
+                              "plain, prompt-lookup[:ngram=MIN-MAX], "
                               "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL"),
     (["--proposer", "early-exit:0"], "proposer 'early-exit:0' is invalid: L = 0 must be ≥ 1"),
-    (["--proposer", "none", "--no-speculation"], "not allowed with argument --proposer"),
+    (["--proposer", "plain", "--no-speculation"], "not allowed with argument --proposer"),
     (["--trace", "out.txt"], "--trace out.txt is invalid: give a file name ending in .html"),
     (["--trace", "/no-such-folder/x.html"], "the folder '/no-such-folder' does not exist"),
     (["--show", "--json"], "--show and --json print the output two ways: choose one"),

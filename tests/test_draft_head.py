@@ -234,7 +234,7 @@ def test_train_draft_command_trains_a_head_that_generate_uses(model_folder, tmp_
     assert "total_updates = 8 (the run's: 4)" in err and "another folder" in err
     assert json.loads((run / "history.json").read_text())["updates"] == [2, 4]
     outputs = []
-    for proposer in (f"head:{run / 'head.safetensors'}", "none"):
+    for proposer in (f"head:{run / 'head.safetensors'}", "plain"):
         assert cli.main(["generate", "tell me", "--model", str(model_folder), "--proposer",
                          proposer, "--max-new-tokens", "30", "--json"]) == 0
         outputs.append(json.loads(capsys.readouterr().out))

@@ -13,8 +13,7 @@ from conftest import tiny_backend
 
 
 @pytest.mark.parametrize("spec, expected", [
-    ("none", ProposerSpec("none", "none")),
-    ("plain", ProposerSpec("plain", "none")),
+    ("plain", ProposerSpec("plain", "plain")),
     ("prompt-lookup", ProposerSpec("prompt-lookup", "prompt-lookup", (2, 3))),
     ("prompt-lookup:ngram=1-4", ProposerSpec("prompt-lookup:ngram=1-4", "prompt-lookup", (1, 4))),
     ("suffix", ProposerSpec("suffix", "suffix", (1, 8))),
@@ -29,15 +28,23 @@ def test_proposer_specs_parse_without_a_model(spec, expected):
     assert parse_proposer(spec) == expected
 
 
+@pytest.mark.parametrize("spec, name", [("none", "plain"), ("assistant:M", "draft"),
+                                        ("hf-assistant:M", "draft")])
+def test_former_kind_names_are_refused_naming_the_one_name(spec, name):
+    """One name per kind (glossary): the former synonyms fail, saying what to write."""
+    with pytest.raises(ValueError, match=f"is called '{name}' now"):
+        parse_method_spec(spec)
+
+
 @pytest.mark.parametrize("spec, reason", [
-    ("magic", "use one of none (or plain), prompt-lookup[:ngram=MIN-MAX], "
+    ("magic", "use one of plain, prompt-lookup[:ngram=MIN-MAX], "
               "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL"),
     ("prompt-lookup:corpus=100", "use one of"),  # the corpus is suffix drafting's
     ("suffix:corpus=0", "corpus = 0 must be ≥ 1"),
     ("suffix:corpus=many", "corpus = 'many' is not an integer"),
     ("draft", "use one of"),
     ("draft:", "use one of"),
-    ("none:x", "use one of"),
+    ("plain:x", "use one of"),
     ("early-exit:2:ngram=1-2", "use one of"),  # ngram belongs to prompt lookup and suffix
     ("prompt-lookup:k=4", "use one of"),  # k is -k's, not the spec's, here
     ("hf-plain", "use one of"),  # no peers here
@@ -62,13 +69,11 @@ def test_ngram_range_has_one_spelling_and_accepts_the_old_one():
 def test_bench_methods_are_proposer_specs_with_options_and_peers():
     assert parse_method_spec("prompt-lookup:k=6:ngram=1-2:policy=auto") == ProposerSpec(
         "prompt-lookup:k=6:ngram=1-2:policy=auto", "prompt-lookup", (1, 2), k=6, policy="auto")
-    assert parse_method_spec("plain") == ProposerSpec("plain", "none", k=4, policy="constant")
+    assert parse_method_spec("plain") == ProposerSpec("plain", "plain", k=4, policy="constant")
     assert parse_method_spec("hf-prompt-lookup").k == parse_method_spec("llama-prompt-lookup").k == 10
-    assistant = parse_method_spec("hf-assistant:M:k=3")
-    assert (assistant.peer, assistant.kind, assistant.model, assistant.k) == ("hf", "draft", "M", 3)
     assert parse_method_spec("hf-draft:M:k=3") == ProposerSpec(
         "hf-draft:M:k=3", "draft", model="M", k=3, policy="constant", peer="hf")
-    with pytest.raises(ValueError, match="the llama- peer runs only none, prompt-lookup"):
+    with pytest.raises(ValueError, match="the llama- peer runs only plain, prompt-lookup"):
         parse_method_spec("llama-early-exit:2")
     with pytest.raises(ValueError, match="each optionally with :k=N, :policy=P and a peer "
                                          "prefix hf- or llama-"):
@@ -80,17 +85,17 @@ def test_methods_keep_their_kinds():
     load = lambda name: tiny_backend(model=target.model)
     kinds = {spec: parse_method(spec, target, load).kind for spec in
              ("plain", "prompt-lookup:k=2", "suffix:corpus=9", "draft:x", "early-exit:1", "hf-plain",
-              "hf-prompt-lookup:k=4", "hf-assistant:x", "hf-draft:x", "hf-early-exit:1")}
+              "hf-prompt-lookup:k=4", "hf-draft:x", "hf-early-exit:1")}
     assert kinds == {"plain": "plain", "prompt-lookup:k=2": "prompt-lookup",
                      "suffix:corpus=9": "suffix", "draft:x": "draft",
                      "early-exit:1": "early-exit", "hf-plain": "hf-plain",
-                     "hf-prompt-lookup:k=4": "hf-prompt-lookup", "hf-assistant:x": "hf-assistant",
-                     "hf-draft:x": "hf-assistant", "hf-early-exit:1": "hf-early-exit"}
+                     "hf-prompt-lookup:k=4": "hf-prompt-lookup", "hf-draft:x": "hf-draft",
+                     "hf-early-exit:1": "hf-early-exit"}
 
 
 def test_build_proposer():
     target = tiny_backend(0)
-    assert build_proposer(parse_proposer("none"), target, None) is None
+    assert build_proposer(parse_proposer("plain"), target, None) is None
     lookup = build_proposer(parse_proposer("prompt-lookup:ngram=1-4"), target, None)
     assert isinstance(lookup, PromptLookupProposer)
     suffix = build_proposer(parse_proposer("suffix:ngram=2-6"), target, None)
@@ -109,7 +114,7 @@ def test_transformers_peer_modes_and_sampling_translation(monkeypatch):
     assert kwargs("hf-plain") == {}
     assert kwargs("hf-prompt-lookup") == {"prompt_lookup_num_tokens": 4}
     assert kwargs("hf-early-exit:1", 3) == {"assistant_early_exit": 1, "num_assistant_tokens": 3}
-    assert kwargs("hf-assistant:x", 5) == {"assistant_model": draft.model,
+    assert kwargs("hf-draft:x", 5) == {"assistant_model": draft.model,
                                            "num_assistant_tokens": 5}
     assert draft.model.generation_config.num_assistant_tokens == 5
     seen = {}
@@ -128,7 +133,7 @@ def test_peers_need_their_backend_and_proposer():
     assert set(PEERS) == {"hf", "llama"}
     with pytest.raises(ValueError, match="needs a GGUF target"):
         make_peer(parse_method_spec("llama-plain"), target, None, 0)
-    with pytest.raises(ValueError, match="llama-cpp-python generate.. runs only none or "
+    with pytest.raises(ValueError, match="llama-cpp-python generate.. runs only plain or "
                                          "prompt-lookup, not 'early-exit:1'"):
         make_peer(ProposerSpec("early-exit:1", "early-exit", layers=1, peer="llama"), target,
                   None, 4)

@@ -30,7 +30,7 @@ from exactspec.engines import Generation, one_after_another
 from exactspec.proposers.spec import ProposerSpec
 from exactspec.sampling import SamplingParams
 
-PEERS = {"hf": ("none", "prompt-lookup", "early-exit", "draft"), "llama": ("none", "prompt-lookup")}
+PEERS = {"hf": ("plain", "prompt-lookup", "early-exit", "draft"), "llama": ("plain", "prompt-lookup")}
 """Peer prefix → the proposer kinds it runs (the ``peers`` of
 :func:`~exactspec.proposers.spec.parse_proposer`)."""
 DEFAULT_PROMPT_LOOKUP_K = 10

@@ -7,7 +7,7 @@ A method is a proposer spec (grammar in :mod:`exactspec.proposers.spec`) with ``
     prompt-lookup:k=4[:ngram=2-3][:policy=auto]
     suffix:k=8[:ngram=1-8][:corpus=N]   (a corpus only ever holds other questions' outputs)
     draft:MODEL:k=4, early-exit:L:k=4, head[:PATH]:k=4
-    hf-plain, hf-prompt-lookup:k=10, hf-assistant:MODEL[:k=N], hf-early-exit:L[:k=N]
+    hf-plain, hf-prompt-lookup:k=10, hf-draft:MODEL[:k=N], hf-early-exit:L[:k=N]
                                  transformers ``generate()`` (transformers backend)
     llama-plain, llama-prompt-lookup:k=10
                                  llama-cpp-python's ``Llama.generate()`` (llama_cpp backend)
@@ -66,7 +66,7 @@ class Method:
     Attributes:
         name: the method spec, e.g. ``prompt-lookup:k=4``.
         kind: ``plain``, ``prompt-lookup``, ``suffix``, ``draft``, ``early-exit``, or one of
-            them with its peer prefix (``hf-assistant`` for a transformers draft model).
+            them with its peer prefix (``hf-draft`` for a transformers draft model).
         k: most tokens drafted per cycle (0: plain decoding).
         engine: what decodes.
         notes: how the method was kept honest, for the report (e.g. what its corpus held).
@@ -153,9 +153,8 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
         ValueError: naming the bad spec and the allowed forms, or a peer on the wrong backend.
     """
     proposer_spec = parse_method_spec(spec)
-    kind = {"none": "plain", "draft": "assistant" if proposer_spec.peer == "hf" else "draft"}.get(
-        proposer_spec.kind, proposer_spec.kind)
-    kind = f"{proposer_spec.peer}-{kind}" if proposer_spec.peer else kind
+    kind = (f"{proposer_spec.peer}-{proposer_spec.kind}" if proposer_spec.peer
+            else proposer_spec.kind)
     k = proposer_spec.k if proposer_spec.drafts else 0
     if proposer_spec.peer:
         try:

@@ -3,7 +3,7 @@
 
 A spec is ``[PEER-]KIND[:ARG][:key=value...]``::
 
-    none                         no drafting: plain decoding (``plain`` is the same)
+    plain                        no drafting: plain decoding
     prompt-lookup[:ngram=MIN-MAX]  n-gram lookup in the context, longest n-gram first
                                  (default ngram=2-3)
     suffix[:ngram=MIN-MAX][:corpus=TOKENS]
@@ -19,7 +19,7 @@ A spec is ``[PEER-]KIND[:ARG][:key=value...]``::
                                  drafts a token tree of up to N nodes (EAGLE-2) instead of
                                  a chain, its depth at most k (one sequence at a time)
     draft:MODEL                  a smaller model on the same tokenizer (embedded name, model
-                                 folder or .gguf); ``assistant:MODEL`` is the same
+                                 folder or .gguf)
 
     :k=N                         most tokens drafted per cycle            } where the command
     :policy=P                    speculation-length policy (constant,    } has no flag of its
@@ -28,7 +28,10 @@ A spec is ``[PEER-]KIND[:ARG][:key=value...]``::
 ``PEER-`` (only where a command compares peers, ``bench --method``): the same proposer run by
 another engine on the same model instead of exactspec, ``hf-`` for transformers
 ``generate()`` and ``llama-`` for llama-cpp-python (see :mod:`exactspec.peers`), e.g.
-``hf-plain``, ``hf-prompt-lookup:k=10``, ``hf-assistant:MODEL``, ``llama-prompt-lookup:k=10``.
+``hf-plain``, ``hf-prompt-lookup:k=10``, ``hf-draft:MODEL``, ``llama-prompt-lookup:k=10``.
+
+One name per kind: the former spellings ``none`` (for ``plain``) and ``assistant`` (for
+``draft``) are refused with a message naming the one to use.
 
 The n-gram range is written ``MIN-MAX``; ``generate --prompt-lookup`` also takes its old
 spelling ``MIN:MAX`` (both through :func:`parse_ngram`).
@@ -48,20 +51,20 @@ from exactspec.proposers.suffix import DEFAULT_SUFFIX_NGRAM
 
 DEFAULT_NGRAM = (2, 3)
 """Prompt lookup's n-gram sizes (MIN, MAX) when a spec gives none."""
-KINDS = ("none", "prompt-lookup", "suffix", "early-exit", "draft", "head")
+KINDS = ("plain", "prompt-lookup", "suffix", "early-exit", "draft", "head")
 NGRAM_DEFAULTS = {"prompt-lookup": DEFAULT_NGRAM, "suffix": DEFAULT_SUFFIX_NGRAM}
 """The kinds that match n-grams, and their sizes when a spec gives none."""
-ALIASES = {"plain": "none", "assistant": "draft"}
-"""Other names of a kind: ``plain`` (the bench's baseline), ``assistant`` (transformers')."""
+RENAMED = {"none": "plain", "assistant": "draft"}
+"""Former names of a kind (refused, naming the kind's one name)."""
 ARGUMENT = {"early-exit": "L", "draft": "MODEL"}
 """Kinds that take a positional argument, and its name."""
-FORMS = ("none (or plain), prompt-lookup[:ngram=MIN-MAX], "
+FORMS = ("plain, prompt-lookup[:ngram=MIN-MAX], "
          "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL, "
          "head[:PATH][:tree=N]")
+"""The allowed forms, for messages."""
 TRANSFORMERS_ONLY = {"early-exit": "drafts with the target's own layers",
                      "head": "drafts from the target's hidden features"}
 """Kinds that need the transformers backend, and why (for messages)."""
-"""The allowed forms, for messages."""
 OPTION_VALUES = {"k": "N", "policy": "P"}
 
 
@@ -71,7 +74,7 @@ class ProposerSpec:
 
     Attributes:
         spec: the text it was parsed from.
-        kind: ``none``, ``prompt-lookup``, ``early-exit`` or ``draft`` (aliases resolved).
+        kind: one of :data:`KINDS`.
         ngram: the (MIN, MAX) n-gram sizes prompt lookup or suffix drafting match.
         layers: early exit's L (None for other kinds).
         model: the draft model's name or path (None for other kinds).
@@ -97,13 +100,13 @@ class ProposerSpec:
 
     @property
     def drafts(self) -> bool:
-        """Whether this spec drafts at all (every kind but ``none``)."""
-        return self.kind != "none"
+        """Whether this spec drafts at all (every kind but ``plain``)."""
+        return self.kind != "plain"
 
     @property
     def description(self) -> str:
         """In words, e.g. ``prompt lookup 2:3``, ``draft model NAME``."""
-        return {"none": "none (plain decoding)",
+        return {"plain": "plain decoding",
                 "prompt-lookup": "prompt lookup {0}:{1}".format(*self.ngram),
                 "suffix": "suffix {0}:{1}".format(*self.ngram) + (
                     f" with a corpus of {self.corpus} tokens" if self.corpus else ""),
@@ -143,7 +146,9 @@ def parse_proposer(spec: str, *, what: str = "proposer", options: Collection[str
     prefix = f"{what} {spec!r} is invalid"
     peer = next((name for name in peers or () if spec.startswith(f"{name}-")), None)
     kind, *parts = spec[len(peer) + 1 if peer else 0:].split(":")
-    kind = ALIASES.get(kind, kind)
+    if kind in RENAMED:
+        raise ValueError(f"{prefix}: the kind {kind!r} is called {RENAMED[kind]!r} now (one "
+                         f"name per kind: {FORMS})")
     keys = dict(part.split("=", 1) for part in parts if "=" in part)
     positional = [part for part in parts if "=" not in part]
     allowed_keys = {"ngram", "corpus", "tree", *options}
@@ -188,7 +193,7 @@ def parse_proposer(spec: str, *, what: str = "proposer", options: Collection[str
 
 def build_proposer(proposer_spec: ProposerSpec, target: Backend,
                    load_model: Callable[[str], Backend]) -> Proposer | None:
-    """exactspec's proposer for ``proposer`` on ``target`` (None for ``none``); ``load_model``
+    """exactspec's proposer for ``proposer`` on ``target`` (None for ``plain``); ``load_model``
     loads a draft model by name or path.
 
     Raises:
