@@ -7,6 +7,11 @@ best of 3, the types interleaved), and whether the load-time batch-invariance ch
     python results/llama-weights-2026-12-01/verification_costs.py [ROUNDS]
 
 Conversions: exactspec.backends.gguf_types (the backend's ``weight_type``, --weight-type).
+
+Recorded at commit c1847d6 and runs only there (``git checkout c1847d6``): the backend API
+it calls (``prefill(tokens)`` without a sequence id, ``gguf_types``,
+``models.resolve_model_path``) has changed since; results/native-2026-12-03/costs.py
+measures the same curve on today's API.
 """
 import statistics
 import sys
