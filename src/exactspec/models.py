@@ -9,11 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from exactspec.backends.base import Backend
+from exactspec.load_options import BACKENDS
 from exactspec.model_files import DEFAULT_MODEL, check_model_path
-
-
-BACKENDS = ("auto", "native", "transformers", "llama_cpp")
-"""Runtimes :func:`load_model` knows; ``auto`` picks one per model (see :func:`choose_backend`)."""
 
 
 def choose_backend(path: Path, backend: str = "auto", *, device: str = "auto",

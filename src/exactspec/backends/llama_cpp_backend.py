@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -45,6 +44,7 @@ import torch
 from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, chat_messages,
                                      check_batch_invariance, check_context, check_retain,
                                      check_rows, check_sequence_invariance)
+from exactspec.load_options import default_threads
 from exactspec.model_files import gguf_architecture_value
 
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
@@ -92,15 +92,6 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def default_threads() -> int:
-    """Half the CPU cores this process may use, at least 1 (llama-cpp-python's own default,
-    over the cores this process may use). Not all of them: llama.cpp's threads wait for
-    each other many times per token, so when another process takes a core one of them
-    waits for it, and decoding collapses (figures: docs/backends.md, "Choosing --threads")."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // 2)
-
-
 SLOW_DECODING_FACTOR = 5.0
 """How many times slower than the load-time check decoding must run to be warned about."""
 
@@ -109,8 +100,8 @@ def slow_decoding_warning(backend, num_tokens: int, seconds: float) -> str | Non
     """A warning when ``num_tokens`` decoded in ``seconds`` (prefill excluded) ran more than
     :data:`SLOW_DECODING_FACTOR` × slower than the single-token forwards timed when
     ``backend`` loaded, on more than one thread: the sign of another process taking a core
-    (see :func:`default_threads`); it names ``--threads``. None otherwise, and for
-    backends other than llama.cpp."""
+    (see :func:`~exactspec.load_options.default_threads`); it names ``--threads``. None
+    otherwise, and for backends other than llama.cpp."""
     if not isinstance(backend, LlamaCppBackend):
         return None
     at_load, threads = backend.seconds_per_token_at_load, backend.llama.n_threads
@@ -262,8 +253,9 @@ class LlamaCppBackend:
 
         Args:
             path: the GGUF file.
-            threads: CPU threads for llama.cpp (default: :func:`default_threads`, half the
-                cores this process may use).
+            threads: CPU threads for llama.cpp (default:
+                :func:`~exactspec.load_options.default_threads`, half the cores this
+                process may use).
             context_length: KV cache size in tokens, per sequence (default: the model's own
                 context, at most :data:`DEFAULT_CONTEXT_LENGTH`).
             weight_type: run the file's weights converted to this GGUF type (``F32``,

@@ -8,11 +8,16 @@ import logging
 import sys
 from pathlib import Path
 
+from rich.console import Console
+from rich.markup import escape
+
 from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_model_options,
                                   add_policy_option, allows_batch_variance,
                                   check_proposer_before_loading, has_chat_template,
                                   load_from_args, logit_bias, ngram_range, positive_int,
                                   print_error, proposer_spec, seed)
+from exactspec.files import readable_json
+from exactspec.model_files import ModelNotFoundError
 from exactspec.proposers.spec import DEFAULT_NGRAM, FORMS, ProposerSpec, parse_proposer
 
 CHECKED_AFTER_LOAD = "an id outside the model's vocabulary is reported once the model has loaded"
@@ -114,15 +119,14 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from rich.console import Console
-    from rich.markup import escape
-
-    from exactspec import SamplingParams, SpeculativeGenerator, UnsupportedModelError
-    from exactspec.files import readable_json
+    # PyTorch and the engine, imported here so that --help starts at once
+    from exactspec.backends.base import UnsupportedModelError
     from exactspec.backends.llama_cpp_backend import (LlamaCppNotInstalledError,
                                                       slow_decoding_warning)
-    from exactspec.model_files import ModelNotFoundError
-    from exactspec.proposers.spec import build_proposer
+    from exactspec.engine import SpeculativeGenerator
+    from exactspec.proposers.build import build_proposer
+    from exactspec.sampling import SamplingParams
+    from exactspec.trace.terminal import show
 
     try:
         params = SamplingParams(
@@ -199,8 +203,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if len(results) > 1:
                 console.rule(f"sample {i + 1} of {len(results)}")
             if args.show:
-                from exactspec.trace.terminal import show
-
                 show(stdout, result.trace, target.tokenizer.decode)
             else:
                 print(result.text, flush=True)
@@ -212,7 +214,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                  *([method] if result.stats.num_speculative_tokens else []), target.description]
         console.print(" · ".join(parts), highlight=False, soft_wrap=True)
     if args.trace is not None:
-        from exactspec.trace.page import write_trace
+        from exactspec.trace.page import write_trace  # the plots extra (matplotlib)
 
         try:
             page, data = write_trace(args.trace, results, target.tokenizer.decode, {
