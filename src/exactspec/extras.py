@@ -28,7 +28,11 @@ def require(extra: str, user: str) -> None:
     ``user`` (e.g. ``exactspec serve``) says what needs them: "exactspec serve needs
     fastapi: pip install 'exactspec[server]'"."""
     for module in EXTRAS[extra]:
-        if importlib.util.find_spec(module) is None:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a finder refusing it, a broken install
+            found = False
+        if not found:
             raise MissingExtraError(missing_message(user, module, extra), name=module)
 
 
