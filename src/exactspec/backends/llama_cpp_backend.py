@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -45,7 +46,7 @@ from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, 
                                      check_batch_invariance, check_context, check_retain,
                                      check_rows, check_sequence_invariance)
 from exactspec.load_options import default_threads
-from exactspec.model_files import gguf_architecture_value
+from exactspec.model_files import converted_gguf, gguf_architecture_value
 
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 INSTALL_HINT = (f"CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" CFLAGS=\"{NO_AMX}\" CXXFLAGS=\"{NO_AMX}\" "
@@ -87,8 +88,6 @@ def import_llama_cpp():
 
 def llama_cpp_available() -> bool:
     """Whether ``llama-cpp-python`` can be imported (without importing it)."""
-    import importlib.util
-
     return importlib.util.find_spec("llama_cpp") is not None
 
 
@@ -286,8 +285,6 @@ class LlamaCppBackend:
             raise ValueError(f"context_length = {context_length} is invalid: {path.name}'s "
                              f"context holds {trained} tokens")
         if weight_type is not None:
-            from exactspec.model_files import converted_gguf
-
             path = converted_gguf(path, weight_type)
         backend = cls(new_llama(path, threads=threads or default_threads(),
                                 context_length=context_length))
