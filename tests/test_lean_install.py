@@ -112,6 +112,21 @@ def test_a_tool_without_its_extra_names_it():
     assert "exactspec bench needs matplotlib: pip install 'exactspec[bench]'" in run.stderr
     run = run_python("import exactspec.server")
     assert "exactspec.server needs fastapi: pip install 'exactspec[server]'" in run.stderr
+    run = run_python("""
+        from exactspec.cli import main
+        assert main(["audit", "--help"]) == 1
+    """)
+    assert run.returncode == 0, run.stderr
+    assert "exactspec audit needs scipy: pip install 'exactspec[audit]'" in run.stderr
+    run = run_python("""
+        import sys
+        from exactspec.cli import main
+        assert main(["generate", "hello", "--trace", "out.html"]) == 1
+        assert "torch" not in sys.modules  # refused before loading anything
+    """)
+    assert run.returncode == 0, run.stderr
+    assert ("exactspec generate --trace needs matplotlib: pip install 'exactspec[plots]'"
+            in run.stderr)
 
 
 def test_the_command_table_matches_each_command():

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from exactspec import __version__
 from exactspec.cli.common import EXIT_INTERRUPTED, EXIT_STATUSES, print_error
-from exactspec.extras import MissingExtraError
+from exactspec.extras import EXTRAS, MissingExtraError, missing_message
 
 COMMANDS = {
     "generate": ("exactspec.cli.generate", "generate text with speculative decoding"),
@@ -29,6 +29,9 @@ COMMANDS = {
 }
 """Command → (its module, its one-line help). Each module has ``add_parser(commands)`` and
 ``run(args, parser)``."""
+COMMAND_EXTRAS = {"serve": "server", "audit": "audit", "bench": "bench",
+                  "train-draft": "plots", "generate": "plots"}
+"""The extra that holds what each command may lack (``generate``: only ``--trace``)."""
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -59,16 +62,32 @@ def main(argv: list[str] | None = None) -> int:
     argparse (``SystemExit``); a command whose extra is missing exits with status 1 and
     the line naming it (:class:`~exactspec.extras.MissingExtraError`)."""
     argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
     try:
         parser = build_parser(argv)
         args = parser.parse_args(argv)
         return importlib.import_module(COMMANDS[args.command][0]).run(args, args.subparser)
     except MissingExtraError as error:
-        print_error(Console(stderr=True), error)
+        print_error(Console(stderr=True, soft_wrap=True), error)
+        return 1
+    except ModuleNotFoundError as error:  # one a tool imports without checking its extra
+        extra = _extra_providing((error.name or "").partition(".")[0], command)
+        if extra is None:
+            raise
+        print_error(Console(stderr=True, soft_wrap=True),
+                    MissingExtraError(missing_message(f"exactspec {command}",
+                                                      error.name.partition(".")[0], extra)))
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _extra_providing(module: str, command: str | None) -> str | None:
+    """The extra that installs ``module``: the command's own when it lists it, else the
+    first that does (None: no extra does)."""
+    extras = [COMMAND_EXTRAS.get(command)] + sorted(EXTRAS)
+    return next((extra for extra in extras if extra and module in EXTRAS[extra]), None)
 
 
 if __name__ == "__main__":

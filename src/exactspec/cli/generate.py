@@ -16,6 +16,7 @@ from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_model_options,
                                   check_proposer_before_loading, has_chat_template,
                                   load_from_args, logit_bias, ngram_range, positive_int,
                                   print_error, proposer_spec, seed)
+from exactspec.extras import require
 from exactspec.files import readable_json
 from exactspec.model_files import ModelNotFoundError
 from exactspec.proposers.spec import DEFAULT_NGRAM, FORMS, ProposerSpec, parse_proposer
@@ -119,6 +120,8 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.trace is not None:
+        require("plots", "exactspec generate --trace")
     # PyTorch and the engine, imported here so that --help starts at once
     from exactspec.backends.base import UnsupportedModelError
     from exactspec.backends.llama_cpp_backend import (LlamaCppNotInstalledError,
