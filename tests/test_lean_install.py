@@ -97,6 +97,27 @@ def test_help_loads_neither_torch_nor_a_command():
         assert "usage: exactspec" in run.stdout
 
 
+@pytest.mark.parametrize("command", ["serve", "audit", "bench", "train-draft", "generate"])
+def test_every_command_builds_its_parser_with_the_tools_dependencies_available(command):
+    """Each command's --help in this (full) environment: the lazy dispatch finds every
+    command module and its parser."""
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+
+
+def test_serve_help_needs_no_server_extra():
+    run = run_python("""
+        from exactspec.cli import main
+        try:
+            main(["serve", "--help"])
+        except SystemExit as exit_:
+            assert exit_.code == 0
+    """)
+    assert run.returncode == 0, run.stderr
+    assert "usage: exactspec serve" in run.stdout
+
+
 def test_a_tool_without_its_extra_names_it():
     run = run_python("""
         from exactspec.cli import main
