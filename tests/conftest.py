@@ -218,11 +218,11 @@ def model_folder(tmp_path_factory):
 
 
 def trained_head(target: TransformersBackend, folder, updates: int = 60) -> str:
-    """Train (``exactspec.draft_head.train``) a draft head for a tiny ``target`` on 160 of its
+    """Train (``exactspec.training.train``) a draft head for a tiny ``target`` on 160 of its
     own samples (temperature 1, 48 tokens after a 4-token prompt), drafting from 48 of its
     64 tokens; returns the head file's path."""
-    from exactspec.draft_head.data import Conversation
-    from exactspec.draft_head.train import TrainingConfig, train
+    from exactspec.training.data import Conversation
+    from exactspec.training.train import TrainingConfig, train
 
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(target.vocab_size, (160, 4), generator=generator)

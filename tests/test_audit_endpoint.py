@@ -6,6 +6,7 @@ server with a broken verifier, and checks a local reference."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import httpx
@@ -14,6 +15,7 @@ import pytest
 
 from conftest import tiny_backend
 from exactspec import PromptLookupProposer, SamplingParams
+from exactspec.audit.broken import BrokenGenerator
 from exactspec.audit.endpoint import END, Endpoint, EndpointError
 from exactspec.audit.remote import (EndpointAudit, compare_greedy, draw_interleaved,
                                     reference_test, verdict)
@@ -254,7 +256,8 @@ def server():
 
 @pytest.fixture(scope="module")
 def broken_server():
-    with serving(app(broken_verifier="accept-all")) as url:
+    broken = functools.partial(BrokenGenerator, broken="accept-all")
+    with serving(app(generator_factory=broken)) as url:
         yield url
 
 

@@ -14,10 +14,10 @@ import torch
 from exactspec import SamplingParams, SpeculativeGenerator
 from exactspec.backends.base import UnsupportedModelError
 from exactspec.batching import BatchedGenerator
-from exactspec.draft_head.data import Conversation
+from exactspec.training.data import Conversation
 from exactspec.draft_head.model import (HeadCache, head_metadata, load_head, new_head, save_head,
                                         shipped_head)
-from exactspec.draft_head.train import TrainingConfig, chained_acceptance, train
+from exactspec.training.train import TrainingConfig, chained_acceptance, train
 from exactspec.proposers.head import HeadProposer
 from exactspec.proposers.spec import parse_proposer
 
@@ -211,7 +211,7 @@ def test_chained_acceptance_stops_each_chain_at_its_first_miss():
 
 def test_train_draft_command_trains_a_head_that_generate_uses(model_folder, tmp_path, capsys):
     from exactspec import cli, load_model
-    from exactspec.draft_head.data import synthesize
+    from exactspec.training.data import synthesize
 
     data = tmp_path / "conversations.jsonl"
     synthesize(load_model(str(model_folder), backend="transformers"), data, 8,

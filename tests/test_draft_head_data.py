@@ -3,7 +3,7 @@
 import pytest
 
 from exactspec import SamplingParams, SpeculativeGenerator
-from exactspec.draft_head.data import read_conversations, synthesize, topic_words
+from exactspec.training.data import read_conversations, synthesize, topic_words
 
 from conftest import ALPHABET, VOCAB, tiny_backend
 

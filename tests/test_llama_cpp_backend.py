@@ -248,7 +248,7 @@ def test_llama_cpp_python_sampling_with_its_prompt_lookup_agrees_with_the_refere
 def test_default_threads_leave_half_the_cores_free(monkeypatch, cores, threads):
     import os
 
-    from exactspec.backends.llama_cpp_backend import default_threads
+    from exactspec.load_options import default_threads
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     assert default_threads() == threads

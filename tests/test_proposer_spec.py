@@ -7,7 +7,8 @@ from exactspec import PromptLookupProposer, SamplingParams, SuffixProposer
 from exactspec.bench.methods import parse_method, parse_method_spec
 from exactspec.peers import PEERS, TransformersPeer, make_peer
 from exactspec.proposers import EarlyExitProposer
-from exactspec.proposers.spec import ProposerSpec, build_proposer, parse_proposer, parse_ngram
+from exactspec.proposers.build import build_proposer
+from exactspec.proposers.spec import ProposerSpec, parse_ngram, parse_proposer
 
 from conftest import tiny_backend
 

@@ -9,7 +9,8 @@ import statistics
 import sys
 
 from exactspec import SamplingParams, SpeculativeGenerator, load_model
-from exactspec.proposers.spec import build_proposer, parse_proposer
+from exactspec.proposers.build import build_proposer
+from exactspec.proposers.spec import parse_proposer
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 PROMPTS = ["Write a haiku about autumn leaves.", "Name three animals that live in the desert.",

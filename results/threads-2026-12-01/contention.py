@@ -21,7 +21,8 @@ PROMPTS = ["Tell me a story about a dragon.", "Explain how a bicycle works.",
 
 def one(backend: str, threads: str, method: str) -> float:
     from exactspec import SamplingParams, SpeculativeGenerator, load_model
-    from exactspec.proposers.spec import build_proposer, parse_proposer
+    from exactspec.proposers.build import build_proposer
+    from exactspec.proposers.spec import parse_proposer
     from exactspec.threads import ThreadChooser
 
     fixed = None if threads == "auto" else int(threads)

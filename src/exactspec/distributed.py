@@ -24,6 +24,8 @@ from __future__ import annotations
 import collections
 import functools
 import hashlib
+import platform
+import socket
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -133,8 +135,6 @@ def _check_reachable(address: str | None, timeout: float = 5.0) -> None:
     Raises:
         ConnectionError: when nothing answers within ``timeout`` seconds.
     """
-    import socket
-
     host, _, port = (address or "").removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
         return  # None, "auto", "local": Ray resolves them itself
@@ -157,8 +157,6 @@ class _Holder:
 
     def ready(self) -> tuple[str, str]:
         """Where this worker runs and the fingerprint of its exactspec code."""
-        import platform
-
         return platform.node(), code_fingerprint()
 
     def run(self, function: Callable[..., Any], unit: tuple) -> Any:

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -185,8 +187,6 @@ def _config_value(path: Path, config_keys: tuple[str, ...], gguf_key: str) -> in
     """The first of ``config_keys`` in a folder's ``config.json`` (or its text config), or
     a GGUF file's ``<architecture>.<gguf_key>``."""
     if path.is_dir():
-        import json
-
         try:
             config = json.loads((path / "config.json").read_text())
         except (OSError, ValueError):
@@ -319,8 +319,6 @@ def gguf_tokenizer(gguf_path: Path):
 @contextlib.contextmanager
 def _quiet_gguf_reader():
     """Silence the progress bar of transformers' GGUF reader (callers show their own)."""
-    from functools import partial
-
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from exactspec.backends import native
 from exactspec.backends.base import Backend
-from exactspec.model_files import DEFAULT_MODEL, check_model_path
-
-
-BACKENDS = ("auto", "native", "transformers", "llama_cpp")
-"""Runtimes :func:`load_model` knows; ``auto`` picks one per model (see :func:`choose_backend`)."""
+from exactspec.backends.llama_cpp_backend import LlamaCppBackend, llama_cpp_available
+from exactspec.backends.native_backend import ARCHITECTURES, NativeBackend
+from exactspec.backends.transformers_backend import TransformersBackend, resolve_device
+from exactspec.load_options import BACKENDS
+from exactspec.model_files import (DEFAULT_MODEL, check_model_path, converted_gguf,
+                                   gguf_architecture)
 
 
 def choose_backend(path: Path, backend: str = "auto", *, device: str = "auto",
@@ -31,9 +33,6 @@ def choose_backend(path: Path, backend: str = "auto", *, device: str = "auto",
         ValueError: for an unknown backend, or a combination llama.cpp or the native
             backend cannot run (a model folder, a dtype, kernels, a GPU device).
     """
-    from exactspec.backends.llama_cpp_backend import llama_cpp_available
-    from exactspec.backends.transformers_backend import resolve_device
-
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is invalid: choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
@@ -61,10 +60,6 @@ def choose_backend(path: Path, backend: str = "auto", *, device: str = "auto",
 def _native_runs(path: Path) -> bool:
     """Whether the native backend runs this GGUF file here: its architecture is one the
     backend knows and the kernels build (a header read, no weights)."""
-    from exactspec.backends import native
-    from exactspec.backends.native_backend import ARCHITECTURES
-    from exactspec.model_files import gguf_architecture
-
     return gguf_architecture(path) in ARCHITECTURES and native.load() is not None
 
 
@@ -113,21 +108,15 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
     path = check_model_path(name_or_path)
     chosen = choose_backend(path, backend, device=device, dtype=dtype, kernels=kernels)
     if chosen == "native":
-        from exactspec.backends.native_backend import NativeBackend
-        from exactspec.model_files import converted_gguf
-
         return NativeBackend.load(path if weight_type is None else converted_gguf(path, weight_type),
                                   threads=threads, max_model_len=max_model_len)
     if chosen == "llama_cpp":
-        from exactspec.backends.llama_cpp_backend import LlamaCppBackend
-
         return LlamaCppBackend.load(path, threads=threads, context_length=max_model_len,
                                     weight_type=weight_type)
     if weight_type is not None:
         raise ValueError(f"weight type {weight_type!r} (--weight-type) applies to GGUF "
                          "backends only (native, llama_cpp), and this model runs on transformers (--dtype chooses "
                          "its weights' type)")
-    from exactspec.backends.transformers_backend import TransformersBackend
 
     return TransformersBackend.load(path, device=device, dtype=dtype or "float32",
                                     kernels=kernels or "batch-invariant",

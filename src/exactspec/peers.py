@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from exactspec.backends.base import Backend
+from exactspec.backends.llama_cpp_backend import LlamaCppBackend
 from exactspec.engines import Generation, one_after_another
 from exactspec.proposers.spec import ProposerSpec
 from exactspec.sampling import SamplingParams
@@ -242,7 +243,6 @@ class LlamaCppPeer(Peer):
 
     def __init__(self, target: Backend, k: int = 0, *, share: bool = False) -> None:
         if target.name == "native":  # the same GGUF file on llama.cpp, as many threads
-            from exactspec.backends.llama_cpp_backend import LlamaCppBackend
 
             target = LlamaCppBackend.load(target.model.path, threads=target.threads.max_threads,
                                           context_length=target.max_context_length)

@@ -32,8 +32,9 @@ Nothing here is trusted blindly: the backend checks bit-identity on the loaded m
 speculate where it fails. Prefill (filling the cache with the prompt) keeps the fast kernels:
 its cache entries are shared by plain and speculative decoding alike.
 
-The ``fast`` kernels (the alternative, :data:`KERNELS`) are PyTorch's own, except that on a
-CPU in float32 a product over at most :data:`SKINNY_MAX_ROWS` rows is computed as
+The ``fast`` kernels (the alternative, :data:`~exactspec.load_options.KERNELS`) are
+PyTorch's own, except that on a CPU in float32 a product over at most
+:data:`SKINNY_MAX_ROWS` rows is computed as
 ``(W @ x.T).T``, which streams the weights once in their stored order (MKL's ``x @ W.T``
 repacks them on every call, which costs more for a few rows; a single row is
 computed as two identical rows, faster there than MKL's one-row path). They are faster but
@@ -54,8 +55,6 @@ from torch import nn
 from exactspec.backends import native
 from exactspec.trees import TreePaths
 
-KERNELS = ("batch-invariant", "fast")
-"""Kernel choices of the transformers backend (``batch-invariant`` is the default)."""
 FALLBACK_ROWS = 2
 """Rows of every decode-phase matrix product where the native kernels cannot run (no C
 compiler, a GPU, another dtype): each call then has this shape, zero-padded, so a forward
@@ -72,7 +71,7 @@ _kernels: contextvars.ContextVar[str] = contextvars.ContextVar("exactspec_kernel
 @contextlib.contextmanager
 def kernel_mode(name: str) -> Iterator[None]:
     """Run the forward passes inside the block with kernels ``name`` (one of
-    :data:`KERNELS`)."""
+    :data:`~exactspec.load_options.KERNELS`)."""
     token = _kernels.set(name)
     try:
         yield

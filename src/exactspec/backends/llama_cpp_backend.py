@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
+import importlib.util
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -45,7 +45,8 @@ import torch
 from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, chat_messages,
                                      check_batch_invariance, check_context, check_retain,
                                      check_rows, check_sequence_invariance)
-from exactspec.model_files import gguf_architecture_value
+from exactspec.load_options import default_threads
+from exactspec.model_files import converted_gguf, gguf_architecture_value
 
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 INSTALL_HINT = (f"CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" CFLAGS=\"{NO_AMX}\" CXXFLAGS=\"{NO_AMX}\" "
@@ -87,18 +88,7 @@ def import_llama_cpp():
 
 def llama_cpp_available() -> bool:
     """Whether ``llama-cpp-python`` can be imported (without importing it)."""
-    import importlib.util
-
     return importlib.util.find_spec("llama_cpp") is not None
-
-
-def default_threads() -> int:
-    """Half the CPU cores this process may use, at least 1 (llama-cpp-python's own default,
-    over the cores this process may use). Not all of them: llama.cpp's threads wait for
-    each other many times per token, so when another process takes a core one of them
-    waits for it, and decoding collapses (figures: docs/backends.md, "Choosing --threads")."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // 2)
 
 
 SLOW_DECODING_FACTOR = 5.0
@@ -109,8 +99,8 @@ def slow_decoding_warning(backend, num_tokens: int, seconds: float) -> str | Non
     """A warning when ``num_tokens`` decoded in ``seconds`` (prefill excluded) ran more than
     :data:`SLOW_DECODING_FACTOR` × slower than the single-token forwards timed when
     ``backend`` loaded, on more than one thread: the sign of another process taking a core
-    (see :func:`default_threads`); it names ``--threads``. None otherwise, and for
-    backends other than llama.cpp."""
+    (see :func:`~exactspec.load_options.default_threads`); it names ``--threads``. None
+    otherwise, and for backends other than llama.cpp."""
     if not isinstance(backend, LlamaCppBackend):
         return None
     at_load, threads = backend.seconds_per_token_at_load, backend.llama.n_threads
@@ -262,8 +252,9 @@ class LlamaCppBackend:
 
         Args:
             path: the GGUF file.
-            threads: CPU threads for llama.cpp (default: :func:`default_threads`, half the
-                cores this process may use).
+            threads: CPU threads for llama.cpp (default:
+                :func:`~exactspec.load_options.default_threads`, half the cores this
+                process may use).
             context_length: KV cache size in tokens, per sequence (default: the model's own
                 context, at most :data:`DEFAULT_CONTEXT_LENGTH`).
             weight_type: run the file's weights converted to this GGUF type (``F32``,
@@ -294,8 +285,6 @@ class LlamaCppBackend:
             raise ValueError(f"context_length = {context_length} is invalid: {path.name}'s "
                              f"context holds {trained} tokens")
         if weight_type is not None:
-            from exactspec.model_files import converted_gguf
-
             path = converted_gguf(path, weight_type)
         backend = cls(new_llama(path, threads=threads or default_threads(),
                                 context_length=context_length))

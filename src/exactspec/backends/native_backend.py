@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 
@@ -31,6 +32,8 @@ from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError,
                                      check_batch_invariance, check_context, check_reserve,
                                      check_retain, check_rows, check_sequence_invariance,
                                      check_tree)
+from exactspec.backends.transformers_backend import HFTokenizer
+from exactspec.model_files import check_gguf_file, gguf_tokenizer
 from exactspec.threads import ThreadChooser
 from exactspec.trees import TreePaths
 
@@ -68,8 +71,6 @@ class GGUFModel:
     """
 
     def __init__(self, path: Path) -> None:
-        import gguf
-
         self.path = Path(path)
         try:
             reader = gguf.GGUFReader(self.path, "r")
@@ -286,9 +287,6 @@ class NativeBackend:
             UnsupportedModelError: see :class:`GGUFModel`.
             NativeKernelsUnavailableError: where the kernels cannot be built.
         """
-        from exactspec.backends.transformers_backend import HFTokenizer
-        from exactspec.model_files import check_gguf_file, gguf_tokenizer
-
         path = Path(path).expanduser()
         if not path.exists():
             raise FileNotFoundError(f"model path {str(path)!r} does not exist")

@@ -23,9 +23,10 @@ from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, 
                                      check_batch_invariance, check_context, check_reserve,
                                      check_retain, check_rows, check_sequence_invariance,
                                      check_tree)
-from exactspec.backends.batch_invariant import (KERNELS, PackedSequences, kernel_mode,
+from exactspec.backends.batch_invariant import (PackedSequences, kernel_mode,
                                                  native_kernels_apply, packed_sequences,
                                                  token_tree, use_exactspec_kernels)
+from exactspec.load_options import KERNELS
 from exactspec.model_files import check_model_folder, converted_gguf_folder
 from exactspec.threads import ThreadChooser, torch_threads
 

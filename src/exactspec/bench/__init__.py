@@ -1,9 +1,14 @@
-"""``exactspec bench``: speedup per Spec-Bench task group, side by side with the peers."""
+"""``exactspec bench``: speedup per Spec-Bench task group, side by side with the peers. Its
+dependencies (matplotlib, for the charts) are the extra ``exactspec[bench]``."""
 
-from exactspec.bench.methods import Method, parse_method
-from exactspec.bench.questions import GROUPS, Question, load_questions
-from exactspec.bench.report import summarize, write_report
-from exactspec.bench.runner import BenchResults, Record, run_bench
+from exactspec.extras import require
+
+require("bench", "exactspec bench")
+
+from exactspec.bench.methods import Method, parse_method  # noqa: E402 (after the check)
+from exactspec.bench.questions import GROUPS, Question, load_questions  # noqa: E402
+from exactspec.bench.report import summarize, write_report  # noqa: E402
+from exactspec.bench.runner import BenchResults, Record, run_bench  # noqa: E402
 
 __all__ = ["GROUPS", "BenchResults", "Method", "Question", "Record", "load_questions",
            "parse_method", "run_bench", "summarize", "write_report"]

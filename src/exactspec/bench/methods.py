@@ -29,7 +29,8 @@ from exactspec.backends.base import Backend
 from exactspec.engine import SpeculativeGenerator
 from exactspec.engines import Engine, ExactspecEngine
 from exactspec.peers import DEFAULT_PROMPT_LOOKUP_K, PEERS, is_peer, make_peer
-from exactspec.proposers.spec import ProposerSpec, build_proposer, parse_proposer
+from exactspec.proposers.build import build_proposer
+from exactspec.proposers.spec import ProposerSpec, parse_proposer
 from exactspec.sampling import SamplingParams
 from exactspec.speculation_length import POLICIES
 

@@ -17,13 +17,19 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+import transformers
 
+from exactspec import __version__
 from exactspec.backends.base import Backend, forward_one, new_sequence_id
+from exactspec.backends.llama_cpp_backend import llama_cpp_available
 from exactspec.bench.methods import Method
 from exactspec.bench.questions import Question
 from exactspec.distributed import Executor, LocalExecutor, Missing
+from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.progress import LoggedProgress
 from exactspec.sampling import SamplingParams
+from exactspec.threads import torch_threads
+from exactspec.verification import verify
 
 
 @dataclass
@@ -59,9 +65,6 @@ class BenchResults:
 
 def machine_info() -> dict:
     """Machine, library versions, CPU model and PyTorch's CPU capability."""
-    import transformers
-
-    from exactspec import __version__
 
     cpu = platform.processor()
     try:
@@ -80,8 +83,6 @@ def machine_info() -> dict:
 
 def _llama_cpp_info() -> str | None:
     """llama-cpp-python's version and llama.cpp's CPU features, if installed."""
-    from exactspec.backends.llama_cpp_backend import llama_cpp_available
-
     if not llama_cpp_available():
         return None
     import llama_cpp
@@ -120,10 +121,6 @@ def measure_host_seconds(target: Backend, params: SamplingParams | None = None,
     calibration the report compares the measured overhead with, to flag a run disturbed by
     other work. A sampling run's plain cycle costs more (sorting for top-p, the draw) than
     a greedy one's, so it is calibrated with its own settings."""
-    from exactspec.logits_pipeline import LogitsPipeline
-    from exactspec.threads import torch_threads
-    from exactspec.verification import verify
-
     params = SamplingParams(**{**asdict(params or SamplingParams()), "max_new_tokens": 2,
                                "min_new_tokens": 0, "stop": ()})
     tokens = [1, 2, 3]

@@ -234,7 +234,7 @@ def build_audit(args: argparse.Namespace, prompts: list[str], params) -> "AuditS
     from exactspec.audit import AuditSetup, BatchedEngine, BrokenGenerator, ExactspecEngine
     from exactspec.batching import BatchedGenerator
     from exactspec.peers import make_peer
-    from exactspec.proposers.spec import build_proposer
+    from exactspec.proposers.build import build_proposer
 
     proposer_spec = parse_proposer(args.proposer)
     target = load_from_args(args)

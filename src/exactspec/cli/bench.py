@@ -1,15 +1,24 @@
-"""``exactspec bench``: speedup per task group, side by side with the peers."""
+"""``exactspec bench``: speedup per task group, side by side with the peers.
+
+The benchmark's modules (:mod:`exactspec.bench`: PyTorch, and matplotlib from the extra
+``exactspec[bench]``) are imported where the command runs, so that ``--help`` starts at
+once and says how to run it without the extra."""
 
 from __future__ import annotations
 
 import argparse
 import functools
+from importlib.resources import files
 from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
 
 from exactspec.cli.common import (EXIT_STATUSES, EXIT_UNSTABLE, add_model_options,
                                   add_ray_options, allows_batch_variance, check_ray_options,
                                   check_models_before_loading, load_from_args, print_error,
                                   seed, start_workers, worker_args)
+from exactspec.distributed import RayNotInstalledError, connect
 
 DEFAULT_BENCH_METHODS = {
     "transformers": ("plain", "prompt-lookup:k=4", "prompt-lookup:k=6:policy=auto", "hf-plain",
@@ -59,7 +68,7 @@ def add_parser(commands) -> None:
                             "suffix:k=8[:corpus=N] (a corpus holds only the outputs of the "
                             "questions run before, never the one measured), "
                             "draft:MODEL:k=4, early-exit:L:k=4; prefixed hf- for transformers "
-                            "generate() (hf-plain, hf-prompt-lookup:k=10, hf-assistant:MODEL, "
+                            "generate() (hf-plain, hf-prompt-lookup:k=10, hf-draft:MODEL, "
                             "hf-early-exit:L; transformers backend) or llama- for llama-cpp-python "
                             "(llama-plain, llama-prompt-lookup:k=10; llama_cpp or native backend: on "
                             "native, llama.cpp runs the same file with as many threads). Default "
@@ -130,17 +139,11 @@ def concurrency_list(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from importlib.resources import files
-
-    from rich.console import Console
-    from rich.markup import escape
-
-    from exactspec import SamplingParams
     from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
     from exactspec.bench import load_questions, run_bench, write_report
     from exactspec.bench.methods import is_peer, parse_method_spec
     from exactspec.bench.report import UNSTABLE_HEADLINE, verdict_line
-    from exactspec.distributed import RayNotInstalledError, connect
+    from exactspec.sampling import SamplingParams
 
     check_ray_options(args, parser)
     for name in FULL:  # explicit flags win over --quick's sizes

@@ -1,14 +1,22 @@
-"""Pieces the ``exactspec`` subcommands share: model options and argument types."""
+"""Pieces the ``exactspec`` subcommands share: model options and argument types.
+
+Building a command's parser imports nothing that loads PyTorch (``exactspec COMMAND --help``
+is immediate); :mod:`exactspec.models` is imported where a model is checked or loaded."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from exactspec.backends.batch_invariant import KERNELS
-from exactspec.model_files import WEIGHT_TYPES
-from exactspec.model_files import DEFAULT_MODEL, EMBEDDED_MODELS
-from exactspec.models import BACKENDS
+from rich.markup import escape
+
+from exactspec.distributed import RayExecutor, connect, default_workers
+from exactspec.load_options import BACKENDS, KERNELS, default_threads
+from exactspec.model_files import (DEFAULT_MODEL, EMBEDDED_MODELS, WEIGHT_TYPES,
+                                   check_model_path, context_length, layer_count,
+                                   resolve_model_path)
+from exactspec.proposers.spec import TRANSFORMERS_ONLY, parse_ngram, parse_proposer
+from exactspec.speculation_length import DEFAULT_POLICY, POLICIES
 
 DEFAULT_K = 4
 EXIT_UNSTABLE = 3
@@ -24,8 +32,6 @@ EXIT_STATUSES = ("Exit status: 0 success; 1 an error (the message names it), a g
 def ngram_range(text: str) -> tuple[int, int]:
     """``MIN-MAX`` or ``MIN:MAX`` → (min, max) n-gram sizes (see
     :func:`~exactspec.proposers.spec.parse_ngram`)."""
-    from exactspec.proposers.spec import parse_ngram
-
     try:
         return parse_ngram(text)
     except ValueError as error:
@@ -35,8 +41,6 @@ def ngram_range(text: str) -> tuple[int, int]:
 def proposer_spec(text: str):
     """A proposer spec (grammar in :mod:`exactspec.proposers.spec`) → its
     :class:`~exactspec.proposers.spec.ProposerSpec`."""
-    from exactspec.proposers.spec import parse_proposer
-
     try:
         return parse_proposer(text)
     except ValueError as error:
@@ -96,11 +100,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                             "weights, Q4_1 for the embedded model)")
     model.add_argument("--threads", type=positive_int, default=None,
                        help="CPU threads. llama_cpp: its threads (default: half the cores, "
-                            f"here {_default_threads()}); all cores are faster on an idle "
+                            f"here {default_threads()}); all cores are faster on an idle "
                             "machine, but collapse while another process "
                             "uses the CPU: then use at most the cores that are free. "
-                            "transformers and native: the most a forward uses (default: PyTorch's, here "
-                            f"{_torch_threads()}); each forward runs on either one thread or "
+                            "transformers and native: the most a forward uses (default: PyTorch's, "
+                            "the physical cores); each forward runs on either one thread or "
                             "exactly this many, whichever is measured faster, so a busy core "
                             "costs little")
     model.add_argument("--max-model-len", type=positive_int, default=None, metavar="TOKENS",
@@ -108,18 +112,6 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                             "model's context; on llama_cpp at most 8192). On llama_cpp this is "
                             "also the KV cache allocated per sequence (with batched decoding, "
                             "per batch row): a lower one takes less memory")
-
-
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
-def _default_threads() -> int:
-    from exactspec.backends.llama_cpp_backend import default_threads
-
-    return default_threads()
 
 
 def seed(text: str) -> int:
@@ -154,7 +146,6 @@ def check_models_before_loading(args: argparse.Namespace, drafts: dict[str, str]
     Raises:
         ModelNotFoundError, ValueError: naming the flag and the bad value.
     """
-    from exactspec.model_files import check_model_path, context_length
     from exactspec.models import choose_backend
 
     for flag, name in {"--model": args.model, **drafts}.items():
@@ -186,9 +177,6 @@ def check_proposer_before_loading(args: argparse.Namespace, parser: argparse.Arg
         exit through ``parser.error``.
         (a head file that does not exist is a ValueError too).
     """
-    from exactspec.model_files import layer_count, resolve_model_path
-    from exactspec.proposers.spec import TRANSFORMERS_ONLY
-
     if proposer_spec.kind in TRANSFORMERS_ONLY and args.backend == "auto":
         args.backend = "transformers"
     backend = check_models_before_loading(args, {flag: proposer_spec.model} if proposer_spec.model else {})
@@ -241,8 +229,6 @@ def has_chat_template(target) -> bool:
 
 def add_policy_option(group, default: str | None = None, why: str = "") -> None:
     """``--policy``: how many tokens to draft each cycle."""
-    from exactspec.speculation_length import DEFAULT_POLICY, POLICIES
-
     default = default or DEFAULT_POLICY
     group.add_argument("--policy", choices=POLICIES, default=default,
                        help=f"speculation length per cycle (default {default}{why}): auto (the k, up to -k, "
@@ -293,8 +279,6 @@ def start_workers(args: argparse.Namespace, build, console):
         RayNotInstalledError, ConnectionError, RuntimeError: see
             :mod:`exactspec.distributed`.
     """
-    from exactspec.distributed import RayExecutor, connect, default_workers
-
     connect(args.ray or None)
     threads = args.threads or 1
     workers = args.workers or default_workers(threads)
@@ -306,6 +290,4 @@ def start_workers(args: argparse.Namespace, build, console):
 def print_error(console, error: Exception) -> None:
     """``error: MESSAGE`` in red on ``console``, the message as written (brackets such as
     ``exactspec[ray]`` or ``[1, 2]`` are text, not rich markup)."""
-    from rich.markup import escape
-
     console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)

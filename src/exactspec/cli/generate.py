@@ -8,11 +8,17 @@ import logging
 import sys
 from pathlib import Path
 
+from rich.console import Console
+from rich.markup import escape
+
 from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_model_options,
                                   add_policy_option, allows_batch_variance,
                                   check_proposer_before_loading, has_chat_template,
                                   load_from_args, logit_bias, ngram_range, positive_int,
                                   print_error, proposer_spec, seed)
+from exactspec.extras import require
+from exactspec.files import readable_json
+from exactspec.model_files import ModelNotFoundError
 from exactspec.proposers.spec import DEFAULT_NGRAM, FORMS, ProposerSpec, parse_proposer
 
 CHECKED_AFTER_LOAD = "an id outside the model's vocabulary is reported once the model has loaded"
@@ -52,7 +58,7 @@ def add_parser(commands) -> None:
                           "count (shares its weights; transformers' assistant_early_exit; "
                           "transformers backend only): --proposer early-exit:L")
     how.add_argument("--no-speculation", action="store_true",
-                     help="plain decoding on the same backend, for comparison: --proposer none")
+                     help="plain decoding on the same backend, for comparison: --proposer plain")
     spec.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K,
                       metavar="K", help=f"most tokens drafted per cycle (default {DEFAULT_K})")
     add_policy_option(spec)
@@ -114,15 +120,16 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from rich.console import Console
-    from rich.markup import escape
-
-    from exactspec import SamplingParams, SpeculativeGenerator, UnsupportedModelError
-    from exactspec.files import readable_json
+    if args.trace is not None:
+        require("plots", "exactspec generate --trace")
+    # PyTorch and the engine, imported here so that --help starts at once
+    from exactspec.backends.base import UnsupportedModelError
     from exactspec.backends.llama_cpp_backend import (LlamaCppNotInstalledError,
                                                       slow_decoding_warning)
-    from exactspec.model_files import ModelNotFoundError
-    from exactspec.proposers.spec import build_proposer
+    from exactspec.engine import SpeculativeGenerator
+    from exactspec.proposers.build import build_proposer
+    from exactspec.sampling import SamplingParams
+    from exactspec.trace.terminal import show
 
     try:
         params = SamplingParams(
@@ -164,7 +171,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print_error(console, error)
         return 1
     if args.num_speculative_tokens == 0:
-        proposer_spec = ProposerSpec("none", "none")
+        proposer_spec = ProposerSpec("plain", "plain")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("exactspec").setLevel(logging.INFO)
     try:
@@ -199,8 +206,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if len(results) > 1:
                 console.rule(f"sample {i + 1} of {len(results)}")
             if args.show:
-                from exactspec.trace.terminal import show
-
                 show(stdout, result.trace, target.tokenizer.decode)
             else:
                 print(result.text, flush=True)
@@ -212,7 +217,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                  *([method] if result.stats.num_speculative_tokens else []), target.description]
         console.print(" · ".join(parts), highlight=False, soft_wrap=True)
     if args.trace is not None:
-        from exactspec.trace.page import write_trace
+        from exactspec.trace.page import write_trace  # the plots extra (matplotlib)
 
         try:
             page, data = write_trace(args.trace, results, target.tokenizer.decode, {
@@ -239,7 +244,7 @@ def _proposer_spec(args: argparse.Namespace) -> tuple[ProposerSpec, str]:
     if args.proposer is not None:
         return args.proposer, f"--proposer {args.proposer.spec}"
     if args.no_speculation:
-        return ProposerSpec("none", "none"), "--no-speculation"
+        return ProposerSpec("plain", "plain"), "--no-speculation"
     if args.suffix:
         return parse_proposer("suffix"), "--suffix"
     if args.draft_model:

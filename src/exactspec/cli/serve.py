@@ -1,16 +1,30 @@
-"""``exactspec serve``: the model behind an OpenAI-compatible HTTP API (FastAPI + uvicorn)."""
+"""``exactspec serve``: the model behind an OpenAI-compatible HTTP API (FastAPI + uvicorn).
+
+The server's modules (:mod:`exactspec.server`, uvicorn) are the optional extra
+``exactspec[server]``, imported when the command runs; the audit's broken verifiers
+(``--broken-verifier``) are injected into the server from here, only when asked for."""
 
 from __future__ import annotations
 
 import argparse
 import functools
 import os
+import signal
+import time
 
+from rich.console import Console
+
+from exactspec.backends.base import UnsupportedModelError
+from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
+from exactspec.batching import DEFAULT_MAX_BATCH_SIZE
 from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_model_options,
                                   add_policy_option, allows_batch_variance,
                                   check_proposer_before_loading, load_from_args, positive_int,
                                   print_error, proposer_spec, worker_args)
-from exactspec.batching import DEFAULT_MAX_BATCH_SIZE
+from exactspec.distributed import RayNotInstalledError
+from exactspec.extras import require
+from exactspec.model_files import ModelNotFoundError
+from exactspec.proposers.build import build_proposer
 from exactspec.proposers.spec import DEFAULT_NGRAM, FORMS, parse_proposer
 
 API_KEY_VARIABLE = "EXACTSPEC_API_KEY"
@@ -40,7 +54,7 @@ def add_parser(commands) -> None:
     spec.add_argument("--proposer", metavar="SPEC", type=proposer_spec,
                       default=parse_proposer("prompt-lookup"),
                       help=f"the proposer: {FORMS} (default prompt-lookup, ngram="
-                           f"{DEFAULT_NGRAM[0]}-{DEFAULT_NGRAM[1]}); none serves plain decoding "
+                           f"{DEFAULT_NGRAM[0]}-{DEFAULT_NGRAM[1]}); plain serves plain decoding "
                            "only")
     spec.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K, metavar="K",
                       help=f"most tokens drafted per cycle (default {DEFAULT_K}; 0 = plain)")
@@ -93,11 +107,7 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from rich.console import Console
-
-    from exactspec import UnsupportedModelError
-    from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
-    from exactspec.model_files import ModelNotFoundError
+    require("server", "exactspec serve")
     if args.num_speculative_tokens < 0:
         parser.error(f"-k {args.num_speculative_tokens} is invalid: it must be ≥ 0 "
                      "(0 = plain decoding)")
@@ -115,7 +125,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             ValueError) as error:
         print_error(console, error)
         return 1
-    import uvicorn
+    import uvicorn  # the server extra
 
     _warn_broken(args, console)
     console.print(f"starting {_describe(args, app.state.worker)} on "
@@ -132,11 +142,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _run_replicas(args: argparse.Namespace, parser, console) -> int:
     """``--replicas N``: the application on N Ray Serve replicas until Ctrl-C."""
-    import signal
-    import time
-
-    from exactspec.distributed import RayNotInstalledError
-    from exactspec.server import replicas
+    from exactspec.server import replicas  # the server extra
 
     check_proposer_before_loading(args, parser, args.proposer, f"--proposer {args.proposer.spec}")
     _warn_broken(args, console)
@@ -177,19 +183,24 @@ def build_app(args: argparse.Namespace, ray_metrics: bool = False):
         ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError, ValueError:
             as loading does.
     """
-    from exactspec.proposers.spec import build_proposer
-    from exactspec.server import SpeculationSettings, create_app
+    from exactspec.server import SpeculationSettings, create_app  # the server extra
 
     target = load_from_args(args)
     proposer = build_proposer(args.proposer, target, lambda name: load_from_args(args, name))
     k = args.num_speculative_tokens if proposer is not None else 0
+    factory = {}
+    if args.broken_verifier:  # the audit's code, loaded only for this test of audits
+        from exactspec.audit.broken import BrokenGenerator
+
+        factory = {"generator_factory": functools.partial(BrokenGenerator,
+                                                          broken=args.broken_verifier)}
     return create_app(target, proposer, model_name=args.served_model_name or args.model,
                       speculation=SpeculationSettings(k, args.policy),
                       api_key=args.api_key or os.environ.get(API_KEY_VARIABLE),
                       max_queue=args.max_queue, max_request_bytes=args.max_request_bytes,
                       max_batch_size=args.max_batch_size,
                       allow_batch_variance=allows_batch_variance(args),
-                      broken_verifier=args.broken_verifier, ray_metrics=ray_metrics)
+                      ray_metrics=ray_metrics, **factory)
 
 
 def _warn_broken(args: argparse.Namespace, console) -> None:

@@ -6,8 +6,12 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from exactspec.cli.common import EXIT_STATUSES, add_model_options, positive_int, seed, print_error
-from exactspec.draft_head.train import TrainingConfig
+from rich.console import Console
+
+from exactspec.cli.common import (EXIT_STATUSES, add_model_options, load_from_args,
+                                  positive_int, print_error, seed)
+from exactspec.model_files import ModelNotFoundError
+from exactspec.training.config import TrainingConfig
 
 DEFAULTS = TrainingConfig()
 
@@ -29,7 +33,7 @@ def add_parser(commands) -> None:
     add_model_options(train)
     data = train.add_argument_group("data")
     data.add_argument("--data", type=Path, required=True, metavar="FILE.jsonl",
-                      help="the target's conversations (exactspec.draft_head.data's format)")
+                      help="the target's conversations (exactspec.training.data's format)")
     data.add_argument("--synthesize", type=positive_int, default=None, metavar="N",
                       help="first extend --data to N conversations written by the target")
     training = train.add_argument_group("training")
@@ -62,12 +66,10 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from rich.console import Console
-
-    from exactspec.draft_head.data import read_conversations, synthesize
+    # PyTorch and the training tool, imported here so that --help starts at once
     from exactspec.draft_head.model import head_metadata
-    from exactspec.draft_head.train import train
-    from exactspec.model_files import ModelNotFoundError
+    from exactspec.training.data import read_conversations, synthesize
+    from exactspec.training.train import train
 
     console = Console(stderr=True, soft_wrap=True, highlight=False)
     if args.backend not in ("auto", "transformers"):
@@ -82,8 +84,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         DEFAULTS, total_updates=args.updates, batch_tokens=args.batch_tokens,
         learning_rate=args.learning_rate, draft_vocab_size=args.draft_vocab_size,
         num_steps=args.unroll, eval_every=args.eval_every, seed=args.seed)
-    from exactspec.cli.common import load_from_args
-
     try:
         with console.status(f"Loading {args.model} …"):
             target = load_from_args(args)

@@ -1,5 +1,5 @@
 """A draft head trained on the target's own features (EAGLE family): the head and its file
-format (:mod:`~exactspec.draft_head.model`), its training data, the target's own
-conversations (:mod:`~exactspec.draft_head.data`), and its training
-(:mod:`~exactspec.draft_head.train`, ``exactspec train-draft``). Design: docs/design.md,
-"The draft head"."""
+format (:mod:`~exactspec.draft_head.model`) and the heads shipped for the embedded models
+(``heads/``), which :class:`~exactspec.proposers.head.HeadProposer` drafts with. Its
+training is a tool above the engine (:mod:`exactspec.training`, ``exactspec
+train-draft``). Design: docs/design.md, "The draft head"."""

@@ -30,10 +30,15 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+import hashlib
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from exactspec.backends.base import UnsupportedModelError
 
 FORMAT = "exactspec-draft-head/1"
 """The ``format`` field of a head file's metadata."""
@@ -336,8 +341,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def target_fingerprint(model: nn.Module) -> str:
     """16 hex digits identifying a target's weights: a hash of its first 64 LM head rows
     rounded to bfloat16 (the same for the same weights loaded in float32 or bfloat16)."""
-    import hashlib
-
     rows = model.get_output_embeddings().weight[:64].detach().to(torch.bfloat16).cpu()
     return hashlib.sha256(rows.view(torch.int16).numpy().tobytes()).hexdigest()[:16]
 
@@ -372,8 +375,6 @@ def save_head(head: DraftHead, path: str | Path, metadata: dict | None = None) -
     """Write the head's trained weights (rounded to bfloat16), its draft vocabulary and
     config to a safetensors file; ``metadata`` (JSON-serialisable) is kept with them (e.g.
     how it was trained)."""
-    from safetensors.torch import save_file
-
     tensors = {name: value.detach().to(torch.bfloat16).contiguous()
                for name, value in head.named_parameters()}
     tensors["draft_token_ids"] = head.draft_token_ids.to(torch.int32)
@@ -391,8 +392,6 @@ def load_head(path: str | Path, model: nn.Module) -> DraftHead:
         FileNotFoundError: if ``path`` does not exist.
         ValueError: if it is not a head file, or it was trained for a target of another shape.
     """
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"draft head {str(path)!r} does not exist")
@@ -422,8 +421,6 @@ SHIPPED_HEADS = Path(__file__).with_name("heads")
 
 def head_config(path: str | Path) -> HeadConfig:
     """The :class:`HeadConfig` stored in a head file."""
-    from safetensors import safe_open
-
     with safe_open(str(path), "pt") as file:
         fields = json.loads((file.metadata() or {})["config"])
     return HeadConfig(**(fields | {"feature_layers": tuple(fields["feature_layers"])}))
@@ -435,8 +432,6 @@ def shipped_head(model: nn.Module) -> Path:
     Raises:
         UnsupportedModelError: if none was (naming the targets that have one).
     """
-    from exactspec.backends.base import UnsupportedModelError
-
     fingerprint = target_fingerprint(model)
     heads = sorted(SHIPPED_HEADS.glob("*.safetensors"))
     for path in heads:
@@ -450,7 +445,5 @@ def shipped_head(model: nn.Module) -> Path:
 
 def head_metadata(path: str | Path) -> dict:
     """The training metadata :func:`save_head` stored in ``path``."""
-    from safetensors import safe_open
-
     with safe_open(str(path), "pt") as file:
         return json.loads((file.metadata() or {}).get("training", "{}"))

@@ -36,21 +36,21 @@ One name per kind: the former spellings ``none`` (for ``plain``) and ``assistant
 The n-gram range is written ``MIN-MAX``; ``generate --prompt-lookup`` also takes its old
 spelling ``MIN:MAX`` (both through :func:`parse_ngram`).
 
-:func:`parse_proposer` takes a spec apart and checks it without loading any model;
-:func:`build_proposer` makes exactspec's :class:`~exactspec.proposers.base.Proposer` from it.
+:func:`parse_proposer` takes a spec apart and checks it without loading any model (this
+module imports nothing else of exactspec's, so that the command line's parser reads it
+without loading PyTorch); :func:`~exactspec.proposers.build.build_proposer` makes
+exactspec's :class:`~exactspec.proposers.base.Proposer` from it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-
-from exactspec.backends.base import Backend
-from exactspec.proposers.base import Proposer
-from exactspec.proposers.suffix import DEFAULT_SUFFIX_NGRAM
 
 DEFAULT_NGRAM = (2, 3)
 """Prompt lookup's n-gram sizes (MIN, MAX) when a spec gives none."""
+DEFAULT_SUFFIX_NGRAM = (1, 8)
+"""Suffix drafting's n-gram sizes (MIN, MAX) when none are given."""
 KINDS = ("plain", "prompt-lookup", "suffix", "early-exit", "draft", "head")
 NGRAM_DEFAULTS = {"prompt-lookup": DEFAULT_NGRAM, "suffix": DEFAULT_SUFFIX_NGRAM}
 """The kinds that match n-grams, and their sizes when a spec gives none."""
@@ -189,39 +189,3 @@ def parse_proposer(spec: str, *, what: str = "proposer", options: Collection[str
     model = ":".join(positional) if kind == "draft" else None  # a path may hold colons
     head = ":".join(positional) or None if kind == "head" else None
     return ProposerSpec(spec, kind, ngram, layers, model, corpus, head, tree, k, policy, peer)
-
-
-def build_proposer(proposer_spec: ProposerSpec, target: Backend,
-                   load_model: Callable[[str], Backend]) -> Proposer | None:
-    """exactspec's proposer for ``proposer`` on ``target`` (None for ``plain``); ``load_model``
-    loads a draft model by name or path.
-
-    Raises:
-        ValueError: if ``proposer`` names a peer (it is not exactspec's), or L ≥ the target's
-            layer count.
-        UnsupportedModelError: for early exit or a draft head on a backend other than
-            transformers, no head shipped for the target, or a draft model whose tokenizer
-            differs from the target's.
-        FileNotFoundError: for a head file that does not exist.
-    """
-    from exactspec.proposers.draft_model import DraftModelProposer
-    from exactspec.proposers.early_exit import EarlyExitProposer
-    from exactspec.proposers.prompt_lookup import PromptLookupProposer
-    from exactspec.proposers.suffix import SuffixCorpus, SuffixProposer
-
-    if proposer_spec.peer:
-        raise ValueError(f"{proposer_spec.spec!r} is run by a peer (see exactspec.peers), not exactspec")
-    if proposer_spec.kind == "prompt-lookup":
-        return PromptLookupProposer(*proposer_spec.ngram)
-    if proposer_spec.kind == "suffix":
-        return SuffixProposer(*proposer_spec.ngram, corpus=proposer_spec.corpus and SuffixCorpus(
-            proposer_spec.corpus, *proposer_spec.ngram))
-    if proposer_spec.kind == "early-exit":
-        return EarlyExitProposer(target, proposer_spec.layers)
-    if proposer_spec.kind == "draft":
-        return DraftModelProposer(load_model(proposer_spec.model), target)
-    if proposer_spec.kind == "head":
-        from exactspec.proposers.head import HeadProposer
-
-        return HeadProposer(target, proposer_spec.head, tree_nodes=proposer_spec.tree)
-    return None

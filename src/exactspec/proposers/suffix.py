@@ -43,9 +43,8 @@ import torch
 
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer, check_ngram_sizes
+from exactspec.proposers.spec import DEFAULT_SUFFIX_NGRAM
 
-DEFAULT_SUFFIX_NGRAM = (1, 8)
-"""The n-gram sizes matched (MIN, MAX) when none are given."""
 DEFAULT_MIN_CONFIDENCE = 0.1
 """The draft stops once the product of its tokens' scores would fall below this."""
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exactspec.backends.base import Backend
 from exactspec.batching import DEFAULT_MAX_BATCH_SIZE
+from exactspec.engine import SpeculativeGenerator
 from exactspec.proposers.base import Proposer
 from exactspec.request import Request as EngineRequest
 from exactspec.request import RequestError, prepare_request, prompt_tokens
@@ -50,7 +51,8 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
                max_queue: int = 64, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
                allow_batch_variance: bool = False,
-               broken_verifier: str | None = None, ray_metrics: bool = False) -> FastAPI:
+               generator_factory: Callable[..., SpeculativeGenerator] = SpeculativeGenerator,
+               ray_metrics: bool = False) -> FastAPI:
     """The server for one loaded ``target`` (and proposer), named ``model_name`` in the API.
 
     Args:
@@ -65,8 +67,8 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
         max_batch_size: most prompts decoded together, in one target forward per cycle
             (:class:`~exactspec.batching.BatchedGenerator`).
         allow_batch_variance: as :class:`~exactspec.engine.SpeculativeGenerator`.
-        broken_verifier: for testing audits only (``serve --broken-verifier``): as
-            :class:`~exactspec.server.worker.EngineWorker`; the output is then wrong.
+        generator_factory: as :class:`~exactspec.server.worker.EngineWorker` (for testing
+            audits only, ``serve --broken-verifier`` injects a wrong verifier here).
         ray_metrics: record every metric as a Ray Serve metric too (a replica of ``serve
             --replicas``: :mod:`exactspec.server.replicas`).
     Returns:
@@ -84,7 +86,7 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
     worker = EngineWorker(target, proposer, speculation, metrics, max_queue=max_queue,
                           max_batch_size=max_batch_size,
                           allow_batch_variance=allow_batch_variance,
-                          broken_verifier=broken_verifier)
+                          generator_factory=generator_factory)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -188,7 +190,7 @@ class Serving:
             k = 0
         elif not has_proposer and (request.enabled or request.num_speculative_tokens):
             raise ServerError(400, "this server runs without a proposer (started with "
-                                   "--proposer none): speculation cannot be enabled",
+                                   "--proposer plain): speculation cannot be enabled",
                               "speculation")
         chosen = SpeculationSettings(k if has_proposer else 0, request.policy or default.policy)
         try:

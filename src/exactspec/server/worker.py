@@ -18,11 +18,10 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from exactspec.audit.broken import BrokenGenerator
 from exactspec.backends.base import Backend
 from exactspec.batching import DEFAULT_MAX_BATCH_SIZE, BatchedGenerator
 from exactspec.engine import GenerationResult, SpeculativeGenerator
@@ -106,20 +105,24 @@ class EngineWorker:
         max_batch_size: most prompts decoded together (1 with a proposer that is not
             ``batchable``: a draft model's cache follows one sequence).
         allow_batch_variance: as :class:`~exactspec.engine.SpeculativeGenerator`.
-        broken_verifier: for testing audits only: a name from
-            :data:`~exactspec.audit.broken.BROKEN_VERIFIERS`, whose deliberately wrong
-            verification every speculative request then gets (None: the exact one).
+        generator_factory: makes the generator of every speculative setting, called as
+            :class:`~exactspec.engine.SpeculativeGenerator` is (the default; plain
+            decoding always gets it). Injected by a caller that verifies otherwise: for
+            testing audits only, ``serve --broken-verifier`` passes
+            :class:`~exactspec.audit.broken.BrokenGenerator`, a deliberately wrong one.
     """
 
     def __init__(self, target: Backend, proposer: Proposer | None,
                  speculation: SpeculationSettings, metrics: ServerMetrics, *,
                  max_queue: int = 64, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-                 allow_batch_variance: bool = False, broken_verifier: str | None = None) -> None:
+                 allow_batch_variance: bool = False,
+                 generator_factory: Callable[..., SpeculativeGenerator] = SpeculativeGenerator,
+                 ) -> None:
         self.target, self.proposer = target, proposer
         self.default_speculation = speculation
         self.metrics = metrics
         self.allow_batch_variance = allow_batch_variance
-        self.broken_verifier = broken_verifier
+        self.generator_factory = generator_factory
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._generators: dict[SpeculationSettings, SpeculativeGenerator] = {}
         self._generators_lock = threading.Lock()  # the HTTP thread checks settings too
@@ -145,13 +148,11 @@ class EngineWorker:
         with self._generators_lock:
             if speculation not in self._generators:
                 plain = speculation.num_speculative_tokens == 0 or self.proposer is None
-                broken = {} if plain or self.broken_verifier is None else {
-                    "broken": self.broken_verifier}
-                self._generators[speculation] = (BrokenGenerator if broken else
-                                                 SpeculativeGenerator)(
+                factory = SpeculativeGenerator if plain else self.generator_factory
+                self._generators[speculation] = factory(
                     self.target, None if plain else self.proposer,
                     speculation.num_speculative_tokens, speculation.policy,
-                    allow_batch_variance=self.allow_batch_variance, **broken)
+                    allow_batch_variance=self.allow_batch_variance)
             return self._generators[speculation]
 
     def submit(self, job: Job) -> None:

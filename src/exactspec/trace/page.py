@@ -15,8 +15,11 @@ import jinja2
 
 from exactspec.cycle_trace import TokenKind
 from exactspec.engine import GenerationResult
+from exactspec.extras import require
 from exactspec.files import readable_json, write_text_atomically
 from exactspec.trace.view import NO_TEXT, at_boundary, shown_pieces
+
+require("plots", "the trace page (generate --trace)")
 
 COLOURS: dict[TokenKind, str] = {"accepted": "#2e7d32", "recovered": "#e6a700",
                                  "bonus": "#1565c0", "plain": "#9e9e9e"}

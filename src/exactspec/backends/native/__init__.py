@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from exactspec.model_files import cache_root
 from exactspec.trees import TreePaths
 
 logger = logging.getLogger(__name__)
@@ -263,8 +264,6 @@ def _build_and_load() -> NativeKernels | None:
 
 def _compile() -> Path:
     """The shared library for this source, compiled into the cache if absent."""
-    from exactspec.model_files import cache_root
-
     source = SOURCE.read_bytes()
     gomp = _torch_libgomp()
     # link against PyTorch's own OpenMP runtime where it ships one, so both share a pool

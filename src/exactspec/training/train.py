@@ -1,6 +1,6 @@
 """Training a draft head on the target's own features (``exactspec train-draft``).
 
-Data: conversations the target wrote itself (:mod:`exactspec.draft_head.data`), stored as
+Data: conversations the target wrote itself (:mod:`exactspec.training.data`), stored as
 token ids; the target's features are recomputed by prefill (:func:`extract_features`, kept
 in the run folder so that a resumed run does not recompute them). Objective (EAGLE-3 §3.2,
 "training-time test"): at every position t and drafting step j < S, the cross-entropy of the
@@ -29,46 +29,14 @@ from pathlib import Path
 
 import torch
 
-from exactspec.draft_head.data import Conversation
+from exactspec.backends.batch_invariant import kernel_mode
 from exactspec.draft_head.model import DraftHead, HeadConfig, new_head, save_head
+from exactspec.extras import require
 from exactspec.progress import LoggedProgress
+from exactspec.training.config import TrainingConfig
+from exactspec.training.data import Conversation
 
-
-@dataclass
-class TrainingConfig:
-    """How a head is trained (stored in its checkpoint; a resumed run keeps it).
-
-    Attributes:
-        draft_vocab_size: V' (FR-Spec), the tokens the head drafts from.
-        num_steps: S, drafting steps unrolled per position (training-time test).
-        total_updates: optimizer steps of the whole schedule (warm-up, then cosine decay).
-        batch_tokens: most tokens (padded) per optimizer step.
-        learning_rate: peak learning rate (AdamW).
-        warmup_updates: linear warm-up steps.
-        weight_decay: AdamW's.
-        held_out_every: conversation i is held out when i % held_out_every == 0.
-        eval_every: updates between held-out evaluations (and checkpoints).
-        eval_conversations: held-out conversations evaluated each time.
-        eval_steps: drafted positions evaluated (may exceed num_steps).
-        seed: the run's seed (initialisation, batch order).
-        feature_layers: the target's layers fused (None: EAGLE-3's choice).
-        bfloat16: compute under bfloat16 autocast (weights and optimizer in float32).
-    """
-
-    draft_vocab_size: int = 16384
-    num_steps: int = 3
-    total_updates: int = 4000
-    batch_tokens: int = 4096
-    learning_rate: float = 5e-4
-    warmup_updates: int = 100
-    weight_decay: float = 0.0
-    held_out_every: int = 20
-    eval_every: int = 200
-    eval_conversations: int = 64
-    eval_steps: int = 5
-    seed: int = 0
-    feature_layers: tuple[int, ...] | None = None
-    bfloat16: bool = True
+require("plots", "exactspec train-draft")  # its training.png
 
 
 @dataclass
@@ -90,8 +58,6 @@ def extract_features(model, conversations: Sequence[Conversation], folder: Path,
     """The target's features of every conversation, by prefill (PyTorch's fast kernels),
     kept in ``folder`` in chunks of ``chunk`` conversations (a chunk already there is read,
     not recomputed)."""
-    from exactspec.backends.batch_invariant import kernel_mode
-
     folder.mkdir(parents=True, exist_ok=True)
     layers = model.base_model.layers
     examples: list[Example] = []
@@ -290,7 +256,7 @@ def train(model, conversations: Sequence[Conversation], folder: str | Path,
 
     Args:
         model: the target (its weights are only read).
-        conversations: its own conversations (:func:`~exactspec.draft_head.data.read_conversations`).
+        conversations: its own conversations (:func:`~exactspec.training.data.read_conversations`).
         folder: the run folder (see the module docstring); a checkpoint there is resumed
             with its own config (``config`` None, or equal to it).
         config: see :class:`TrainingConfig` (default: its defaults).

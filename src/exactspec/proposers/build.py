@@ -1,0 +1,44 @@
+"""exactspec's proposer for a proposer spec (:mod:`exactspec.proposers.spec`, the grammar of
+``--proposer`` and ``bench --method``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from exactspec.backends.base import Backend
+from exactspec.proposers.base import Proposer
+from exactspec.proposers.draft_model import DraftModelProposer
+from exactspec.proposers.early_exit import EarlyExitProposer
+from exactspec.proposers.head import HeadProposer
+from exactspec.proposers.prompt_lookup import PromptLookupProposer
+from exactspec.proposers.spec import ProposerSpec
+from exactspec.proposers.suffix import SuffixCorpus, SuffixProposer
+
+
+def build_proposer(proposer_spec: ProposerSpec, target: Backend,
+                   load_model: Callable[[str], Backend]) -> Proposer | None:
+    """exactspec's proposer for ``proposer`` on ``target`` (None for ``plain``); ``load_model``
+    loads a draft model by name or path.
+
+    Raises:
+        ValueError: if ``proposer`` names a peer (it is not exactspec's), or L ≥ the target's
+            layer count.
+        UnsupportedModelError: for early exit or a draft head on a backend other than
+            transformers, no head shipped for the target, or a draft model whose tokenizer
+            differs from the target's.
+        FileNotFoundError: for a head file that does not exist.
+    """
+    if proposer_spec.peer:
+        raise ValueError(f"{proposer_spec.spec!r} is run by a peer (see exactspec.peers), not exactspec")
+    if proposer_spec.kind == "prompt-lookup":
+        return PromptLookupProposer(*proposer_spec.ngram)
+    if proposer_spec.kind == "suffix":
+        return SuffixProposer(*proposer_spec.ngram, corpus=proposer_spec.corpus and SuffixCorpus(
+            proposer_spec.corpus, *proposer_spec.ngram))
+    if proposer_spec.kind == "early-exit":
+        return EarlyExitProposer(target, proposer_spec.layers)
+    if proposer_spec.kind == "draft":
+        return DraftModelProposer(load_model(proposer_spec.model), target)
+    if proposer_spec.kind == "head":
+        return HeadProposer(target, proposer_spec.head, tree_nodes=proposer_spec.tree)
+    return None
