@@ -47,7 +47,7 @@ def test_proposer_spec_and_its_shorthand_are_the_same(model_folder, capsys):
     assert outputs[2]["method"] == "prompt lookup 1:2"
     assert outputs[2]["stats"]["drafted_tokens"] == outputs[0]["stats"]["drafted_tokens"] > 0
     plain = json.loads(run(capsys, *args, "--proposer", "plain")[1])
-    assert plain["method"] == "none (plain decoding)" and plain["token_ids"] == outputs[0]["token_ids"]
+    assert plain["method"] == "plain decoding" and plain["token_ids"] == outputs[0]["token_ids"]
 
 
 def test_text_output_and_summary(model_folder, capsys):
