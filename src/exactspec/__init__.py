@@ -9,14 +9,16 @@ Quick use::
     result = generator.generate("Summarise: ...", SamplingParams(max_new_tokens=64), chat=True)
     print(result.text, result.stats.summary())
 
-The names below are imported on first use (PEP 562), so that importing a part of the
-package (``exactspec.cli`` for ``exactspec --help``) does not load PyTorch.
+The names below are imported on first use (PEP 562, through ``lazy_loader``), so that
+importing a part of the package (``exactspec.cli`` for ``exactspec --help``) does not load
+PyTorch.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+import lazy_loader
 
 if TYPE_CHECKING:
     from exactspec.backends import (Backend, LlamaCppBackend, TransformersBackend,
@@ -33,35 +35,14 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "exactspec.backends": ("Backend", "LlamaCppBackend", "TransformersBackend",
-                           "UnsupportedModelError"),
-    "exactspec.batching": ("BatchedGenerator",),
-    "exactspec.engine": ("GenerationResult", "SpeculativeGenerator"),
-    "exactspec.generation_stats": ("GenerationStats",),
-    "exactspec.model_files": ("DEFAULT_MODEL", "ModelNotFoundError"),
-    "exactspec.models": ("load_model",),
-    "exactspec.proposers": ("DraftModelProposer", "EarlyExitProposer", "PromptLookupProposer",
+__getattr__, __dir__, __all__ = lazy_loader.attach(__name__, submod_attrs={
+    "backends": ("Backend", "LlamaCppBackend", "TransformersBackend", "UnsupportedModelError"),
+    "batching": ("BatchedGenerator",),
+    "engine": ("GenerationResult", "SpeculativeGenerator"),
+    "generation_stats": ("GenerationStats",),
+    "model_files": ("DEFAULT_MODEL", "ModelNotFoundError"),
+    "models": ("load_model",),
+    "proposers": ("DraftModelProposer", "EarlyExitProposer", "PromptLookupProposer",
                             "Proposal", "Proposer", "SuffixCorpus", "SuffixProposer"),
-    "exactspec.sampling": ("SamplingParams",),
-}
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-
-__all__ = ["Backend", "BatchedGenerator", "DEFAULT_MODEL", "DraftModelProposer",
-           "EarlyExitProposer", "GenerationResult", "GenerationStats",
-           "LlamaCppBackend", "ModelNotFoundError", "PromptLookupProposer", "Proposal",
-           "Proposer", "SamplingParams", "SpeculativeGenerator", "SuffixCorpus",
-           "SuffixProposer", "TransformersBackend", "UnsupportedModelError",
-           "load_model"]
-
-
-def __getattr__(name: str):
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module 'exactspec' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_MODULE_OF[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    "sampling": ("SamplingParams",),
+})
