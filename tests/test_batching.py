@@ -86,12 +86,12 @@ class FakeClock:
         import types
 
         import exactspec.batching
-        import exactspec.engine
+        import exactspec.generator
         import exactspec.request
 
         self.now = 0.0
         fake = types.SimpleNamespace(perf_counter=lambda: self.now)
-        for module in (exactspec.batching, exactspec.engine, exactspec.request):
+        for module in (exactspec.batching, exactspec.generator, exactspec.request):
             monkeypatch.setattr(module, "time", fake)
         real_forward, real_prefill = target.forward, target.prefill
 

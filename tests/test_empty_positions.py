@@ -137,7 +137,7 @@ def test_sampling_raises_as_often_as_plain_decoding(broken, monkeypatch):
     when it samples b first (probability p(b)); speculation must raise with the same
     probability — not always (the old check of every row), not never (a draft silently
     rejected). Two-sided binomial test at α = 1e-4; the broken engines must fail it."""
-    import exactspec.engine as engine
+    import exactspec.generator as engine
 
     target = tiny_backend(5)
     base = SamplingParams(temperature=1.0, max_new_tokens=2, banned_token_ids=EVERYTHING_BUT(A, B))

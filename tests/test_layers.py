@@ -26,7 +26,7 @@ PACKAGE = "exactspec"
 
 def layer_table(text: str) -> dict[str, int]:
     """The layer table of docs/design.md: each backticked name of a row → its layer. A
-    module's name (``engine``, ``proposers/base``) is that module; a package's
+    module's name (``generator``, ``proposers/base``) is that module; a package's
     (``backends/``) is every module in it, keyed ``exactspec.backends.*``; ``__init__`` is
     the package's own ``exactspec/__init__.py``."""
     layers = {}
@@ -155,14 +155,14 @@ def test_the_layer_table_has_every_layer_in_order():
 @pytest.fixture
 def broken_tree(tmp_path):
     """A package with an upward import in a function (``sampling``, layer 1, imports the
-    engine), hence a circle, and a module in no row."""
+    generator), hence a circle, and a module in no row."""
     package = tmp_path / PACKAGE
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "sampling.py").write_text(
-        "def later():\n    from exactspec.engine import SpeculativeGenerator\n")
-    (package / "engine.py").write_text("import exactspec.sampling\n")
-    (package / "engines.py").write_text("from . import engine\n")
+        "def later():\n    from exactspec.generator import SpeculativeGenerator\n")
+    (package / "generator.py").write_text("import exactspec.sampling\n")
+    (package / "engines.py").write_text("from . import generator\n")
     (package / "stray.py").write_text("")
     return tmp_path
 
@@ -171,8 +171,8 @@ def test_the_check_reports_an_upward_import_a_circle_and_an_unmapped_module(brok
     """The control: the check is not blind."""
     problems = check(broken_tree, layer_table(DESIGN.read_text()))
     assert sorted(problems) == [
-        "circle among exactspec.engine, exactspec.sampling",
-        "exactspec.sampling (layer 1) imports exactspec.engine (layer 6), line 2",
+        "circle among exactspec.generator, exactspec.sampling",
+        "exactspec.sampling (layer 1) imports exactspec.generator (layer 6), line 2",
         "exactspec.stray is in no row of the layer table"], problems
 
 
@@ -180,11 +180,11 @@ def test_relative_and_dotted_imports_reach_the_module(tmp_path):
     package = tmp_path / PACKAGE / "proposers"
     package.mkdir(parents=True)
     (tmp_path / PACKAGE / "__init__.py").write_text("")
-    (tmp_path / PACKAGE / "engine.py").write_text("")
+    (tmp_path / PACKAGE / "generator.py").write_text("")
     (package / "__init__.py").write_text("from .base import Proposer\n")
-    (package / "base.py").write_text("import exactspec.engine.something\n")
+    (package / "base.py").write_text("import exactspec.generator.something\n")
     found = modules(tmp_path)
     assert imports("exactspec.proposers", found["exactspec.proposers"], set(found)) == {
         "exactspec.proposers.base": 1}
     assert imports("exactspec.proposers.base", found["exactspec.proposers.base"],
-                   set(found)) == {"exactspec.engine": 1}
+                   set(found)) == {"exactspec.generator": 1}

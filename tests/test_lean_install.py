@@ -90,7 +90,7 @@ def test_help_loads_neither_torch_nor_a_command():
                 main({argv!r})
             except SystemExit as exit_:
                 assert exit_.code == 0
-            heavy = sorted({{"torch", "transformers", "exactspec.engine"}} & set(sys.modules))
+            heavy = sorted({{"torch", "transformers", "exactspec.generator"}} & set(sys.modules))
             assert not heavy, heavy
         """)
         assert run.returncode == 0, (argv, run.stderr)

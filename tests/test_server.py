@@ -253,7 +253,7 @@ def test_completion_logprobs_shapes(client, library):
 def test_logprobs_of_tokens_that_split_a_character():
     """A character split over two tokens goes whole to the token completing it, so the
     tokens join to the text and text_offset counts characters of the text."""
-    from exactspec.engine import TokenLogprob
+    from exactspec.generator import TokenLogprob
     from exactspec.server.protocol import chat_logprobs, completion_logprobs
 
     table = {0: b"\xc3", 1: b"\xa9", 2: b"x"}  # "é" in two tokens, then "x"

@@ -338,7 +338,7 @@ def test_a_reused_generator_drafts_again_after_a_disturbed_request(monkeypatch):
     for the whole request before the fix)."""
     import types
 
-    import exactspec.engine as engine
+    import exactspec.generator as engine
     import exactspec.request as request
 
     clock = types.SimpleNamespace(now=0.0, disturbed=True)

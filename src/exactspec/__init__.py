@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from exactspec.backends import (Backend, LlamaCppBackend, TransformersBackend,
                                     UnsupportedModelError)
     from exactspec.batching import BatchedGenerator
-    from exactspec.engine import GenerationResult, SpeculativeGenerator
+    from exactspec.generator import GenerationResult, SpeculativeGenerator
     from exactspec.generation_stats import GenerationStats
     from exactspec.model_files import DEFAULT_MODEL, ModelNotFoundError
     from exactspec.models import load_model
@@ -38,7 +38,7 @@ __version__ = "0.1.0"
 __getattr__, __dir__, __all__ = lazy_loader.attach(__name__, submod_attrs={
     "backends": ("Backend", "LlamaCppBackend", "TransformersBackend", "UnsupportedModelError"),
     "batching": ("BatchedGenerator",),
-    "engine": ("GenerationResult", "SpeculativeGenerator"),
+    "generator": ("GenerationResult", "SpeculativeGenerator"),
     "generation_stats": ("GenerationStats",),
     "model_files": ("DEFAULT_MODEL", "ModelNotFoundError"),
     "models": ("load_model",),

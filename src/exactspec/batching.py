@@ -3,8 +3,8 @@
 Each cycle every active row drafts on its own (its own proposer state, policy, k, possibly
 none), one packed forward of the target scores every row's ``[last, d_1 .. d_k]``
 (:meth:`~exactspec.backends.base.Backend.forward`), and each row is verified,
-committed and rolled back on its own, exactly as :class:`~exactspec.engine.SpeculativeGenerator`
-does for one sequence (each row the same :class:`~exactspec.engine.SequenceState`). Rows join
+committed and rolled back on its own, exactly as :class:`~exactspec.generator.SpeculativeGenerator`
+does for one sequence (each row the same :class:`~exactspec.generator.SequenceState`). Rows join
 between cycles as others finish (continuous batching, Yu et al. 2022, "Orca",
 iteration-level scheduling); a joining prompt is prefilled in chunks while the others
 decode, within a time budget that keeps their time per token within about 1.8× its idle
@@ -29,7 +29,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from exactspec.backends.base import Backend, UnsupportedModelError, new_sequence_id
-from exactspec.engine import (PLAIN_STEP, GenerationResult, OnCommit, SequenceState,
+from exactspec.generator import (PLAIN_STEP, GenerationResult, OnCommit, SequenceState,
                               SpeculativeGenerator)
 from exactspec.request import Prompt, Request, prepare_request
 from exactspec.sampling import SamplingParams

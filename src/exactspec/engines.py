@@ -2,7 +2,7 @@
 audit samples.
 
 An *engine* is anything that decodes the target model for requests: exactspec's own
-(:class:`~exactspec.engine.SpeculativeGenerator`, one sequence at a time, and
+(:class:`~exactspec.generator.SpeculativeGenerator`, one sequence at a time, and
 :class:`~exactspec.batching.BatchedGenerator`, many at once) or a peer's, another engine on
 the same model (transformers ``generate()``, llama-cpp-python's ``Llama.generate()``: see
 :mod:`exactspec.peers`). :class:`Engine` is what ``bench`` and ``audit`` need of one, and
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from exactspec.batching import BatchedGenerator
-from exactspec.engine import GenerationResult, SpeculativeGenerator
+from exactspec.generator import GenerationResult, SpeculativeGenerator
 from exactspec.proposers.base import Corpus
 from exactspec.sampling import SamplingParams, make_rng
 
@@ -112,7 +112,7 @@ def one_after_another(generate_one: Callable[[Sequence[int]], Generation],
 
 
 class ExactspecEngine:
-    """exactspec's :class:`~exactspec.engine.SpeculativeGenerator`: :meth:`sample` shares the
+    """exactspec's :class:`~exactspec.generator.SpeculativeGenerator`: :meth:`sample` shares the
     prompt's prefill (the KV cache is rolled back between samples, never re-encoded);
     :meth:`generate` with ``at_once`` batches the requests with a
     :class:`~exactspec.batching.BatchedGenerator` as wide as the call (one per width,

@@ -1,7 +1,7 @@
 """A request made ready to decode: the one place where a prompt and its sampling parameters
 are checked and turned into what the decoding loop needs.
 
-Both engines start a request here (:class:`~exactspec.engine.SpeculativeGenerator` for one
+Both engines start a request here (:class:`~exactspec.generator.SpeculativeGenerator` for one
 sequence, :class:`~exactspec.batching.BatchedGenerator` for many), and so does the server,
 before it queues a job: every check of a request (its prompt, ``n``, the token ids its
 sampling parameters name) lives in :func:`prepare_request`, and each failure is a

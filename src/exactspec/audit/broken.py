@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from exactspec.engine import SpeculativeGenerator
+from exactspec.generator import SpeculativeGenerator
 from exactspec.sampling import sample_from_probs
 from exactspec.verification import VerificationResult, rejection_sample
 
@@ -44,7 +44,7 @@ BROKEN_VERIFIERS = {"accept-all": accept_every_draft, "no-residual": resample_wi
 
 
 class BrokenGenerator(SpeculativeGenerator):
-    """A :class:`~exactspec.engine.SpeculativeGenerator` whose stochastic verification is
+    """A :class:`~exactspec.generator.SpeculativeGenerator` whose stochastic verification is
     one of :data:`BROKEN_VERIFIERS` (greedy verification is left correct)."""
 
     def __init__(self, *args, broken: str, **kwargs) -> None:

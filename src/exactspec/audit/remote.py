@@ -238,7 +238,7 @@ def local_greedy(target, prompt_ids: Sequence[Sequence[int]], params: SamplingPa
                  top_logprobs: int = 5) -> Callable[[int], Completion]:
     """Plain greedy decoding of prompt i on the local ``target`` as a :class:`Completion`
     (ids, with logprobs and ``top_logprobs`` alternatives)."""
-    from exactspec.engine import SpeculativeGenerator
+    from exactspec.generator import SpeculativeGenerator
 
     plain = SpeculativeGenerator(target, None)
     asked = dataclasses.replace(params, logprobs=top_logprobs)

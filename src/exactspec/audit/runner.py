@@ -27,7 +27,7 @@ from exactspec.audit.reference import next_token_probs
 from exactspec.audit.stats import Impossible, NodeFit, PositionFit, decide_family, fit_tree
 from exactspec.backends.base import Backend, forward_one, new_sequence_id
 from exactspec.distributed import Executor, LocalExecutor, Missing
-from exactspec.engine import SpeculativeGenerator
+from exactspec.generator import SpeculativeGenerator
 from exactspec.engines import Engine
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.sampling import SamplingParams

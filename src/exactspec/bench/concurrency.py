@@ -26,7 +26,7 @@ from exactspec.backends.base import Backend
 from exactspec.bench.methods import Method
 from exactspec.bench.questions import Question
 from exactspec.bench.runner import machine_info
-from exactspec.engine import SpeculativeGenerator
+from exactspec.generator import SpeculativeGenerator
 from exactspec.files import readable_json, replaced_atomically, write_text_atomically
 from exactspec.progress import LoggedProgress
 from exactspec.sampling import SamplingParams

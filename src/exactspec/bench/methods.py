@@ -26,27 +26,17 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from exactspec.backends.base import Backend
-from exactspec.engine import SpeculativeGenerator
-from exactspec.engines import Engine, ExactspecEngine
+from exactspec.generator import SpeculativeGenerator
+from exactspec.engines import Engine, ExactspecEngine, Generation
 from exactspec.peers import DEFAULT_PROMPT_LOOKUP_K, PEERS, is_peer, make_peer
 from exactspec.proposers.build import build_proposer
 from exactspec.proposers.spec import ProposerSpec, parse_proposer
 from exactspec.sampling import SamplingParams
 from exactspec.speculation_length import POLICIES
 
-__all__ = ["Method", "Outcome", "WaveOutcome", "is_peer", "parse_method", "parse_method_spec"]
+__all__ = ["Method", "WaveOutcome", "is_peer", "parse_method", "parse_method_spec"]
 
 DEFAULT_K = 4
-
-
-@dataclass
-class Outcome:
-    """One generation: tokens, its seconds (:attr:`Generation.seconds
-    <exactspec.engines.Generation.seconds>`), and exactspec's stats (None for peers)."""
-
-    token_ids: list[int]
-    seconds: float
-    stats: dict | None
 
 
 class WaveOutcome(NamedTuple):
@@ -82,7 +72,7 @@ class Method:
     """Question id → its first output, in run order (what a corpus may hold)."""
 
     def run(self, prompt_ids: Sequence[int], params: SamplingParams,
-            question_id: int | None = None) -> Outcome:
+            question_id: int | None = None) -> Generation:
         """Decode one question alone. An engine's corpus holds only the outputs of the
         other questions run before (never this one's; none for a warm-up,
         ``question_id`` None) and is cleared after.
@@ -101,7 +91,7 @@ class Method:
             corpus.clear()  # the engine added this output: it must not be seen again
             if question_id is not None:
                 self._earlier.setdefault(question_id, generation.token_ids)
-        return Outcome(generation.token_ids, generation.seconds, generation.stats)
+        return generation
 
     def wave(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> WaveOutcome:
         """Decode several questions submitted at once (``--concurrency``); an engine's
@@ -148,7 +138,7 @@ def parse_method_spec(spec: str) -> ProposerSpec:
 def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend], *,
                  allow_batch_variance: bool = False) -> Method:
     """Build a :class:`Method` from its spec string (see module docstring);
-    ``allow_batch_variance`` as in :class:`~exactspec.engine.SpeculativeGenerator`.
+    ``allow_batch_variance`` as in :class:`~exactspec.generator.SpeculativeGenerator`.
 
     Raises:
         ValueError: naming the bad spec and the allowed forms, or a peer on the wrong backend.

@@ -126,7 +126,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from exactspec.backends.base import UnsupportedModelError
     from exactspec.backends.llama_cpp_backend import (LlamaCppNotInstalledError,
                                                       slow_decoding_warning)
-    from exactspec.engine import SpeculativeGenerator
+    from exactspec.generator import SpeculativeGenerator
     from exactspec.proposers.build import build_proposer
     from exactspec.sampling import SamplingParams
     from exactspec.trace.terminal import show

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exactspec.backends.base import Backend
 from exactspec.batching import DEFAULT_MAX_BATCH_SIZE
-from exactspec.engine import SpeculativeGenerator
+from exactspec.generator import SpeculativeGenerator
 from exactspec.proposers.base import Proposer
 from exactspec.request import Request as EngineRequest
 from exactspec.request import RequestError, prepare_request, prompt_tokens
@@ -66,7 +66,7 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
         max_request_bytes: largest request body (beyond it: 413).
         max_batch_size: most prompts decoded together, in one target forward per cycle
             (:class:`~exactspec.batching.BatchedGenerator`).
-        allow_batch_variance: as :class:`~exactspec.engine.SpeculativeGenerator`.
+        allow_batch_variance: as :class:`~exactspec.generator.SpeculativeGenerator`.
         generator_factory: as :class:`~exactspec.server.worker.EngineWorker` (for testing
             audits only, ``serve --broken-verifier`` injects a wrong verifier here).
         ray_metrics: record every metric as a Ray Serve metric too (a replica of ``serve

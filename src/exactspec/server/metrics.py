@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from exactspec.engine import GenerationResult
+from exactspec.generator import GenerationResult
 from exactspec.proposers.base import Corpus
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)

@@ -2,7 +2,7 @@
 exactspec's: a body becomes its prompts, :class:`~exactspec.sampling.SamplingParams` and
 ``n`` (:meth:`SamplingRequest.prompts`, :meth:`SamplingRequest.sampling_params`); the
 engine's :class:`~exactspec.request.RequestError` becomes OpenAI's 400 body naming the API's
-field (:meth:`SamplingRequest.request_error`); a :class:`~exactspec.engine.GenerationResult`
+field (:meth:`SamplingRequest.request_error`); a :class:`~exactspec.generator.GenerationResult`
 becomes a choice (:meth:`SamplingRequest.choice`, :meth:`SamplingRequest.chunk_choice`).
 
 The engine checks what it serves (prompt, vocabulary, context, ``n``, token ids); what is
@@ -29,7 +29,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from exactspec.engine import GenerationResult, TokenLogprob
+from exactspec.generator import GenerationResult, TokenLogprob
 from exactspec.generation_stats import GenerationStats
 from exactspec.request import Prompt, RequestError
 from exactspec.sampling import SamplingParams

@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import Request
 
-from exactspec.engine import GenerationResult
+from exactspec.generator import GenerationResult
 from exactspec.server.protocol import (Decode, SamplingRequest, ServerError, final_text,
                                        speculation_figures, usage)
 from exactspec.server.worker import Cancelled, Job

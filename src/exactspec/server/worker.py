@@ -24,7 +24,7 @@ from typing import Any
 
 from exactspec.backends.base import Backend
 from exactspec.batching import DEFAULT_MAX_BATCH_SIZE, BatchedGenerator
-from exactspec.engine import GenerationResult, SpeculativeGenerator
+from exactspec.generator import GenerationResult, SpeculativeGenerator
 from exactspec.proposers.base import Proposer
 from exactspec.request import Request
 from exactspec.sampling import SamplingParams
@@ -104,9 +104,9 @@ class EngineWorker:
         max_queue: most jobs waiting (beyond it :meth:`submit` raises QueueFullError).
         max_batch_size: most prompts decoded together (1 with a proposer that is not
             ``batchable``: a draft model's cache follows one sequence).
-        allow_batch_variance: as :class:`~exactspec.engine.SpeculativeGenerator`.
+        allow_batch_variance: as :class:`~exactspec.generator.SpeculativeGenerator`.
         generator_factory: makes the generator of every speculative setting, called as
-            :class:`~exactspec.engine.SpeculativeGenerator` is (the default; plain
+            :class:`~exactspec.generator.SpeculativeGenerator` is (the default; plain
             decoding always gets it). Injected by a caller that verifies otherwise: for
             testing audits only, ``serve --broken-verifier`` passes
             :class:`~exactspec.audit.broken.BrokenGenerator`, a deliberately wrong one.

@@ -37,7 +37,7 @@ import numpy as np
 
 from exactspec.backends.base import Backend, Tokenizer
 from exactspec.batching import BatchedGenerator
-from exactspec.engine import SpeculativeGenerator
+from exactspec.generator import SpeculativeGenerator
 from exactspec.progress import LoggedProgress
 from exactspec.proposers.suffix import SuffixProposer
 from exactspec.sampling import SamplingParams
