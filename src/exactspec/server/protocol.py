@@ -80,7 +80,7 @@ class Speculation(BaseModel):
 
     Attributes:
         enabled: False decodes this request plainly (no proposer).
-        num_speculative_tokens: the most tokens drafted per cycle, k_max (0 = plain).
+        num_speculative_tokens: the most tokens drafted per cycle (0 = plain).
         policy: how k is chosen each cycle (auto, constant, heuristic, confidence).
     """
 

@@ -43,7 +43,7 @@ class Cancelled(Exception):
 
 @dataclass(frozen=True)
 class SpeculationSettings:
-    """What a request's generation runs with: k_max (0 = plain decoding) and the policy."""
+    """What a request's generation runs with: num_speculative_tokens (0 = plain decoding) and the policy."""
 
     num_speculative_tokens: int
     policy: str
@@ -99,7 +99,7 @@ class EngineWorker:
     Args:
         target: the loaded target model.
         proposer: the server's proposer (None: plain decoding only).
-        speculation: the server's default k_max and policy.
+        speculation: the server's default num_speculative_tokens and policy.
         metrics: where finished requests are counted.
         max_queue: most jobs waiting (beyond it :meth:`submit` raises QueueFullError).
         max_batch_size: most prompts decoded together (1 with a proposer that is not
