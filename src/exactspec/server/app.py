@@ -56,7 +56,8 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
     """The server for one loaded ``target`` (and proposer), named ``model_name`` in the API.
 
     Args:
-        speculation: the default num_speculative_tokens and policy (a request's ``speculation`` overrides).
+        speculation: the default num_speculative_tokens and policy (a request's
+            ``speculation`` overrides).
         api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <key>`` with this key or
             one of these keys (else 401). A request's *scope* is its key and its
             ``cache_salt``: only requests of one scope share what a proposer learns across

@@ -43,7 +43,8 @@ class Cancelled(Exception):
 
 @dataclass(frozen=True)
 class SpeculationSettings:
-    """What a request's generation runs with: num_speculative_tokens (0 = plain decoding) and the policy."""
+    """What a request's generation runs with: num_speculative_tokens (0 = plain decoding)
+    and the policy."""
 
     num_speculative_tokens: int
     policy: str
