@@ -15,9 +15,11 @@ import pytest
 from conftest import tiny_backend
 from exactspec import PromptLookupProposer, SamplingParams
 from exactspec.audit.endpoint import END, Endpoint, EndpointError
-from exactspec.audit.remote import (EndpointAudit, compare_greedy, draw_interleaved,
-                                    reference_test, verdict)
-from exactspec.audit.two_sample import (compare_prompt, decide, hamming_mmd, max_draws_for,
+from exactspec.audit import AuditResult, ExactReference, verdict
+from exactspec.audit.remote import compare_greedy, draw_interleaved
+from exactspec.audit.result import distribution_test, draft_counts
+from exactspec.audit.stats import decide
+from exactspec.audit.two_sample import (compare_prompt, hamming_mmd, max_draws_for,
                                         permutation_p_value, tables)
 from exactspec.cli import main
 from exactspec.server import SpeculationSettings, create_app
@@ -271,7 +273,7 @@ def test_exactspec_serve_with_speculation_is_exact_against_itself_without(server
     result = run_audit(server, tmp_path)
     assert result["verdict"] == "exact", result["reasons"]
     assert result["control"]["prompts"][0]["positions"][0]["rejected"]
-    test = result["two_sample"]
+    test = result["distribution"]
     assert test["drafted_per_position"][:2] >= [500, 100], test["drafted_per_position"]
     assert test["accepted_per_position"][0] >= 100, test["accepted_per_position"]
     assert result["token_source"] == "token_ids" and not result["failures"]
@@ -283,7 +285,7 @@ def test_exactspec_serve_with_speculation_is_exact_against_itself_without(server
 def test_a_server_with_a_broken_verifier_is_not_exact(broken_server, tmp_path):
     result = run_audit(broken_server, tmp_path)
     assert result["verdict"] == "NOT exact", result["reasons"]
-    rejected = [p["position"] for p in result["two_sample"]["prompts"][0]["positions"]
+    rejected = [p["position"] for p in result["distribution"]["prompts"][0]["positions"]
                 if p["rejected"]]
     assert rejected and "deviates" in " ".join(result["reasons"])
 
@@ -297,7 +299,9 @@ def test_reference_mode_checks_the_served_model_and_its_distribution(server, bro
     for url, expected in ((server, False), (broken_server, True)):
         endpoint = Endpoint(url, samples_per_request=16, ids_only=True)
         samples, _ = draw_interleaved([endpoint], [PROMPT], params, [600], lambda n: None)
-        test = reference_test(endpoint, target, prompt_ids, params, samples[0], 0.01)
+        reference = ExactReference(target, prompt_ids, params)
+        test = distribution_test(endpoint.name, [reference.test_prompt(0, samples[0][0])], 0.01,
+                                 draft_counts(endpoint))
         assert test.rejected == expected
         assert test.drafted_per_position[0] >= 500
 
@@ -313,7 +317,7 @@ def test_greedy_mode_reports_the_first_divergence_with_both_logprobs(server):
                                lambda i: b.complete(PROMPT, params, top_logprobs=5)[0], 1)
     assert not found[0].identical and found[0].position is not None
     assert found[0].logprob_a is not None and found[0].logprob_b is not None
-    result = verdict(EndpointAudit("greedy", {}, found))
+    result = verdict(AuditResult({}, found, mode="greedy"))
     assert result.verdict == "NOT exact" and "differs at token" in result.reasons[0]
 
 
