@@ -365,3 +365,51 @@ def test_chat_requests_send_one_user_message_and_read_the_chat_logprobs():
 
     completion = mock_endpoint(handler, chat=True).complete("hi", SamplingParams(max_new_tokens=4))[0]
     assert completion.tokens == ("a", "b", END) and completion.logprobs == [-0.1, -0.1]
+
+
+# --- the endpoint as an Engine, and one verdict for every audit -----------------------------
+
+def test_an_endpoint_is_an_engine_generating_timed_requests():
+    def handler(request):
+        body = json.loads(request.content)
+        assert body["n"] == 1 and body["seed"] == 7
+        tokens = ["a", "b"] if body["prompt"] == "x" else ["c"]
+        return httpx.Response(200, json={"choices": [choice(0, tokens, "stop", token_ids=[
+            ord(t) for t in tokens])]})
+
+    endpoint = mock_endpoint(handler)
+    assert endpoint.corpus is None and endpoint.drafted is None
+    params = SamplingParams(max_new_tokens=4, seed=7)
+    for at_once in (False, True):
+        found = endpoint.generate(["x", "y"], params, at_once=at_once)
+        assert [g.token_ids for g in found] == [[97, 98], [99]]  # END left out
+        assert all(0 <= g.seconds <= g.latency for g in found) and found[0].stats is None
+
+
+def test_the_barely_exercised_threshold_is_one_for_every_audit():
+    """Fewer draft tokens than samples is inconclusive in a two-sample audit as in a local
+    one (they once differed: samples // 2 over HTTP)."""
+    from exactspec.audit import DistributionTest
+
+    rng = np.random.default_rng(5)
+    same = [compare_prompt(chain(rng, 300, FIRST, SECOND), chain(rng, 300, FIRST, SECOND), 2,
+                           max_draws_for(0.01, 3))]
+    shifted = [compare_prompt(chain(rng, 300, FIRST[::-1], SECOND), chain(rng, 300, FIRST, SECOND),
+                              2, max_draws_for(0.01, 3))]
+    decide(same, 0.01)
+    decide(shifted, 0.01)
+    assert not same[0].rejected and shifted[0].rejected
+    control = DistributionTest("control", shifted, "B")
+    for drafted, expected in ((300, "exact"), (299, "inconclusive"), (200, "inconclusive")):
+        tested = DistributionTest("A", same, "B", drafted=drafted, accepted=0)
+        result = verdict(AuditResult({}, distribution=tested, control=control, mode="two-sample"))
+        assert result.verdict == expected, result.reasons
+
+
+def test_run_needs_exactly_one_kind_of_audit():
+    from exactspec.audit import AuditSpec, EndpointSpec, run
+
+    with pytest.raises(ValueError, match="exactly one of setup"):
+        run(AuditSpec(["x"], SamplingParams(seed=0)))
+    with pytest.raises(ValueError, match="B is missing"):
+        run(AuditSpec(["x"], SamplingParams(seed=0), endpoint=EndpointSpec("http://mock")))
