@@ -39,7 +39,7 @@ def audit_positions(target, generator, prompt_ids, params, num_samples: int,
     them (:mod:`exactspec.audit.stats`): at every position, the tokens drawn after each
     sampled prefix against the target's exact conditional, Holm over the positions at
     ``alpha``, and any token of probability 0 flagged. Returns the
-    :class:`~exactspec.audit.runner.EngineTest`: ``rejected``, the per-position tests and
+    :class:`~exactspec.audit.result.DistributionTest`: ``rejected``, the per-position tests and
     the per-block-position drafted and accepted counts."""
     return audit_distribution(target, ExactspecEngine(generator, "under test"), [prompt_ids],
                               params, num_samples, alpha)

@@ -12,8 +12,8 @@ from scipy import stats
 from exactspec import (DraftModelProposer, EarlyExitProposer, PromptLookupProposer, SuffixProposer,
                        SamplingParams, SpeculativeGenerator)
 from exactspec.audit import (BROKEN_VERIFIERS, AuditResult, BrokenGenerator, ExactspecEngine,
-                             audit_distribution, check_greedy, next_token_probs, verdict,
-                             write_audit_report)
+                             audit_distribution, check_greedy, describer, next_token_probs,
+                             verdict, write_report)
 from exactspec.audit.stats import detectable_tv, fit_tree, holm, node_fit, sample_tree
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.peers import TransformersPeer
@@ -323,7 +323,7 @@ def test_an_impossible_token_in_one_percent_of_samples_fails_the_audit(target, p
     assert [(i.prefix, i.token, i.count) for i in test.prompts[0].impossible] == \
         [((), banned, SAMPLES // 100)]
     assert not any(p.rejected for p in test.prompts[0].positions)  # the p-values alone pass
-    result = verdict(AuditResult({}, [], test, test), target.tokenizer.decode)
+    result = verdict(AuditResult({}, [], test, test), describer(target.tokenizer.decode))
     assert result.verdict == "NOT exact"
     assert (f"prompt 0: impossible continuation in {SAMPLES // 100} of {SAMPLES} samples: at "
             f"the first token, token {banned} {target.tokenizer.decode([banned])!r}: "
@@ -393,7 +393,7 @@ def test_verdict_and_report(tmp_path, target, prompts):
     barely = dataclasses.replace(good, drafted=10)  # speculation hardly exercised
     doubt = verdict(AuditResult({}, [], barely, control))
     assert doubt.verdict == "inconclusive" and "drafted 10 tokens in 600" in doubt.reasons[0]
-    files = write_audit_report(result, tmp_path, lambda ids: "".join(map(str, ids)))
+    files = write_report(result, tmp_path, describer(lambda ids: "".join(map(str, ids))))
     assert {f.name for f in files} == {"audit.json", "report.md", "prompt-0.png", "prompt-1.png"}
     assert all(f.stat().st_size > 0 for f in files)
     report = (tmp_path / "report.md").read_text()

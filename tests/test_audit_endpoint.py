@@ -17,9 +17,11 @@ from conftest import tiny_backend
 from exactspec import PromptLookupProposer, SamplingParams
 from exactspec.audit.broken import BrokenGenerator
 from exactspec.audit.endpoint import END, Endpoint, EndpointError
-from exactspec.audit.remote import (EndpointAudit, compare_greedy, draw_interleaved,
-                                    reference_test, verdict)
-from exactspec.audit.two_sample import (compare_prompt, decide, hamming_mmd, max_draws_for,
+from exactspec.audit import AuditResult, ExactReference, verdict
+from exactspec.audit.remote import compare_greedy, draw_interleaved
+from exactspec.audit.result import distribution_test, draft_counts
+from exactspec.audit.stats import decide
+from exactspec.audit.two_sample import (compare_prompt, hamming_mmd, max_draws_for,
                                         permutation_p_value, tables)
 from exactspec.cli import main
 from exactspec.server import SpeculationSettings, create_app
@@ -274,7 +276,7 @@ def test_exactspec_serve_with_speculation_is_exact_against_itself_without(server
     result = run_audit(server, tmp_path)
     assert result["verdict"] == "exact", result["reasons"]
     assert result["control"]["prompts"][0]["positions"][0]["rejected"]
-    test = result["two_sample"]
+    test = result["distribution"]
     assert test["drafted_per_position"][:2] >= [500, 100], test["drafted_per_position"]
     assert test["accepted_per_position"][0] >= 100, test["accepted_per_position"]
     assert result["token_source"] == "token_ids" and not result["failures"]
@@ -286,7 +288,7 @@ def test_exactspec_serve_with_speculation_is_exact_against_itself_without(server
 def test_a_server_with_a_broken_verifier_is_not_exact(broken_server, tmp_path):
     result = run_audit(broken_server, tmp_path)
     assert result["verdict"] == "NOT exact", result["reasons"]
-    rejected = [p["position"] for p in result["two_sample"]["prompts"][0]["positions"]
+    rejected = [p["position"] for p in result["distribution"]["prompts"][0]["positions"]
                 if p["rejected"]]
     assert rejected and "deviates" in " ".join(result["reasons"])
 
@@ -300,7 +302,9 @@ def test_reference_mode_checks_the_served_model_and_its_distribution(server, bro
     for url, expected in ((server, False), (broken_server, True)):
         endpoint = Endpoint(url, samples_per_request=16, ids_only=True)
         samples, _ = draw_interleaved([endpoint], [PROMPT], params, [600], lambda n: None)
-        test = reference_test(endpoint, target, prompt_ids, params, samples[0], 0.01)
+        reference = ExactReference(target, prompt_ids, params)
+        test = distribution_test(endpoint.name, [reference.test_prompt(0, samples[0][0])], 0.01,
+                                 draft_counts(endpoint))
         assert test.rejected == expected
         assert test.drafted_per_position[0] >= 500
 
@@ -316,7 +320,7 @@ def test_greedy_mode_reports_the_first_divergence_with_both_logprobs(server):
                                lambda i: b.complete(PROMPT, params, top_logprobs=5)[0], 1)
     assert not found[0].identical and found[0].position is not None
     assert found[0].logprob_a is not None and found[0].logprob_b is not None
-    result = verdict(EndpointAudit("greedy", {}, found))
+    result = verdict(AuditResult({}, found, mode="greedy"))
     assert result.verdict == "NOT exact" and "differs at token" in result.reasons[0]
 
 
@@ -364,3 +368,51 @@ def test_chat_requests_send_one_user_message_and_read_the_chat_logprobs():
 
     completion = mock_endpoint(handler, chat=True).complete("hi", SamplingParams(max_new_tokens=4))[0]
     assert completion.tokens == ("a", "b", END) and completion.logprobs == [-0.1, -0.1]
+
+
+# --- the endpoint as an Engine, and one verdict for every audit -----------------------------
+
+def test_an_endpoint_is_an_engine_generating_timed_requests():
+    def handler(request):
+        body = json.loads(request.content)
+        assert body["n"] == 1 and body["seed"] == 7
+        tokens = ["a", "b"] if body["prompt"] == "x" else ["c"]
+        return httpx.Response(200, json={"choices": [choice(0, tokens, "stop", token_ids=[
+            ord(t) for t in tokens])]})
+
+    endpoint = mock_endpoint(handler)
+    assert endpoint.corpus is None and endpoint.drafted is None
+    params = SamplingParams(max_new_tokens=4, seed=7)
+    for at_once in (False, True):
+        found = endpoint.generate(["x", "y"], params, at_once=at_once)
+        assert [g.token_ids for g in found] == [[97, 98], [99]]  # END left out
+        assert all(0 <= g.seconds <= g.latency for g in found) and found[0].stats is None
+
+
+def test_the_barely_exercised_threshold_is_one_for_every_audit():
+    """Fewer draft tokens than samples is inconclusive in a two-sample audit as in a local
+    one (they once differed: samples // 2 over HTTP)."""
+    from exactspec.audit import DistributionTest
+
+    rng = np.random.default_rng(5)
+    same = [compare_prompt(chain(rng, 300, FIRST, SECOND), chain(rng, 300, FIRST, SECOND), 2,
+                           max_draws_for(0.01, 3))]
+    shifted = [compare_prompt(chain(rng, 300, FIRST[::-1], SECOND), chain(rng, 300, FIRST, SECOND),
+                              2, max_draws_for(0.01, 3))]
+    decide(same, 0.01)
+    decide(shifted, 0.01)
+    assert not same[0].rejected and shifted[0].rejected
+    control = DistributionTest("control", shifted, "B")
+    for drafted, expected in ((300, "exact"), (299, "inconclusive"), (200, "inconclusive")):
+        tested = DistributionTest("A", same, "B", drafted=drafted, accepted=0)
+        result = verdict(AuditResult({}, distribution=tested, control=control, mode="two-sample"))
+        assert result.verdict == expected, result.reasons
+
+
+def test_run_needs_exactly_one_kind_of_audit():
+    from exactspec.audit import AuditSpec, EndpointSpec, run
+
+    with pytest.raises(ValueError, match="exactly one of setup"):
+        run(AuditSpec(["x"], SamplingParams(seed=0)))
+    with pytest.raises(ValueError, match="B is missing"):
+        run(AuditSpec(["x"], SamplingParams(seed=0), endpoint=EndpointSpec("http://mock")))

@@ -7,8 +7,10 @@ An *engine* is anything that decodes the target model for requests: exactspec's 
 the same model (transformers ``generate()``, llama-cpp-python's ``Llama.generate()``: see
 :mod:`exactspec.peers`). :class:`Engine` is what ``bench`` and ``audit`` need of one, and
 each engine implements it once: :class:`ExactspecEngine` and :class:`BatchedEngine` here,
-the peers in :mod:`exactspec.peers`. Requests served one after another all go through
-:func:`one_after_another`.
+the peers in :mod:`exactspec.peers`, an engine behind an OpenAI-compatible HTTP API in
+:class:`exactspec.audit.endpoint.Endpoint` (whose prompts may also be text, sent as is,
+and whose tokens are texts where the API returns no ids). Requests served one after
+another all go through :func:`one_after_another`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,22 @@
 """The exactness audit: does speculative decoding reproduce the target's distribution on a
-real model? See :mod:`exactspec.audit.runner` for the procedure. Any
+real model, or on an engine behind an OpenAI-compatible API? :func:`run` takes an
+:class:`AuditSpec` and returns one :class:`AuditResult` whatever the engine and the
+reference (the target's exact probabilities, or a second engine's samples), with one
+verdict (:func:`verdict`); :func:`write_report` writes it out. The procedures:
+:mod:`exactspec.audit.runner` (local), :mod:`exactspec.audit.remote` (over HTTP). Any
 :class:`~exactspec.engines.Engine` can be audited: exactspec (:class:`ExactspecEngine`, or
-:class:`BatchedEngine` for batched decoding, with any proposer or a broken control) and the
-peers of :mod:`exactspec.peers`."""
+:class:`BatchedEngine` for batched decoding, with any proposer or a broken control), the
+peers of :mod:`exactspec.peers`, and :class:`~exactspec.audit.endpoint.Endpoint`."""
 
 from exactspec.audit.broken import BROKEN_VERIFIERS, BrokenGenerator
-from exactspec.audit.reference import next_token_probs
-from exactspec.audit.report import write_audit_report
-from exactspec.audit.runner import (AuditResult, AuditSetup, audit_distribution, check_greedy,
-                                    fit_prompt, run_greedy_checks, verdict, verdict_line)
+from exactspec.audit.pipeline import AuditSpec, EndpointSpec, run
+from exactspec.audit.reference import (ExactReference, PromptTest, Reference, SampledReference,
+                                       fit_prompt, next_token_probs)
+from exactspec.audit.report import write_report
+from exactspec.audit.result import (AuditResult, DistributionTest, GreedyCheck, describer,
+                                    verdict, verdict_line)
+from exactspec.audit.runner import (AuditSetup, audit_distribution, check_greedy,
+                                    run_greedy_checks)
 from exactspec.engines import BatchedEngine, Engine, ExactspecEngine
 
 AUDIT_PROMPTS = (
@@ -20,7 +28,9 @@ AUDIT_PROMPTS = (
 )
 """Default prompts: repetitive enough that prompt lookup drafts from the first token."""
 
-__all__ = ["AUDIT_PROMPTS", "AuditResult", "AuditSetup", "BROKEN_VERIFIERS", "BrokenGenerator",
-           "BatchedEngine", "Engine", "ExactspecEngine", "audit_distribution",
-           "check_greedy", "fit_prompt", "next_token_probs", "run_greedy_checks", "verdict", "verdict_line",
-           "write_audit_report"]
+__all__ = ["AUDIT_PROMPTS", "AuditResult", "AuditSetup", "AuditSpec", "BROKEN_VERIFIERS",
+           "BatchedEngine", "BrokenGenerator", "DistributionTest", "EndpointSpec", "Engine",
+           "ExactReference", "ExactspecEngine", "GreedyCheck", "PromptTest", "Reference",
+           "SampledReference", "audit_distribution", "check_greedy", "describer", "fit_prompt",
+           "next_token_probs", "run", "run_greedy_checks", "verdict", "verdict_line",
+           "write_report"]

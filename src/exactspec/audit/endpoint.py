@@ -1,5 +1,7 @@
 """An engine reached over an OpenAI-compatible HTTP API, as the audit samples it: exactspec
 serve, vLLM, SGLang, TGI, llama.cpp's ``llama-server``, llama-cpp-python's server, Ollama.
+:class:`Endpoint` is an :class:`~exactspec.engines.Engine` (``sample``, ``generate``, the
+drafting counts); its prompts may be text, sent as is, as well as token ids.
 
 Requests go through the ``openai`` client (its timeouts, and retries with exponential
 back-off on connection errors, 408, 409, 429 and 5xx), at most ``concurrency`` at a time.
@@ -26,11 +28,14 @@ where the engine returns one), so that where a sample ends is itself an outcome.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import threading
+import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
+from exactspec.engines import Generation, one_after_another
 from exactspec.sampling import SamplingParams
 
 END = "<end>"
@@ -97,7 +102,9 @@ class Completion:
 
 @dataclass
 class Endpoint:
-    """An engine behind ``url`` (the API's base, e.g. ``http://127.0.0.1:8000/v1``).
+    """An engine behind ``url`` (the API's base, e.g. ``http://127.0.0.1:8000/v1``), as an
+    :class:`~exactspec.engines.Engine` (``corpus`` is None: what the server remembers is
+    out of reach).
 
     Attributes:
         url: the base URL (``/v1`` is added when the path has none).
@@ -159,6 +166,7 @@ class Endpoint:
     accepted: int | None = None
     drafted_per_position: list[int] | None = None
     accepted_per_position: list[int] | None = None
+    corpus = None
 
     def __post_init__(self) -> None:
         import openai
@@ -267,6 +275,38 @@ class Endpoint:
             self._count_drafts({"drafted_tokens": timings["draft_n"],
                                 "accepted_tokens": timings.get("draft_n_accepted", 0)})
         return completions
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams, *,
+                 at_once: bool = False) -> list[Generation]:
+        """One continuation of each prompt, one request each (seeded ``params.seed``, no
+        logprobs asked beyond :attr:`ask_logprobs`), timed by the client: ``seconds`` from
+        sending the request to its answer.
+
+        Args:
+            at_once: send the requests together, at most :attr:`concurrency` in flight;
+                False: one after another.
+        Returns:
+            ``[num_requests]`` :class:`~exactspec.engines.Generation`, in order; its
+            ``token_ids`` are the choice's tokens without :data:`END` (texts where the API
+            gives no ids, see the module docstring); ``stats`` None.
+        Raises:
+            EndpointError: a request failed or was refused.
+            ValueError: for a parameter the audit cannot send.
+        """
+        def one(prompt) -> Generation:
+            start = time.perf_counter()
+            completion = self.complete(prompt, params, params.seed)[0]
+            seconds = time.perf_counter() - start
+            return Generation([t for t in completion.tokens if t != END], seconds, seconds)
+
+        if not at_once:
+            return one_after_another(one, prompts)
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
+            futures = [pool.submit(lambda p: (one(p), time.perf_counter() - start), prompt)
+                       for prompt in prompts]
+            return [dataclasses.replace(g, latency=latency)
+                    for g, latency in (f.result() for f in futures)]
 
     def sample(self, prompt: str | Sequence[int], params: SamplingParams, num_samples: int,
                progress: Callable[[int], None] = lambda n: None) -> list[tuple[Symbol, ...]]:

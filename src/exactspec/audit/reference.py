@@ -1,4 +1,8 @@
-"""The exact reference: the target's processed next-token distribution after each sampled
+"""What an engine's samples are tested against (:class:`Reference`): the target's exact
+probabilities (:class:`ExactReference`) or a second engine's samples
+(:class:`SampledReference`).
+
+The exact reference: the target's processed next-token distribution after each sampled
 prefix of a prompt's continuation, computed from its logits (no sampling).
 
 p(· | prompt, x_<j) is the target's logits after ``prompt + x_<j`` passed through the
@@ -14,11 +18,17 @@ bit-identically to single tokens.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
+from exactspec.audit.endpoint import END, Symbol
+from exactspec.audit.stats import Impossible, NodeFit, PositionFit, fit_tree
+from exactspec.audit.two_sample import PromptComparison, compare_prompt, max_draws_for
 from exactspec.backends.base import Backend, forward_one, new_sequence_id
 from exactspec.logits_pipeline import LogitsPipeline, NoTokenAllowedError
+from exactspec.sampling import SamplingParams
 
 
 def next_token_probs(target: Backend, prompt_ids: Sequence[int], pipeline: LogitsPipeline,
@@ -63,3 +73,125 @@ def next_token_probs(target: Backend, prompt_ids: Sequence[int], pipeline: Logit
             yield prefix, probs / probs.sum()
     finally:
         target.release(sequence)
+
+
+@dataclass
+class PromptTest:
+    """The distribution test of one engine on one prompt against the exact probabilities:
+    one test per position of the continuation (see :mod:`exactspec.audit.stats`).
+
+    Attributes:
+        prompt_index: which prompt.
+        num_samples: continuations drawn.
+        positions: ``[m]`` the per-position tests (Holm's decision in ``rejected``).
+        impossible: continuations of probability 0 under the target (each one fails
+            the audit).
+        first: the first-token test (its bins, exact probabilities and counts: the plot).
+    """
+
+    prompt_index: int
+    num_samples: int
+    positions: list[PositionFit]
+    impossible: list[Impossible]
+    first: NodeFit | None
+
+    @property
+    def rejected(self) -> bool:
+        return bool(self.impossible) or any(p.rejected for p in self.positions)
+
+    @property
+    def joint_tests(self) -> list:
+        """Tests of the whole prompt beside the positions': none against exact
+        probabilities (the two-sample audit's MMD test)."""
+        return []
+
+
+def fit_prompt(target: Backend, prompt_ids: Sequence[int], params: SamplingParams,
+               samples: Sequence[Sequence[int]], index: int = 0) -> PromptTest:
+    """The per-position tests of one prompt's ``samples`` against the target's exact
+    conditionals (undecided: :func:`~exactspec.audit.stats.decide` applies Holm)."""
+    pipeline = LogitsPipeline(params, list(prompt_ids), target.vocab_size, target.eos_token_ids,
+                              [], target.device)
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos
+                                             else set(target.eos_token_ids))
+    fit = fit_tree(samples, params.max_new_tokens, stop_ids,
+                   lambda prefixes: next_token_probs(target, prompt_ids, pipeline, prefixes),
+                   seed=index)
+    return PromptTest(index, fit.num_samples, fit.positions, fit.impossible, fit.first)
+
+
+class Reference(Protocol):
+    """What an engine's samples are tested against, prompt by prompt: the target's exact
+    probabilities (:class:`ExactReference`) or a second engine's samples
+    (:class:`SampledReference`).
+
+    Attributes:
+        name: None for exact probabilities, else the engine whose samples it holds (B).
+    """
+
+    name: str | None
+
+    def test_prompt(self, index: int, samples: Sequence[Sequence[Symbol]]):
+        """The undecided tests of prompt ``index``'s ``samples`` (continuations, each
+        at most ``max_new_tokens`` tokens; :data:`~exactspec.audit.endpoint.END` after one
+        that stopped early, where the engine says so)."""
+        ...
+
+
+@dataclass
+class ExactReference:
+    """The target's exact processed conditionals (:func:`fit_prompt`, one-sample tests).
+
+    Attributes:
+        target: the target backend (a local copy of the served model, over HTTP).
+        prompt_ids: ``[prompts][tokens]`` the prompts as the target sees them.
+        params: the audited sampling parameters (``max_new_tokens``: m, the positions).
+    """
+
+    target: Backend
+    prompt_ids: Sequence[Sequence[int]]
+    params: SamplingParams
+    name = None
+
+    def test_prompt(self, index: int, samples: Sequence[Sequence[Symbol]]) -> PromptTest:
+        """:func:`fit_prompt` of ``samples``, where :data:`~exactspec.audit.endpoint.END`
+        becomes the target's first EOS id unless the sample already ends with an EOS.
+
+        Raises:
+            ValueError: a token is not an id (an API gave texts).
+        """
+        eos = set(self.target.eos_token_ids)
+        as_ids = []
+        for sample in samples:
+            sample = list(sample)
+            if sample and sample[-1] == END:
+                sample.pop()
+                if not sample or sample[-1] not in eos:
+                    sample.append(self.target.eos_token_ids[0])
+            as_ids.append(tuple(sample))
+        return fit_prompt(self.target, self.prompt_ids[index], self.params, as_ids, index)
+
+
+@dataclass
+class SampledReference:
+    """A second engine's samples (B's: the same model with speculation off), two-sample
+    tests (:func:`~exactspec.audit.two_sample.compare_prompt`).
+
+    Attributes:
+        name: B's name.
+        samples: ``[prompts][samples]`` B's continuations.
+        num_tokens: m, the positions tested.
+        alpha: the audit's family-wise level (sets the permutations drawn).
+        seed: seeds the permutations and the bootstrap.
+    """
+
+    name: str
+    samples: Sequence[Sequence[Sequence[Symbol]]]
+    num_tokens: int
+    alpha: float
+    seed: int = 0
+
+    def test_prompt(self, index: int, samples: Sequence[Sequence[Symbol]]) -> PromptComparison:
+        max_draws = max_draws_for(self.alpha, len(self.samples) * (self.num_tokens + 1))
+        return compare_prompt(samples, self.samples[index], self.num_tokens, max_draws, index,
+                              self.seed)

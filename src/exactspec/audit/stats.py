@@ -195,6 +195,11 @@ class PositionFit:
     detectable_tv: float = float("inf")
     rejected: bool = False
 
+    @property
+    def power_samples(self) -> int:
+        """The sample size of the power statement: n_j, the samples at the tested nodes."""
+        return self.num_tested
+
 
 @dataclass
 class Impossible:
@@ -344,6 +349,23 @@ def decide_family(positions: Sequence, alpha: float, sample_size: Callable[[obje
     for position in tested:
         position.detectable_tv = detectable_tv(position.dof, sample_size(position), level)
     return level
+
+
+def decide(prompts: Sequence, alpha: float) -> float:
+    """The audit's one decision rule: Holm at ``alpha`` over one family, every position test
+    of every prompt with something to test and every prompt's ``joint_tests`` (the
+    two-sample audit's MMD test; none against exact probabilities). Fills each test's
+    ``rejected`` and each position's ``detectable_tv`` for its ``power_samples``, at the
+    level of Holm's first step (returned).
+
+    Args:
+        prompts: the prompts' tests, one-sample
+            (:class:`~exactspec.audit.runner.PromptTest`) or two-sample
+            (:class:`~exactspec.audit.two_sample.PromptComparison`).
+    """
+    return decide_family([p for prompt in prompts for p in prompt.positions], alpha,
+                         lambda position: position.power_samples,
+                         extra=[t for prompt in prompts for t in prompt.joint_tests])
 
 
 def holm(p_values: Sequence[float], alpha: float) -> list[bool]:

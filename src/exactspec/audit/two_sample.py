@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from exactspec.audit.stats import decide_family, holm
+from exactspec.audit.stats import holm
 
 MIN_POOLED = 5
 """A token drawn fewer times than this by A and B together shares the pooled bin."""
@@ -122,7 +122,7 @@ class PositionComparison:
             description of the estimate's spread, not a test (at TV = 0, the edge of its
             range, the bootstrap covers badly and the interval can exclude 0).
         detectable_tv: the mean TV detected with power 0.8 in the least favourable
-            direction at Holm's first-step level (set by :func:`decide`).
+            direction at Holm's first-step level (set by :func:`~exactspec.audit.stats.decide`).
         rejected: Holm's decision.
     """
 
@@ -141,11 +141,16 @@ class PositionComparison:
     detectable_tv: float = float("inf")
     rejected: bool = False
 
+    @property
+    def power_samples(self) -> float:
+        """The sample size of the power statement: Σ n_eff."""
+        return self.effective_samples
+
 
 @dataclass
 class MMDTest:
     """The Hamming-kernel MMD permutation test (module docstring): unbiased MMD², its
-    p-value, the permutations drawn and Holm's decision (:func:`decide`)."""
+    p-value, the permutations drawn and Holm's decision (:func:`~exactspec.audit.stats.decide`)."""
 
     statistic: float
     p_value: float
@@ -172,6 +177,17 @@ class PromptComparison:
     @property
     def rejected(self) -> bool:
         return self.mmd.rejected or any(p.rejected for p in self.positions)
+
+    @property
+    def num_samples(self) -> int:
+        """A's samples (the audited engine's)."""
+        return self.num_a
+
+    @property
+    def joint_tests(self) -> list[MMDTest]:
+        """Tests of the whole prompt in the positions' Holm family: the MMD test, where it
+        drew permutations."""
+        return [self.mmd] if self.mmd.permutations else []
 
 
 def tables(samples_a: Sequence[Sample], samples_b: Sequence[Sample], num_tokens: int
@@ -325,7 +341,7 @@ def hamming_mmd(samples_a: Sequence[Sample], samples_b: Sequence[Sample], num_to
 
 def compare_prompt(samples_a: Sequence[Sample], samples_b: Sequence[Sample], num_tokens: int,
                    max_draws: int, index: int = 0, seed: int = 0) -> PromptComparison:
-    """Every test of one prompt (undecided: :func:`decide` applies Holm).
+    """Every test of one prompt (undecided: :func:`~exactspec.audit.stats.decide` applies Holm).
 
     Args:
         samples_a, samples_b: the continuations (tokens, then
@@ -355,17 +371,6 @@ def compare_prompt(samples_a: Sequence[Sample], samples_b: Sequence[Sample], num
     first = (by_depth.get(0) or [None])[0]
     return PromptComparison(index, len(samples_a), len(samples_b), positions,
                             hamming_mmd(samples_a, samples_b, num_tokens, rng, max_draws), first)
-
-
-def decide(prompts: Sequence[PromptComparison], alpha: float) -> float:
-    """Holm at ``alpha`` over every position with something to test and every prompt's MMD
-    test (one family); fill ``rejected``, and the positions' ``detectable_tv`` (for Σ n_eff
-    samples, at the level of Holm's first step, returned)."""
-    mmd = [p.mmd for p in prompts if p.mmd.permutations]
-    positions = [p for prompt in prompts for p in prompt.positions]
-    level = decide_family(positions, alpha, lambda position: position.effective_samples,
-                          extra=mmd)
-    return level
 
 
 def max_draws_for(alpha: float, num_tests: int) -> int:

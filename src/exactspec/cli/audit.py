@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 from typing import TYPE_CHECKING
 
 from exactspec.cli.audit_endpoint import add_endpoint_options
@@ -109,18 +108,20 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Map the flags to an :class:`~exactspec.audit.AuditSpec`, run it
+    (:func:`exactspec.audit.run`), write and print the report; the exit status."""
     import functools
     from pathlib import Path
 
     from rich.console import Console
 
     from exactspec import SamplingParams
-    from exactspec.audit import (AUDIT_PROMPTS, AuditResult, audit_distribution,
-                                 run_greedy_checks, verdict, verdict_line, write_audit_report)
+    from exactspec.audit import AUDIT_PROMPTS, AuditSpec, verdict_line, write_report
+    from exactspec.audit import run as run_audit
+    from exactspec.audit.endpoint import EndpointError
     from exactspec.backends.base import UnsupportedModelError
     from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
-    from exactspec.distributed import (LocalExecutor, RayExecutor, RayNotInstalledError,
-                                       connect)
+    from exactspec.distributed import RayNotInstalledError, connect
     from exactspec.model_files import ModelNotFoundError
     from exactspec.peers import check_peer_runs
     from exactspec.progress import LoggedProgress
@@ -153,69 +154,47 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as error:
         parser.error(str(error).replace("SamplingParams.", "--").replace("_", "-"))
 
+    spec = AuditSpec(prompts, params, args.samples, args.alpha, args.greedy_tokens, args.chat)
+    console = Console(stderr=True, soft_wrap=True)
     if args.endpoint:
         from exactspec.cli import audit_endpoint
 
         if args.ray is not None:
             parser.error("--ray shards a local audit; --endpoint audits a server (raise "
                          "--concurrency, or give the server replicas: serve --replicas)")
-
-        return audit_endpoint.run(args, parser, prompts, params)
-    console = Console(stderr=True, soft_wrap=True)
-    if args.max_batch_size and args.engine != "exactspec":
+        spec = audit_endpoint.endpoint_spec(args, parser, spec)
+    elif args.max_batch_size and args.engine != "exactspec":
         parser.error(f"--max-batch-size audits exactspec's batched decoding, not --engine "
                      f"{args.engine}")
-    executor = None
     try:
-        proposer_spec = parse_proposer(args.proposer)
-        if args.engine != "exactspec":
-            check_peer_runs(dataclasses.replace(proposer_spec, peer=PEER[args.engine]))
-        check_proposer_before_loading(args, parser, proposer_spec, f"--proposer {args.proposer}")
-        if args.ray is not None:  # before loading: a missing Ray or cluster fails at once
-            connect(args.ray or None)
-        with console.status(f"Loading {args.model} …"):
-            setup = build_audit(args, prompts, params)
-        if args.ray is not None:
-            executor = start_workers(args, functools.partial(build_audit, worker_args(args),
-                                                             prompts, params), console)
-        engine, control = setup.engines["engine"], setup.engines.get("control")
-        target, k = setup.target, args.num_speculative_tokens
-        config = {"model": args.model, "backend": target.description, "engine": engine.name,
-                  "proposer": args.proposer, "k": k, "policy": args.policy, "sampling": vars(params),
-                  "samples_per_prompt": args.samples, "tokens_per_sample": args.tokens,
-                  "alpha": args.alpha, "greedy_tokens": args.greedy_tokens, "chat": args.chat,
-                  "max_batch_size": args.max_batch_size, "prompts": prompts}
-        executor = executor or LocalExecutor(setup)
-        start = time.perf_counter()
+        if not args.endpoint:
+            proposer_spec = parse_proposer(args.proposer)
+            if args.engine != "exactspec":
+                check_peer_runs(dataclasses.replace(proposer_spec, peer=PEER[args.engine]))
+            check_proposer_before_loading(args, parser, proposer_spec,
+                                          f"--proposer {args.proposer}")
+            if args.ray is not None:  # before loading: a missing Ray or cluster fails at once
+                connect(args.ray or None)
+            spec = dataclasses.replace(
+                spec, setup=functools.partial(build_audit, args, prompts, params),
+                config={"model": args.model, "proposer": args.proposer,
+                        "k": args.num_speculative_tokens, "policy": args.policy,
+                        "max_batch_size": args.max_batch_size},
+                executor=None if args.ray is None else lambda setup: start_workers(
+                    args, functools.partial(build_audit, worker_args(args), prompts, params),
+                    console))
         with LoggedProgress(console=console, transient=True) as progress:
-            greedy, missing = [], []
-            if args.greedy_tokens:
-                task = progress.add_task("greedy identity", total=len(prompts))
-                greedy, missing = run_greedy_checks(executor, len(prompts), args.greedy_tokens)
-                progress.remove_task(task)
-            tests = []
-            for role, tested in [("engine", engine)] + ([("control", control)] if control else []):
-                task = progress.add_task(tested.name[:60], total=args.samples * len(prompts))
-                tests.append(audit_distribution(target, tested, setup.prompt_ids, params,
-                                                args.samples, args.alpha,
-                                                lambda n: progress.advance(task, n),
-                                                executor=executor, role=role))
-        config["seconds"] = round(time.perf_counter() - start, 1)
-        config["ran_on"] = executor.description
+            result = run_audit(spec, progress)
     except (ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError,
-            RayNotInstalledError, ConnectionError, RuntimeError, ValueError) as error:
+            RayNotInstalledError, EndpointError, ConnectionError, RuntimeError,
+            ValueError) as error:
         print_error(console, error)
         return 1
-    finally:
-        if isinstance(executor, RayExecutor):
-            executor.close()
-    tokenizer = target.tokenizer
-    result = verdict(AuditResult(config, greedy, tests[0], tests[1] if control else None,
-                                 missing), tokenizer.decode)
-    files = write_audit_report(result, args.output, tokenizer.decode)
+    files = write_report(result, args.output)
     print(files[1].read_text())
     console.print(f"wrote {', '.join(str(f) for f in files)}", highlight=False)
-    console.print(verdict_line(result, quick=args.quick), highlight=False, style="bold")
+    console.print(verdict_line(result, quick=args.quick and not args.endpoint),
+                  highlight=False, style="bold")
     return 0 if result.verdict == "exact" else 1
 
 
