@@ -56,7 +56,7 @@ class FakeEngine:
     """An engine under test that does not report drafting."""
 
     name = "fake"
-    drafted = accepted = drafted_per_position = accepted_per_position = None
+    draft_stats = None
 
 
 # --- statistics on synthetic targets -------------------------------------------------------
@@ -367,12 +367,13 @@ def test_drafts_are_counted_only_while_sampling(target, prompts):
     engine = ExactspecEngine(SpeculativeGenerator(target, PromptLookupProposer(1, 3), K,
                                                   "constant"), "ok")
     check_greedy(target, engine, prompts, 20)
-    greedy_drafted, greedy_per_position = engine.drafted, list(engine.drafted_per_position)
+    greedy = engine.draft_stats
+    greedy_drafted, greedy_per_position = greedy.drafted_tokens, list(greedy.drafted_per_position)
     assert greedy_drafted > 0
     test = audit_distribution(target, engine, prompts, PARAMS, 100, ALPHA)
-    assert test.drafted == engine.drafted - greedy_drafted > 0
-    assert test.drafted_per_position == [a - b for a, b in zip(engine.drafted_per_position,
-                                                               greedy_per_position)]
+    assert test.drafted == engine.draft_stats.drafted_tokens - greedy_drafted > 0
+    assert test.drafted_per_position == [a - b for a, b in zip(
+        engine.draft_stats.drafted_per_position, greedy_per_position)]
     assert sum(test.drafted_per_position) == test.drafted
     assert sum(test.accepted_per_position) == test.accepted
 

@@ -19,7 +19,7 @@ from exactspec.audit.broken import BrokenGenerator
 from exactspec.audit.endpoint import END, Endpoint, EndpointError
 from exactspec.audit import AuditResult, ExactReference, verdict
 from exactspec.audit.remote import compare_greedy, draw_interleaved
-from exactspec.audit.result import distribution_test, draft_counts
+from exactspec.audit.result import distribution_test
 from exactspec.audit.stats import decide
 from exactspec.audit.two_sample import (compare_prompt, hamming_mmd, max_draws_for,
                                         permutation_p_value, tables)
@@ -213,7 +213,7 @@ def test_an_unreadable_answer_is_a_failed_request_with_its_reason(malformed):
     samples = endpoint.sample("x", SamplingParams(max_new_tokens=2, seed=1), 6)
     assert samples == [(3, 4)] * 3 and len(endpoint.failures) == 3
     assert all("unreadable answer" in f for f in endpoint.failures), endpoint.failures
-    assert endpoint.drafted is None  # figures that are not counts are not counted
+    assert endpoint.draft_stats is None  # figures that are not counts are not counted
     always = mock_endpoint(lambda r: MALFORMED[malformed](), concurrency=1)
     with pytest.raises(EndpointError, match="failed in a row, the last with: unreadable answer"):
         always.sample("x", SamplingParams(max_new_tokens=2), 30)
@@ -304,7 +304,7 @@ def test_reference_mode_checks_the_served_model_and_its_distribution(server, bro
         samples, _ = draw_interleaved([endpoint], [PROMPT], params, [600], lambda n: None)
         reference = ExactReference(target, prompt_ids, params)
         test = distribution_test(endpoint.name, [reference.test_prompt(0, samples[0][0])], 0.01,
-                                 draft_counts(endpoint))
+                                 endpoint.draft_stats)
         assert test.rejected == expected
         assert test.drafted_per_position[0] >= 500
 
@@ -381,7 +381,7 @@ def test_an_endpoint_is_an_engine_generating_timed_requests():
             ord(t) for t in tokens])]})
 
     endpoint = mock_endpoint(handler)
-    assert endpoint.corpus is None and endpoint.drafted is None
+    assert endpoint.corpus is None and endpoint.draft_stats is None
     params = SamplingParams(max_new_tokens=4, seed=7)
     for at_once in (False, True):
         found = endpoint.generate(["x", "y"], params, at_once=at_once)

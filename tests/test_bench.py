@@ -19,7 +19,7 @@ class Rewired:
     """An engine like ``engine`` but for its ``generate``, which is
     ``generate(engine, prompts, params, at_once)``."""
 
-    drafted = accepted = drafted_per_position = accepted_per_position = None
+    draft_stats = None
 
     def __init__(self, engine, generate):
         self.engine, self.rewired = engine, generate

@@ -296,3 +296,21 @@ def test_generation_stats_merged_sums_counts_position_by_position():
     assert total.num_prompt_tokens == 12 and total.draft_seconds == 0.5
     assert total.acceptance_rate == 5 / 9 and total.mean_acceptance_length == 8 / 3
     assert GenerationStats.merged([]).cycles == 0
+
+
+def test_generation_stats_since_is_what_was_added_after_a_copy():
+    import copy
+
+    from exactspec.generation_stats import GenerationStats
+
+    running = GenerationStats(num_speculative_tokens=2)
+    running.record_cycle(2, 2, 3)
+    before = copy.deepcopy(running)
+    added = GenerationStats(num_speculative_tokens=3)
+    added.record_cycle(3, 1, 2)
+    running.add(added)
+    since = running.since(before)
+    assert (since.cycles, since.drafted_tokens, since.accepted_tokens) == (1, 3, 1)
+    assert since.drafted_per_position == [1, 1, 1] and since.accepted_per_position == [1, 0, 0]
+    assert since.committed_per_cycle == [2] and since.chosen_k_histogram == [0, 0, 0, 1]
+    assert running.since(GenerationStats()).drafted_tokens == 5

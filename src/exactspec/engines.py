@@ -23,6 +23,7 @@ from typing import Protocol
 
 from exactspec.batching import BatchedGenerator
 from exactspec.generator import GenerationResult, SpeculativeGenerator
+from exactspec.generation_stats import GenerationStats
 from exactspec.proposers.base import Corpus
 from exactspec.sampling import SamplingParams, make_rng
 
@@ -58,18 +59,15 @@ class Engine(Protocol):
         name: how reports and messages call it (callers may rename it).
         corpus: what it remembers across requests and drafts from (exactspec's suffix
             corpus), for a caller to clear or fill; None: nothing.
-        drafted, accepted: draft tokens proposed and accepted so far, in tokens (None: the
-            engine does not report them).
-        drafted_per_position, accepted_per_position: ``[k]`` the same per position in the
-            drafted block (0-based), or None.
+        draft_stats: the drafting figures of everything it decoded so far (drafted and
+            accepted tokens, in total and per position of the drafted block: a
+            :class:`~exactspec.generation_stats.GenerationStats` summed with ``add``), or
+            None where the engine does not report them.
     """
 
     name: str
     corpus: Corpus | None
-    drafted: int | None
-    accepted: int | None
-    drafted_per_position: list[int] | None
-    accepted_per_position: list[int] | None
+    draft_stats: GenerationStats | None
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  at_once: bool = False) -> list[Generation]:
@@ -129,9 +127,7 @@ class ExactspecEngine:
         self.generator, self.name = generator, name
         proposer = generator.proposer
         self.corpus = proposer.corpus if proposer is not None else None
-        k = generator.num_speculative_tokens
-        self.drafted = self.accepted = 0
-        self.drafted_per_position, self.accepted_per_position = [0] * k, [0] * k
+        self.draft_stats = GenerationStats(num_speculative_tokens=generator.num_speculative_tokens)
         self._batched: dict[int, BatchedGenerator] = {}  # by width
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
@@ -159,16 +155,9 @@ class ExactspecEngine:
         return Generation(result.token_ids, seconds, seconds, result.stats.to_dict())
 
     def _count_drafts(self, results: Sequence[GenerationResult]) -> None:
-        """Add the drafted and accepted counts (in total and per block position) of
-        ``results`` to this engine's."""
+        """Add the figures of ``results`` to :attr:`draft_stats`."""
         for result in results:
-            stats = result.stats
-            self.drafted += stats.drafted_tokens
-            self.accepted += stats.accepted_tokens
-            for i, (d, a) in enumerate(zip(stats.drafted_per_position,
-                                           stats.accepted_per_position)):
-                self.drafted_per_position[i] += d
-                self.accepted_per_position[i] += a
+            self.draft_stats.add(result.stats)
 
 
 class BatchedEngine(ExactspecEngine):

@@ -12,6 +12,7 @@ accepted count is capped at the emitted tokens, so nothing after a stop is count
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 
@@ -97,30 +98,51 @@ class GenerationStats:
         for i in range(accepted):
             self.accepted_per_position[i] += 1
 
+    def add(self, other: GenerationStats) -> None:
+        """Add ``other``'s figures to these (a request's samples, a bench group, an engine's
+        running counts): counts, per-position counts and histograms summed position by
+        position (the longer k wins; a shorter list counts 0 beyond its end), seconds
+        summed, ``committed_per_cycle`` extended. The one place exactspec sums these counts
+        (:meth:`merged`, :meth:`since` and every caller go through it)."""
+        self._accumulate(other, 1)
+
+    def since(self, earlier: GenerationStats) -> GenerationStats:
+        """The figures added after ``earlier`` (a copy of these taken before: ``copy.deepcopy``),
+        as a new :class:`GenerationStats`."""
+        difference = copy.deepcopy(self)
+        difference._accumulate(earlier, -1)
+        return difference
+
     @classmethod
     def merged(cls, stats: Iterable[GenerationStats]) -> GenerationStats:
-        """The figures of several generations together (a request's samples, a bench
-        group, an audit's engine): counts, per-position counts and histograms summed
-        position by position (the longest k wins; shorter lists count 0 beyond their end),
-        seconds summed, ``committed_per_cycle`` concatenated, ``policy`` the first one's.
-        The one place exactspec sums these counts."""
+        """The figures of several generations together (:meth:`add`); ``policy`` the first
+        one's."""
         stats = list(stats)
-        k = max((s.num_speculative_tokens for s in stats), default=0)
-        total = cls(num_speculative_tokens=k, policy=stats[0].policy if stats else "none")
+        total = cls(policy=stats[0].policy if stats else "none")
         for s in stats:
-            for f in fields(cls):
-                value = getattr(s, f.name)
-                if f.name in ("num_speculative_tokens", "policy"):
-                    continue
-                if f.name == "committed_per_cycle":
-                    total.committed_per_cycle.extend(value)
-                elif isinstance(value, list):
-                    summed = getattr(total, f.name)
-                    for i, n in enumerate(value):
-                        summed[i] += n
-                else:
-                    setattr(total, f.name, getattr(total, f.name) + value)
+            total.add(s)
         return total
+
+    def _accumulate(self, other: GenerationStats, sign: int) -> None:
+        k = max(self.num_speculative_tokens, other.num_speculative_tokens)
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "num_speculative_tokens":
+                self.num_speculative_tokens = k
+            elif f.name == "policy":
+                continue
+            elif f.name == "committed_per_cycle":
+                if sign > 0:
+                    mine.extend(theirs)
+                else:  # ``other`` is an earlier copy: its cycles are the first ones
+                    del mine[:len(theirs)]
+            elif isinstance(mine, list):
+                size = k + 1 if f.name == "chosen_k_histogram" else k
+                mine.extend([0] * (size - len(mine)))
+                for i, n in enumerate(theirs):
+                    mine[i] += sign * n
+            else:
+                setattr(self, f.name, mine + sign * theirs)
 
     @classmethod
     def from_dict(cls, figures: dict) -> GenerationStats:

@@ -61,8 +61,7 @@ class Peer:
         translates: the SamplingParams fields it honours; a call setting others is refused.
         comparable: the fields with which it samples from exactly the distribution exactspec
             does (see ``incomparable_reason`` for why not the others).
-        corpus, drafted, accepted, drafted_per_position, accepted_per_position: None (a
-            peer keeps no corpus and does not report its drafts).
+        corpus, draft_stats: None (a peer keeps no corpus and does not report its drafts).
     """
 
     label: str
@@ -70,7 +69,7 @@ class Peer:
     comparable: tuple[str, ...]
     incomparable_reason = ""
     corpus = None
-    drafted = accepted = drafted_per_position = accepted_per_position = None
+    draft_stats = None
 
     def __init__(self) -> None:
         self.name = self.label

@@ -36,6 +36,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from exactspec.engines import Generation, one_after_another
+from exactspec.generation_stats import GenerationStats
 from exactspec.sampling import SamplingParams
 
 END = "<end>"
@@ -137,7 +138,7 @@ class Endpoint:
         failures: one line per request that failed after its retries.
         token_source: where the samples' tokens came from (key of :data:`TOKEN_SOURCES`),
             None before the first sample.
-        drafted, accepted, drafted_per_position, accepted_per_position: summed from the
+        draft_stats: drafted and accepted tokens (in total and per position) summed from the
             responses' ``speculation`` figures (exactspec serve) or, for requests of one
             choice, ``timings.draft_n`` and ``draft_n_accepted`` (llama-server, which
             reports one choice's only), None where none came.
@@ -162,10 +163,7 @@ class Endpoint:
     requests: int = 0
     failures: list[str] = field(default_factory=list)
     token_source: str | None = None
-    drafted: int | None = None
-    accepted: int | None = None
-    drafted_per_position: list[int] | None = None
-    accepted_per_position: list[int] | None = None
+    draft_stats: GenerationStats | None = None
     corpus = None
 
     def __post_init__(self) -> None:
@@ -394,17 +392,21 @@ class Endpoint:
         if not isinstance(figures, dict) or not all(
                 _is_count(figures.get(name)) for name in ("drafted_tokens", "accepted_tokens")):
             return
-        figures = {name: value for name, value in figures.items()
-                   if not name.endswith("_per_position")
-                   or (isinstance(value, list) and all(map(_is_count, value)))}
+        def per_position(name: str) -> list[int]:
+            value = figures.get(name)
+            return value if isinstance(value, list) and all(map(_is_count, value)) else []
+
+        drafted, accepted = per_position("drafted_per_position"), per_position("accepted_per_position")
+        k = max(len(drafted), len(accepted))
+        response = GenerationStats(
+            num_speculative_tokens=k, drafted_tokens=figures["drafted_tokens"],
+            accepted_tokens=figures["accepted_tokens"],
+            drafted_per_position=drafted + [0] * (k - len(drafted)),
+            accepted_per_position=accepted + [0] * (k - len(accepted)))
         with self._lock:
-            self.drafted = (self.drafted or 0) + figures["drafted_tokens"]
-            self.accepted = (self.accepted or 0) + figures["accepted_tokens"]
-            for name in ("drafted_per_position", "accepted_per_position"):
-                counts = list(getattr(self, name) or [])
-                new = figures.get(name) or []
-                counts += [0] * (len(new) - len(counts))
-                setattr(self, name, [a + b for a, b in zip(counts, new + [0] * len(counts))])
+            if self.draft_stats is None:
+                self.draft_stats = GenerationStats()
+            self.draft_stats.add(response)
 
 
 def _token_id(value) -> int:

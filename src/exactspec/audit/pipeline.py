@@ -29,8 +29,8 @@ from exactspec.audit.endpoint import TRANSLATED, Endpoint
 from exactspec.audit.reference import ExactReference, SampledReference
 from exactspec.audit.remote import (MODES, compare_greedy, draw_interleaved, local_greedy,
                                     model_check)
-from exactspec.audit.result import (AuditResult, DistributionTest, counts_between, describer,
-                                    distribution_test, draft_counts, verdict)
+from exactspec.audit.result import (AuditResult, DistributionTest, describer, distribution_test,
+                                    draft_snapshot, drafted_since, verdict)
 from exactspec.audit.runner import AuditSetup, audit_distribution, run_greedy_checks
 from exactspec.audit.two_sample import subsample_power
 from exactspec.distributed import Executor, LocalExecutor
@@ -293,10 +293,10 @@ def _run_endpoint(spec: AuditSpec, progress: Progress) -> AuditResult:
         task = progress.add_task("sampling " + ", ".join(
             ["A", "B", "control"] if b is not None else ["A", "control"]),
                                  total=result.samples_asked)
-        before = draft_counts(a)
+        before = draft_snapshot(a)
         samples, result.interrupted = draw_interleaved(
             engines, prompts, params, sizes, lambda n: progress.advance(task, n))
-        drafted = counts_between(before, draft_counts(a))
+        drafted = drafted_since(a, before)
         result.samples_drawn = sum(len(s) for per in samples for s in per)
         progress.remove_task(task)
         task = progress.add_task("testing", total=None)
@@ -305,14 +305,14 @@ def _run_endpoint(spec: AuditSpec, progress: Progress) -> AuditResult:
                                          params.seed or 0)
             result.distribution = _test(a, reference, samples[0], spec.alpha, drafted)
             result.control = _test(control, reference, samples[2], spec.alpha,
-                                   draft_counts(control))
+                                   drafted_since(control, None))
             result.power = subsample_power(samples[2][0], samples[1][0], params.max_new_tokens,
                                            spec.alpha, seed=params.seed or 0)
         else:
             reference = ExactReference(target, prompt_ids, params)
             result.distribution = _test(a, reference, samples[0], spec.alpha, drafted)
             result.control = _test(control, reference, samples[1], spec.alpha,
-                                   draft_counts(control))
+                                   drafted_since(control, None))
         progress.remove_task(task)
     config["seconds"] = round(time.perf_counter() - start, 1)
     result.token_source = a.token_source

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from exactspec.audit.endpoint import Symbol
 from exactspec.audit.stats import Impossible, decide
 from exactspec.audit.two_sample import PowerEstimate
+from exactspec.generation_stats import GenerationStats
 
 MIN_DRAFTED_PER_SAMPLE = 1
 """Fewer draft tokens than this per sample, on average, while sampling: speculation was
@@ -176,15 +177,18 @@ class DistributionTest:
         return sum(p.num_samples for p in self.prompts)
 
 
-def distribution_test(engine: str, prompts: list, alpha: float, counts: Sequence = (),
-                      reference: str | None = None, missing: Sequence[str] = ()
-                      ) -> DistributionTest:
+def distribution_test(engine: str, prompts: list, alpha: float,
+                      drafting: GenerationStats | None = None, reference: str | None = None,
+                      missing: Sequence[str] = ()) -> DistributionTest:
     """Decide ``prompts`` (each prompt's undecided tests) at family-wise level ``alpha``
-    (:func:`~exactspec.audit.stats.decide`) and gather them with the drafting ``counts``
-    (as :func:`draft_counts`; empty: not reported)."""
+    (:func:`~exactspec.audit.stats.decide`) and gather them with the engine's ``drafting``
+    figures while sampling them (None: not reported; empty per-position counts: None)."""
     level = decide(prompts, alpha)
-    counts = tuple(counts) or (None,) * 4
-    return DistributionTest(engine, prompts, reference, level, *counts, missing=list(missing))
+    if drafting is None:
+        return DistributionTest(engine, prompts, reference, level, missing=list(missing))
+    return DistributionTest(engine, prompts, reference, level, drafting.drafted_tokens,
+                            drafting.accepted_tokens, drafting.drafted_per_position or None,
+                            drafting.accepted_per_position or None, missing=list(missing))
 
 
 @dataclass
@@ -358,30 +362,15 @@ def number(value: float | None) -> str:
     return "–" if value is None else f"{value:.3f}"
 
 
-def draft_counts(engine) -> tuple:
-    """An engine's drafting counts so far: ``(drafted, accepted, drafted_per_position,
-    accepted_per_position)``, copied (None where it does not report them; an empty list
-    per position is None)."""
-    return (engine.drafted, engine.accepted,
-            copy.copy(engine.drafted_per_position) or None,
-            copy.copy(engine.accepted_per_position) or None)
+def draft_snapshot(engine) -> GenerationStats | None:
+    """A copy of an engine's drafting figures so far (``Engine.draft_stats``; None where it
+    reports none), for :func:`drafted_since`."""
+    return copy.deepcopy(engine.draft_stats)
 
 
-def counts_between(before: Sequence, after: Sequence) -> tuple:
-    """``after − before`` for :func:`draft_counts` tuples: None where ``after`` is None,
-    a missing ``before`` (or a shorter list, an endpoint's grows) counting as 0."""
-    return tuple(_combine(a, b, -1) for a, b in zip(after, before))
-
-
-def add_counts(a: Sequence, b: Sequence) -> tuple:
-    """``a + b`` for :func:`draft_counts` tuples (None where ``a`` is None)."""
-    return tuple(_combine(x, y, 1) for x, y in zip(a, b))
-
-
-def _combine(a, b, sign: int):
-    if a is None:
+def drafted_since(engine, snapshot: GenerationStats | None) -> GenerationStats | None:
+    """The drafting figures ``engine`` added since ``snapshot`` (:func:`draft_snapshot`;
+    None: since it began), None where it reports none."""
+    if engine.draft_stats is None:
         return None
-    if isinstance(a, list):
-        b = b or []
-        return [x + sign * (b[i] if i < len(b) else 0) for i, x in enumerate(a)]
-    return a + sign * (b or 0)
+    return engine.draft_stats.since(snapshot or GenerationStats())

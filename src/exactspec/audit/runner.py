@@ -21,12 +21,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from exactspec.audit.reference import ExactReference, PromptTest
-from exactspec.audit.result import (DistributionTest, GreedyCheck, add_counts, counts_between,
-                                    distribution_test, draft_counts)
+from exactspec.audit.result import (DistributionTest, GreedyCheck, distribution_test,
+                                    draft_snapshot, drafted_since)
 from exactspec.backends.base import Backend, forward_one, new_sequence_id
 from exactspec.distributed import Executor, LocalExecutor, Missing
-from exactspec.generator import SpeculativeGenerator
 from exactspec.engines import Engine
+from exactspec.generation_stats import GenerationStats
+from exactspec.generator import SpeculativeGenerator
 from exactspec.sampling import SamplingParams
 
 Progress = Callable[[int], None]
@@ -53,11 +54,10 @@ class AuditSetup:
 @dataclass
 class SampledChunk:
     """One unit of the distribution test: ``samples`` of one prompt drawn with one seed,
-    and the drafting counts of this unit alone (as
-    :func:`~exactspec.audit.result.draft_counts`)."""
+    and the engine's drafting figures for this unit alone (None: it reports none)."""
 
     samples: list[tuple[int, ...]]
-    counts: tuple
+    drafting: GenerationStats | None
 
 
 def check_greedy(target: Backend, engine: Engine, prompts: Sequence[Sequence[int]],
@@ -127,14 +127,16 @@ def audit_distribution(target: Backend, engine: Engine, prompts: Sequence[Sequen
              for c, start in enumerate(range(0, num_samples, chunk))]
     chunks = executor.map(sample_unit, units, lambda i, result: progress(units[i][3]))
     samples: list[list[tuple[int, ...]]] = [[] for _ in prompts]
-    counts, missing = None, []
+    drafting, missing = None, []
     for unit, outcome in zip(units, chunks):
         if isinstance(outcome, Missing):
             missing.append(f"{engine.name}: prompt {unit[1]}, samples {unit[2] * chunk}–"
                            f"{unit[2] * chunk + unit[3] - 1}: {outcome.reason}")
             continue
         samples[unit[1]] += outcome.samples
-        counts = outcome.counts if counts is None else add_counts(counts, outcome.counts)
+        if outcome.drafting is not None:
+            drafting = drafting or GenerationStats()
+            drafting.add(outcome.drafting)
     fits = executor.map(fit_unit, [(index, drawn) for index, drawn in enumerate(samples)
                                    if drawn])
     tests = []
@@ -143,7 +145,7 @@ def audit_distribution(target: Backend, engine: Engine, prompts: Sequence[Sequen
             missing.append(f"{engine.name}: the test of prompt {fit.unit[0]}: {fit.reason}")
         else:
             tests.append(fit)
-    return distribution_test(engine.name, tests, alpha, counts or (), missing=missing)
+    return distribution_test(engine.name, tests, alpha, drafting, missing=missing)
 
 
 def sample_unit(setup: AuditSetup, role: str, index: int, chunk: int, size: int
@@ -153,9 +155,9 @@ def sample_unit(setup: AuditSetup, role: str, index: int, chunk: int, size: int
     engine = setup.engines[role]
     seeded = dataclasses.replace(setup.params, seed=(setup.params.seed or 0) + 1000 * index
                                  + chunk)
-    before = draft_counts(engine)
+    before = draft_snapshot(engine)
     samples = engine.sample(setup.prompt_ids[index], seeded, size)
-    return SampledChunk(samples, counts_between(before, draft_counts(engine)))
+    return SampledChunk(samples, drafted_since(engine, before))
 
 
 def fit_unit(setup: AuditSetup, index: int, samples: list[tuple[int, ...]]) -> PromptTest:
