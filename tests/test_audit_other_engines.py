@@ -33,6 +33,10 @@ except ModelNotFoundError as error:
 
 PROMPT = "Monday, Tuesday, Wednesday, Thursday, Friday, Monday, Tuesday,"
 """Prompt lookup and n-gram speculation draft here from the first token."""
+SAMPLES = 150
+"""Per side (A, B and the control): enough to catch the control (temperature 2.0 moves the
+first token's probability by far more than the audit detects at this count) and to read
+every answer shape; the verdict on A itself needs more (results/audit-http-2026-12-02)."""
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", Path(__file__).parents[1]
                                    / ".cache/llama-server/bin/llama-server"))
 
@@ -72,12 +76,12 @@ def started(command: list[str], port: int):
 
 def audit(tmp_path, a: str, b: str, *extra: str) -> dict:
     status = main(["audit", "--endpoint", a, "--against", b, "--prompt", PROMPT,
-                   "--tokens", "3", "--samples", "300", "--greedy-tokens", "24",
+                   "--tokens", "3", "--samples", str(SAMPLES), "--greedy-tokens", "24",
                    "--control-body", '{"temperature": 2.0}', "--output", str(tmp_path),
                    *extra])
     result = json.loads((tmp_path / "audit.json").read_text())
     assert status == (0 if result["verdict"] == "exact" else 1)
-    assert result["samples_drawn"] == result["samples_asked"] == 900, result["failures"]
+    assert result["samples_drawn"] == result["samples_asked"] == 3 * SAMPLES, result["failures"]
     assert not result["failures"] and len(result["greedy"]) == 1
     assert result["control"]["prompts"][0]["positions"][0]["rejected"], "control not caught"
     assert (tmp_path / "report.md").read_text().startswith("# exactspec audit (two-sample")
