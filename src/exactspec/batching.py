@@ -30,11 +30,10 @@ import torch
 
 from exactspec.backends.base import Backend, UnsupportedModelError, new_sequence_id
 from exactspec.generator import (PLAIN_STEP, GenerationResult, OnCommit, SequenceState,
-                              SpeculativeGenerator)
+                                 SpeculativeGenerator)
 from exactspec.request import Prompt, Request, prepare_request
 from exactspec.sampling import SamplingParams
-from exactspec.speculation_length import (Choice, ForwardCost,
-                                          batch_speculation_lengths, survival)
+from exactspec.speculation_length import Choice, ForwardCost, batch_speculation_lengths, survival
 from exactspec.threads import torch_threads
 
 DEFAULT_MAX_BATCH_SIZE = 8

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from exactspec.batching import BatchedGenerator
-from exactspec.generator import GenerationResult, SpeculativeGenerator
 from exactspec.generation_stats import GenerationStats
+from exactspec.generator import GenerationResult, SpeculativeGenerator
 from exactspec.proposers.base import Corpus
 from exactspec.sampling import SamplingParams, make_rng
 

@@ -26,8 +26,8 @@ from exactspec.backends.base import Backend
 from exactspec.bench.methods import Method
 from exactspec.bench.questions import Question
 from exactspec.bench.runner import machine_info
-from exactspec.generator import SpeculativeGenerator
 from exactspec.files import readable_json, replaced_atomically, write_text_atomically
+from exactspec.generator import SpeculativeGenerator
 from exactspec.progress import LoggedProgress
 from exactspec.sampling import SamplingParams
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from exactspec.backends.base import Backend
-from exactspec.generator import SpeculativeGenerator
 from exactspec.engines import Engine, ExactspecEngine, Generation
+from exactspec.generator import SpeculativeGenerator
 from exactspec.peers import DEFAULT_PROMPT_LOOKUP_K, PEERS, is_peer, make_peer
 from exactspec.proposers.build import build_proposer
 from exactspec.proposers.spec import ProposerSpec, parse_proposer

@@ -29,8 +29,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from exactspec.generator import GenerationResult, TokenLogprob
 from exactspec.generation_stats import GenerationStats
+from exactspec.generator import GenerationResult, TokenLogprob
 from exactspec.request import Prompt, RequestError
 from exactspec.sampling import SamplingParams
 from exactspec.speculation_length import POLICIES

@@ -14,9 +14,9 @@ from pathlib import Path
 import jinja2
 
 from exactspec.cycle_trace import TokenKind
-from exactspec.generator import GenerationResult
 from exactspec.extras import require
 from exactspec.files import readable_json, write_text_atomically
+from exactspec.generator import GenerationResult
 from exactspec.trace.view import NO_TEXT, at_boundary, shown_pieces
 
 require("plots", "the trace page (generate --trace)")
