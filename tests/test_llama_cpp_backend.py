@@ -63,7 +63,7 @@ def test_a_build_with_amx_warns_before_its_first_forward(monkeypatch, tmp_path):
 def test_choose_backend(monkeypatch, tmp_path):
     import gguf as gguf_package
 
-    import exactspec.backends.llama_cpp_backend as module
+    import exactspec.models as module  # where choose_backend looks llama_cpp_available up
     from exactspec.backends import native
     from conftest import tiny_model
     from tiny_gguf import write_tiny_gguf
@@ -233,8 +233,7 @@ def test_llama_cpp_python_sampling_with_its_prompt_lookup_agrees_with_the_refere
     assert all(c.identical for c in check_greedy(target, engine, [prompt], 12))
 
     class WrongTemperature:
-        name, drafted, accepted = "wrong", None, None
-        drafted_per_position = accepted_per_position = None
+        name, draft_stats = "wrong", None
 
         def sample(self, prompt_ids, asked, n):
             return engine.sample(prompt_ids, dataclasses.replace(asked, temperature=1.1), n)
