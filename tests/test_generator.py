@@ -299,13 +299,11 @@ def test_generation_stats_merged_sums_counts_position_by_position():
 
 
 def test_generation_stats_since_is_what_was_added_after_a_copy():
-    import copy
-
     from exactspec.generation_stats import GenerationStats
 
     running = GenerationStats(num_speculative_tokens=2)
     running.record_cycle(2, 2, 3)
-    before = copy.deepcopy(running)
+    before = running.copy()
     added = GenerationStats(num_speculative_tokens=3)
     added.record_cycle(3, 1, 2)
     running.add(added)

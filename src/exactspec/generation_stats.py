@@ -12,7 +12,7 @@ accepted count is capped at the emitted tokens, so nothing after a stop is count
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 
@@ -106,10 +106,16 @@ class GenerationStats:
         (:meth:`merged`, :meth:`since` and every caller go through it)."""
         self._accumulate(other, 1)
 
+    def copy(self) -> GenerationStats:
+        """An independent copy (its lists copied: a C copy of the ints, unlike
+        ``copy.deepcopy``, which visits each one)."""
+        return dataclasses.replace(self, **{f.name: list(getattr(self, f.name))
+                                            for f in fields(self) if f.type.startswith("list")})
+
     def since(self, earlier: GenerationStats) -> GenerationStats:
-        """The figures added after ``earlier`` (a copy of these taken before: ``copy.deepcopy``),
-        as a new :class:`GenerationStats`."""
-        difference = copy.deepcopy(self)
+        """The figures added after ``earlier`` (a :meth:`copy` of these taken before), as a
+        new :class:`GenerationStats`."""
+        difference = self.copy()
         difference._accumulate(earlier, -1)
         return difference
 

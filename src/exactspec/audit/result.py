@@ -365,7 +365,7 @@ def number(value: float | None) -> str:
 def draft_snapshot(engine) -> GenerationStats | None:
     """A copy of an engine's drafting figures so far (``Engine.draft_stats``; None where it
     reports none), for :func:`drafted_since`."""
-    return copy.deepcopy(engine.draft_stats)
+    return None if engine.draft_stats is None else engine.draft_stats.copy()
 
 
 def drafted_since(engine, snapshot: GenerationStats | None) -> GenerationStats | None:
