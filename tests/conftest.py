@@ -3,11 +3,16 @@ character tokenizer, and simple proposers used as proposers in the tests."""
 
 from __future__ import annotations
 
+import os
 import string
 from collections.abc import Sequence
 
 import pytest
-import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one of -n N workers: one thread each, as the
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # workers share the cores (before torch)
+
+import torch  # noqa: E402
 
 from exactspec.backends.base import forward_one, new_sequence_id
 from exactspec.backends.transformers_backend import TransformersBackend

@@ -1,6 +1,7 @@
 """The benchmark on a tiny model: records, summary figures, identity failures flagged,
 report and plots written."""
 
+import dataclasses
 import importlib.util
 import json
 
@@ -415,3 +416,30 @@ def test_hf_plain_decodes_a_wave_as_one_padded_batch_equal_to_one_by_one():
     assert outputs == [list(peer.sample(p, params, 1)[0]) for p in prompts]
     assert len(set(latencies)) == 1
     assert all(5 not in output[:-1] for output in outputs)  # cut after the first EOS
+
+
+def test_the_library_runs_a_bench_from_a_spec(model_folder, questions_file):
+    """``exactspec.bench.run(BenchSpec)``: the model loaded from its spec, a draft model with
+    the same options, the question runs or the waves, the config the report lists."""
+    from exactspec.bench import BenchSpec, run
+    from exactspec.bench.concurrency import ConcurrencyResults
+    from exactspec.models import ModelSpec
+
+    spec = BenchSpec(ModelSpec(str(model_folder), device="cpu"),
+                     ["plain", "prompt-lookup:k=2", f"draft:{model_folder}:k=2"],
+                     load_questions(questions_file), SamplingParams(max_new_tokens=6),
+                     chat=False, config={"questions": "four"})
+    results = run(spec, show_progress=False)
+    assert isinstance(results, BenchResults) and results.incomplete is None
+    assert len(results.records) == 4 * 3 and all(r.matches_plain for r in results.records)
+    assert results.config["questions"] == "four" and results.config["model"] == str(model_folder)
+    assert results.config["methods"] == list(spec.methods)
+    assert "transformers" in results.config["backend"]
+    waves = run(dataclasses.replace(spec, concurrency=[1, 2]), show_progress=False)
+    assert isinstance(waves, ConcurrencyResults) and {r.concurrency for r in waves.records} == {1, 2}
+    with pytest.raises(ValueError, match="must include 'plain'"):
+        run(dataclasses.replace(spec, methods=["prompt-lookup:k=2"]), show_progress=False)
+    with pytest.raises(ValueError, match="give one of them"):
+        run(dataclasses.replace(spec, concurrency=[2], executor=lambda build: None))
+    with pytest.raises(ValueError, match="repetitions 0 must be ≥ 1"):
+        run(dataclasses.replace(spec, repetitions=0))

@@ -288,13 +288,13 @@ def test_missing_draft_model_in_a_proposer_spec_is_named_before_loading(model_fo
     (["--early-exit", "2"], 2, "--early-exit 2 is invalid: it must be in [1, 1] (the target "
                                "has 2 layers)"),
     (["--early-exit", "1", "--backend", "llama_cpp"], 1,
-     "error: --early-exit drafts with the target's own layers, which needs the transformers "
-     "backend, and '{folder}' runs on llama_cpp: add --backend transformers"),
+     "error: the proposer early-exit:1 drafts with the target's own layers, which needs the "
+     "transformers backend, not llama_cpp: choose transformers (or auto)"),
     (["--proposer", "early-exit:2"], 2, "--proposer early-exit:2: L = 2 is invalid: it must be "
                                         "in [1, 1] (the target has 2 layers)"),
     (["--proposer", "early-exit:1", "--backend", "llama_cpp"], 1,
-     "error: --proposer early-exit:1 drafts with the target's own layers, which needs the "
-     "transformers backend, and '{folder}' runs on llama_cpp: add --backend transformers"),
+     "error: the proposer early-exit:1 drafts with the target's own layers, which needs the "
+     "transformers backend, not llama_cpp: choose transformers (or auto)"),
 ])
 def test_early_exit_layers_are_checked_before_loading(model_folder, capsys, no_loading, args,
                                                       code, message):
@@ -341,10 +341,18 @@ def test_explicit_flags_override_quick(command, args, expected, model_folder, mo
                                        capsys):
     seen = {}
 
-    def load_from_args(parsed, name=None):
+    def load_from_args(parsed, name=None, **kwargs):
         seen.update({key: getattr(parsed, key) for key in expected})
         raise ValueError("stopped before loading")
-    monkeypatch.setattr(f"exactspec.cli.{command}.load_from_args", load_from_args)
+
+    def run_bench(spec):  # the bench's sizes as its spec holds them
+        seen.update(repetitions=spec.repetitions, per_category=spec.config["per_category"],
+                    max_new_tokens=spec.params.max_new_tokens)
+        raise ValueError("stopped before loading")
+    if command == "audit":
+        monkeypatch.setattr("exactspec.cli.audit.load_from_args", load_from_args)
+    else:
+        monkeypatch.setattr("exactspec.bench.pipeline.run", run_bench)
     assert cli.main([command, "--model", str(model_folder), *args]) == 1
     assert seen == expected
 

@@ -15,6 +15,7 @@ from exactspec.backends.llama_cpp_backend import (LlamaCppBackend, LlamaCppNotIn
                                                   import_llama_cpp)
 from exactspec.model_files import DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotFoundError
 from exactspec.models import choose_backend
+from exactspec.proposers.spec import parse_proposer
 
 from conftest import ALPHABET, tiny_model, one
 
@@ -81,6 +82,14 @@ def test_choose_backend(monkeypatch, tmp_path):
     assert choose_backend(folder, device="cpu") == "transformers"
     assert choose_backend(gguf, device="cpu", dtype="float32") == "transformers"
     assert choose_backend(gguf, "transformers", device="cpu") == "transformers"
+    # a proposer drafting from the target's layers or features takes it to transformers
+    assert choose_backend(gguf, device="cpu", proposer=parse_proposer("suffix")) == expected
+    assert choose_backend(gguf, device="cpu", proposer=parse_proposer("early-exit:1")) \
+        == "transformers"
+    with pytest.raises(ValueError, match="the proposer head drafts from the target's hidden "
+                                         "features, which needs the transformers backend, "
+                                         "not native: choose transformers"):
+        choose_backend(gguf, "native", proposer=parse_proposer("head"))
     monkeypatch.setattr(native, "load", lambda: None)  # no C compiler
     assert choose_backend(gguf, device="cpu") == "llama_cpp"
     monkeypatch.setattr(module, "llama_cpp_available", lambda: False)

@@ -6,6 +6,7 @@ module sits above them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from exactspec.backends import native
@@ -16,13 +17,17 @@ from exactspec.backends.transformers_backend import TransformersBackend, resolve
 from exactspec.load_options import BACKENDS
 from exactspec.model_files import (DEFAULT_MODEL, check_model_path, converted_gguf,
                                    gguf_architecture)
+from exactspec.proposers.spec import TRANSFORMERS_ONLY, ProposerSpec
 
 
 def choose_backend(path: Path, backend: str = "auto", *, device: str = "auto",
-                   dtype: str | None = None, kernels: str | None = None) -> str:
+                   dtype: str | None = None, kernels: str | None = None,
+                   proposer: ProposerSpec | None = None) -> str:
     """The runtime for the model at ``path``: ``backend`` itself unless it is ``auto``.
 
-    ``auto`` picks the native backend for a ``.gguf`` file of an architecture it runs on a
+    A ``proposer`` that drafts from the target's own layers or hidden features (early exit,
+    a draft head: :data:`~exactspec.proposers.spec.TRANSFORMERS_ONLY`) needs transformers:
+    ``auto`` picks it, another backend is refused. Otherwise ``auto`` picks the native backend for a ``.gguf`` file of an architecture it runs on a
     CPU-only machine where exactspec's kernels build and neither a torch dtype nor torch
     kernels were asked for: it decodes fastest there and verifies almost for free
     (docs/backends.md). A GGUF file it cannot run goes to llama.cpp where llama-cpp-python
@@ -31,10 +36,17 @@ def choose_backend(path: Path, backend: str = "auto", *, device: str = "auto",
 
     Raises:
         ValueError: for an unknown backend, or a combination llama.cpp or the native
-            backend cannot run (a model folder, a dtype, kernels, a GPU device).
+            backend cannot run (a model folder, a dtype, kernels, a GPU device, a proposer
+            needing transformers).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is invalid: choose one of {', '.join(BACKENDS)}")
+    needs = proposer is not None and TRANSFORMERS_ONLY.get(proposer.kind)
+    if needs and backend not in ("auto", "transformers"):
+        raise ValueError(f"the proposer {proposer.spec} {needs}, which needs the "
+                         f"transformers backend, not {backend}: choose transformers (or auto)")
+    if needs:
+        return "transformers"
     if backend == "auto":
         cpu_only = device == "cpu" or (device == "auto" and resolve_device("auto").type == "cpu")
         fits = path.suffix == ".gguf" and cpu_only and dtype is None and kernels is None
@@ -66,7 +78,8 @@ def _native_runs(path: Path) -> bool:
 def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
                device: str = "auto", dtype: str | None = None,
                threads: int | None = None, kernels: str | None = None,
-               max_model_len: int | None = None, weight_type: str | None = None) -> Backend:
+               max_model_len: int | None = None, weight_type: str | None = None,
+               proposer: ProposerSpec | None = None) -> Backend:
     """Load a model on the native, the transformers or the llama.cpp backend.
 
     Args:
@@ -93,6 +106,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
         weight_type: native and llama.cpp: the GGUF file's weights converted to ``F32`` (the same
             weights), ``BF16``, ``F16`` or ``Q8_0`` (rounded), see
             :func:`~exactspec.model_files.converted_gguf`; None: as the file has them.
+        proposer: the proposer that will draft for this target, where its needs choose the
+            backend (see :func:`choose_backend`); None: no such needs.
     Returns:
         a :class:`~exactspec.backends.base.Backend`.
     Raises:
@@ -106,7 +121,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
         UnsupportedModelError: if the model's KV cache cannot be rolled back.
     """
     path = check_model_path(name_or_path)
-    chosen = choose_backend(path, backend, device=device, dtype=dtype, kernels=kernels)
+    chosen = choose_backend(path, backend, device=device, dtype=dtype, kernels=kernels,
+                            proposer=proposer)
     if chosen == "native":
         return NativeBackend.load(path if weight_type is None else converted_gguf(path, weight_type),
                                   threads=threads, max_model_len=max_model_len)
@@ -121,3 +137,27 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
     return TransformersBackend.load(path, device=device, dtype=dtype or "float32",
                                     kernels=kernels or "batch-invariant",
                                     max_model_len=max_model_len, threads=threads)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """:func:`load_model`'s arguments, to load the model later or elsewhere (picklable: a
+    Ray worker loads from it). The attributes are :func:`load_model`'s."""
+
+    name_or_path: str = DEFAULT_MODEL
+    backend: str = "auto"
+    device: str = "auto"
+    dtype: str | None = None
+    threads: int | None = None
+    kernels: str | None = None
+    max_model_len: int | None = None
+    weight_type: str | None = None
+
+    def load(self, name_or_path: str | None = None, *,
+             proposer: ProposerSpec | None = None) -> Backend:
+        """The model, or ``name_or_path`` with the same options (a draft model); ``proposer``
+        as :func:`load_model`'s. Raises what :func:`load_model` raises."""
+        return load_model(name_or_path or self.name_or_path, backend=self.backend,
+                          device=self.device, dtype=self.dtype, threads=self.threads,
+                          kernels=self.kernels, max_model_len=self.max_model_len,
+                          weight_type=self.weight_type, proposer=proposer)

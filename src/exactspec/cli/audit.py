@@ -216,7 +216,7 @@ def build_audit(args: argparse.Namespace, prompts: list[str], params) -> "AuditS
     from exactspec.proposers.build import build_proposer
 
     proposer_spec = parse_proposer(args.proposer)
-    target = load_from_args(args)
+    target = load_from_args(args, proposer=proposer_spec)
     load = functools.cache(lambda name: load_from_args(args, name))  # one draft model
     proposer = build_proposer(proposer_spec, target, load)
     k, batch = args.num_speculative_tokens, args.max_batch_size

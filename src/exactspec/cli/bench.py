@@ -7,7 +7,6 @@ once and says how to run it without the extra."""
 from __future__ import annotations
 
 import argparse
-import functools
 from importlib.resources import files
 from pathlib import Path
 
@@ -16,8 +15,8 @@ from rich.markup import escape
 
 from exactspec.cli.common import (EXIT_STATUSES, EXIT_UNSTABLE, add_model_options,
                                   add_ray_options, allows_batch_variance, check_ray_options,
-                                  check_models_before_loading, load_from_args, print_error,
-                                  seed, start_workers, worker_args)
+                                  check_models_before_loading, model_spec, print_error, seed,
+                                  start_workers, worker_args)
 from exactspec.distributed import RayNotInstalledError, connect
 
 DEFAULT_BENCH_METHODS = {
@@ -105,27 +104,6 @@ def add_parser(commands) -> None:
     bench.set_defaults(subparser=bench)
 
 
-def load_methods(args: argparse.Namespace) -> tuple:
-    """The target and the methods compared (``--method``, else the backend's defaults)."""
-    from exactspec.bench import parse_method
-
-    target = load_from_args(args)
-    defaults = CONCURRENCY_METHODS if args.concurrency else DEFAULT_BENCH_METHODS
-    methods = [parse_method(spec, target, lambda name: load_from_args(args, name),
-                            allow_batch_variance=allows_batch_variance(args))
-               for spec in args.method or defaults[target.name]]
-    return target, methods
-
-
-def build_bench(args: argparse.Namespace, questions, params):
-    """A Ray worker's bench state: the target and methods loaded, warmed up and calibrated
-    (:func:`~exactspec.bench.runner.prepare_bench`)."""
-    from exactspec.bench.runner import prepare_bench
-
-    target, methods = load_methods(args)
-    return prepare_bench(target, questions, methods, params=params, chat=not args.no_chat)
-
-
 def concurrency_list(text: str) -> list[int]:
     """``--concurrency``'s value: comma-separated integers ≥ 1."""
     try:
@@ -140,7 +118,8 @@ def concurrency_list(text: str) -> list[int]:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
-    from exactspec.bench import load_questions, run_bench, write_report
+    from exactspec.bench import BenchSpec, load_questions, pipeline, write_report
+    from exactspec.bench.concurrency import write_concurrency_report
     from exactspec.bench.methods import is_peer, parse_method_spec
     from exactspec.bench.report import UNSTABLE_HEADLINE, verdict_line
     from exactspec.sampling import SamplingParams
@@ -156,42 +135,41 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--ray shards question runs over workers; --concurrency measures one "
                      "process under load: give one of them")
     console = Console(stderr=True, soft_wrap=True)
-    executor = None
     try:
-        params = SamplingParams(temperature=args.temperature, seed=args.seed,
-                                max_new_tokens=args.max_new_tokens)
-        questions = load_questions(args.questions or files("exactspec.bench") / "prompts.jsonl",
-                                   args.category, args.per_category)
         specs = [parse_method_spec(spec) for spec in args.method or ()]
-        check_models_before_loading(args, {f"--method {spec.spec}": spec.model
-                                           for spec in specs if spec.model})
+        backend = check_models_before_loading(args, {f"--method {spec.spec}": spec.model
+                                                     for spec in specs if spec.model})
         if args.ray is not None:  # before loading: a missing Ray or cluster fails at once
             connect(args.ray or None)
-        with console.status(f"Loading {args.model} …"):
-            target, methods = load_methods(args)
-        config = {"model": args.model, "backend": target.description, "device": str(target.device),
-                  "questions": str(args.questions or "exactspec prompts.jsonl"),
-                  "groups": args.category or "all", "per_category": args.per_category,
-                  "methods": [m.name for m in methods], "max_new_tokens": args.max_new_tokens,
-                  "temperature": args.temperature, "repetitions": args.repetitions,
-                  "seed": args.seed, "chat": not args.no_chat}
-        config |= {f"{m.name}: how": m.notes for m in methods if m.notes}
-        if args.concurrency:
-            return _run_concurrency(args, target, questions, methods, params, config, console)
-        if args.ray is not None:
-            executor = start_workers(args, functools.partial(
-                build_bench, worker_args(args), questions, params), console)
-            config["ran_on"] = executor.description
-        results = run_bench(target, questions, methods, params=params,
-                            repetitions=args.repetitions, chat=not args.no_chat, config=config,
-                            executor=executor)
+        spec = BenchSpec(
+            model_spec(worker_args(args) if args.ray is not None else args),  # a worker: 1 CPU
+            args.method or (CONCURRENCY_METHODS if args.concurrency
+                            else DEFAULT_BENCH_METHODS)[backend],
+            load_questions(args.questions or files("exactspec.bench") / "prompts.jsonl",
+                           args.category, args.per_category),
+            SamplingParams(temperature=args.temperature, seed=args.seed,
+                           max_new_tokens=args.max_new_tokens),
+            repetitions=args.repetitions, chat=not args.no_chat,
+            allow_batch_variance=allows_batch_variance(args), concurrency=args.concurrency,
+            config={"questions": str(args.questions or "exactspec prompts.jsonl"),
+                    "groups": args.category or "all", "per_category": args.per_category},
+            executor=None if args.ray is None else lambda build: start_workers(
+                worker_args(args), build, console))
+        console.print(f"loading {args.model} …", highlight=False)
+        results = pipeline.run(spec)
     except (ValueError, FileNotFoundError, LlamaCppNotInstalledError, RayNotInstalledError,
             ConnectionError, RuntimeError) as error:
         print_error(console, error)
         return 1
-    finally:
-        if executor is not None:
-            executor.close()
+    if args.concurrency:
+        summary = write_concurrency_report(results, args.output)
+        console.print(f"wrote {', '.join(summary['files'])}", highlight=False)
+        print((Path(args.output) / "report.md").read_text())
+        if results.incomplete:
+            raise KeyboardInterrupt
+        mismatches = sum(entry["mismatches"] or 0 for by_c in summary["table"].values()
+                         for entry in by_c.values())
+        return 1 if mismatches else 0
     summary = write_report(results, args.output)
     console.print(f"wrote {', '.join(summary['files'])}", highlight=False)
     print((Path(args.output) / "report.md").read_text())
@@ -205,20 +183,3 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         raise KeyboardInterrupt  # the report says what was kept; exit as interrupted
     failures = sum(e["mismatches"] for m, e in summary["overall"].items() if not is_peer(m))
     return 1 if failures else EXIT_UNSTABLE if summary["unstable"] else 0
-
-
-def _run_concurrency(args, target, questions, methods, params, config, console) -> int:
-    """``--concurrency``: the waves, the report, the exit status (1 on a greedy mismatch)."""
-    from exactspec.bench.concurrency import run_concurrency_bench, write_concurrency_report
-
-    results = run_concurrency_bench(target, questions, methods, args.concurrency, params=params,
-                                    repetitions=args.repetitions, chat=not args.no_chat,
-                                    config=config)
-    summary = write_concurrency_report(results, args.output)
-    console.print(f"wrote {', '.join(summary['files'])}", highlight=False)
-    print((Path(args.output) / "report.md").read_text())
-    if results.incomplete:
-        raise KeyboardInterrupt
-    mismatches = sum(entry["mismatches"] or 0 for by_c in summary["table"].values()
-                     for entry in by_c.values())
-    return 1 if mismatches else 0

@@ -15,7 +15,7 @@ from exactspec.load_options import BACKENDS, KERNELS, default_threads
 from exactspec.model_files import (DEFAULT_MODEL, EMBEDDED_MODELS, WEIGHT_TYPES,
                                    check_model_path, context_length, layer_count,
                                    resolve_model_path)
-from exactspec.proposers.spec import TRANSFORMERS_ONLY, parse_ngram, parse_proposer
+from exactspec.proposers.spec import parse_ngram, parse_proposer
 from exactspec.speculation_length import DEFAULT_POLICY, POLICIES
 
 DEFAULT_K = 4
@@ -136,10 +136,12 @@ def positive_int(text: str) -> int:
     return value
 
 
-def check_models_before_loading(args: argparse.Namespace, drafts: dict[str, str]) -> str:
+def check_models_before_loading(args: argparse.Namespace, drafts: dict[str, str],
+                                proposer=None) -> str:
     """What can be checked without loading a model, in a moment: ``--model`` and each of
     ``drafts`` (flag → model name or path) exist and look like a model (see
-    :func:`~exactspec.model_files.check_model_path`), and the model options fit the target.
+    :func:`~exactspec.model_files.check_model_path`), and the model options, and
+    ``proposer``'s needs, fit the target (:func:`~exactspec.models.choose_backend`).
 
     Returns:
         the target's backend (``native``, ``transformers`` or ``llama_cpp``).
@@ -155,7 +157,7 @@ def check_models_before_loading(args: argparse.Namespace, drafts: dict[str, str]
             raise type(error)(f"{flag}: {error}") from None
         if flag == "--model":
             backend = choose_backend(path, args.backend, device=args.device, dtype=args.dtype,
-                                     kernels=args.kernels)
+                                     kernels=args.kernels, proposer=proposer)
             limit = context_length(path) if args.max_model_len else None
             if limit is not None and args.max_model_len > limit:
                 raise ValueError(f"--max-model-len {args.max_model_len} is invalid: the model's "
@@ -166,9 +168,8 @@ def check_models_before_loading(args: argparse.Namespace, drafts: dict[str, str]
 def check_proposer_before_loading(args: argparse.Namespace, parser: argparse.ArgumentParser,
                                  proposer_spec, flag: str) -> str:
     """:func:`check_models_before_loading` for ``--model`` and ``proposer``'s draft model;
-    for early exit and a draft head, that the target runs on transformers (``--backend auto``
-    is set to it) and :func:`check_early_exit` or that the head file exists. ``flag`` names
-    the proposer in messages (e.g. ``--draft-model``, ``--proposer SPEC``).
+    for early exit, :func:`check_early_exit`; for a draft head, that its file exists.
+    ``flag`` names the proposer in messages (e.g. ``--draft-model``, ``--proposer SPEC``).
 
     Returns:
         the target's backend (``native``, ``transformers`` or ``llama_cpp``).
@@ -177,13 +178,8 @@ def check_proposer_before_loading(args: argparse.Namespace, parser: argparse.Arg
         exit through ``parser.error``.
         (a head file that does not exist is a ValueError too).
     """
-    if proposer_spec.kind in TRANSFORMERS_ONLY and args.backend == "auto":
-        args.backend = "transformers"
-    backend = check_models_before_loading(args, {flag: proposer_spec.model} if proposer_spec.model else {})
-    if proposer_spec.kind in TRANSFORMERS_ONLY and backend != "transformers":
-        raise ValueError(f"{flag} {TRANSFORMERS_ONLY[proposer_spec.kind]}, which needs the "
-                         f"transformers backend, and {args.model!r} runs on {backend}: "
-                         "add --backend transformers")
+    backend = check_models_before_loading(
+        args, {flag: proposer_spec.model} if proposer_spec.model else {}, proposer_spec)
     if proposer_spec.kind == "early-exit":
         check_early_exit(parser, flag if flag == "--early-exit" else f"{flag}: L =",
                          proposer_spec.layers, layer_count(resolve_model_path(args.model)))
@@ -203,13 +199,20 @@ def check_early_exit(parser: argparse.ArgumentParser, flag: str, layers: int,
         parser.error(f"{flag} {layers} is invalid: it must be ≥ 1")
 
 
-def load_from_args(args: argparse.Namespace, name_or_path: str | None = None):
-    """The model ``name_or_path`` (default ``--model``) with the parsed model options."""
-    from exactspec.models import load_model
+def model_spec(args: argparse.Namespace):
+    """The :class:`~exactspec.models.ModelSpec` of ``--model`` and the model options."""
+    from exactspec.models import ModelSpec
 
-    return load_model(name_or_path or args.model, backend=args.backend, device=args.device,
-                      dtype=args.dtype, threads=args.threads, kernels=args.kernels,
-                      max_model_len=args.max_model_len, weight_type=args.weight_type)
+    return ModelSpec(args.model, backend=args.backend, device=args.device, dtype=args.dtype,
+                     threads=args.threads, kernels=args.kernels,
+                     max_model_len=args.max_model_len, weight_type=args.weight_type)
+
+
+def load_from_args(args: argparse.Namespace, name_or_path: str | None = None, *,
+                   proposer=None):
+    """The model ``name_or_path`` (default ``--model``) with the parsed model options, on the
+    backend ``proposer``'s needs allow (see :func:`~exactspec.models.choose_backend`)."""
+    return model_spec(args).load(name_or_path, proposer=proposer)
 
 
 def allows_batch_variance(args: argparse.Namespace) -> bool:

@@ -176,7 +176,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     logging.getLogger("exactspec").setLevel(logging.INFO)
     try:
         with console.status(f"Loading {args.model} …"):
-            target = load_from_args(args)
+            target = load_from_args(args, proposer=proposer_spec)
         with (console.status(f"Loading draft {proposer_spec.model} …") if proposer_spec.model
               else contextlib.nullcontext()):
             proposer = build_proposer(proposer_spec, target, lambda name: load_from_args(args, name))

@@ -185,7 +185,7 @@ def build_app(args: argparse.Namespace, ray_metrics: bool = False):
     """
     from exactspec.server import SpeculationSettings, create_app  # the server extra
 
-    target = load_from_args(args)
+    target = load_from_args(args, proposer=args.proposer)
     proposer = build_proposer(args.proposer, target, lambda name: load_from_args(args, name))
     k = args.num_speculative_tokens if proposer is not None else 0
     factory = {}
