@@ -31,13 +31,12 @@ import torch
 from exactspec.backends.base import Backend, UnsupportedModelError, new_sequence_id
 from exactspec.generator import (PLAIN_STEP, GenerationResult, OnCommit, SequenceState,
                                  SpeculativeGenerator)
+from exactspec.load_options import DEFAULT_MAX_BATCH_SIZE
 from exactspec.request import Prompt, Request, prepare_request
 from exactspec.sampling import SamplingParams
 from exactspec.speculation_length import Choice, ForwardCost, batch_speculation_lengths, survival
 from exactspec.threads import torch_threads
 
-DEFAULT_MAX_BATCH_SIZE = 8
-"""Rows decoded together when none is given."""
 PREFILL_SHARE = 0.8
 """While rows decode, prefill gets this many seconds per second of decoding (at most), so
 their time per token stays within about (1 + this)× its value without prefill."""

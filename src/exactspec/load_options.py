@@ -1,4 +1,5 @@
-"""The values :func:`~exactspec.models.load_model`'s options take, known without importing a
+"""The values :func:`~exactspec.models.load_model`'s options take, and the batch size
+:class:`~exactspec.batching.BatchedGenerator` defaults to, known without importing a
 runtime: the command line lists them in ``--help`` before anything loads PyTorch."""
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ BACKENDS = ("auto", "native", "transformers", "llama_cpp")
 KERNELS = ("batch-invariant", "fast")
 """Kernel choices of the transformers backend (``batch-invariant`` is the default; see
 :mod:`exactspec.backends.batch_invariant`)."""
+
+DEFAULT_MAX_BATCH_SIZE = 8
+"""Rows :class:`~exactspec.batching.BatchedGenerator` decodes together when none is given."""
 
 
 def default_threads() -> int:

@@ -25,9 +25,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from exactspec.audit.endpoint import TRANSLATED, Endpoint
-from exactspec.audit.reference import ExactReference, SampledReference
-from exactspec.audit.remote import (MODES, compare_greedy, draw_interleaved, local_greedy,
+from exactspec.extras import require
+
+require("audit", "exactspec.audit")
+
+from exactspec.audit.modes import MODES  # noqa: E402 (after the check)
+from exactspec.audit.endpoint import TRANSLATED, Endpoint  # noqa: E402
+from exactspec.audit.reference import ExactReference, SampledReference  # noqa: E402
+from exactspec.audit.remote import (compare_greedy, draw_interleaved, local_greedy,
                                     model_check)
 from exactspec.audit.result import (AuditResult, DistributionTest, describer, distribution_test,
                                     draft_snapshot, drafted_since, verdict)
@@ -54,7 +59,7 @@ class EndpointSpec:
 
     Attributes:
         url: A's base URL (speculation on).
-        mode: one of :data:`~exactspec.audit.remote.MODES`.
+        mode: one of :data:`~exactspec.audit.modes.MODES`.
         model: the model's name in A's API (None: the first of ``GET /models``).
         against: B's base URL (None: ``url``, with ``against_body``; not used in reference
             mode).

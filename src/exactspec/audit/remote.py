@@ -36,7 +36,6 @@ from exactspec.audit.endpoint import END, Completion, Endpoint, EndpointError
 from exactspec.audit.result import LOGPROB_TOLERANCE, GreedyComparison, ModelCheck
 from exactspec.sampling import SamplingParams
 
-MODES = ("two-sample", "reference", "greedy")
 """The endpoint audit's modes (module docstring)."""
 CHUNK = 50
 """Samples drawn from one engine before the next engine's turn."""
@@ -166,5 +165,5 @@ def model_check(greedy: Sequence[GreedyComparison], endpoint: Sequence[Completio
 
 
 
-__all__ = ["CHUNK", "MODES", "compare_greedy", "draw_interleaved", "greedy_comparison",
+__all__ = ["CHUNK", "compare_greedy", "draw_interleaved", "greedy_comparison",
            "local_greedy", "model_check"]

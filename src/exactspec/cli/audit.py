@@ -14,6 +14,7 @@ from exactspec.cli.common import (DEFAULT_K, add_model_options, add_policy_optio
                                   add_ray_options, allows_batch_variance, check_ray_options,
                                   check_proposer_before_loading, load_from_args, positive_int,
                                   print_error, seed, start_workers, worker_args)
+from exactspec.extras import require
 from exactspec.proposers.spec import FORMS, parse_proposer
 
 if TYPE_CHECKING:
@@ -110,6 +111,7 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Map the flags to an :class:`~exactspec.audit.AuditSpec`, run it
     (:func:`exactspec.audit.run`), write and print the report; the exit status."""
+    require("audit", "exactspec audit")
     import functools
     from pathlib import Path
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from exactspec.audit.remote import MODES
+from exactspec.audit.modes import MODES
 from exactspec.cli.common import DEFAULT_K
 
 EXACTSPEC_ONLY = {"engine": "exactspec", "proposer": "prompt-lookup", "policy": "constant",

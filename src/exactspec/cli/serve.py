@@ -14,17 +14,14 @@ import time
 
 from rich.console import Console
 
-from exactspec.backends.base import UnsupportedModelError
-from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
-from exactspec.batching import DEFAULT_MAX_BATCH_SIZE
 from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_model_options,
                                   add_policy_option, allows_batch_variance,
                                   check_proposer_before_loading, load_from_args, positive_int,
                                   print_error, proposer_spec, worker_args)
 from exactspec.distributed import RayNotInstalledError
 from exactspec.extras import require
+from exactspec.load_options import DEFAULT_MAX_BATCH_SIZE
 from exactspec.model_files import ModelNotFoundError
-from exactspec.proposers.build import build_proposer
 from exactspec.proposers.spec import DEFAULT_NGRAM, FORMS, parse_proposer
 
 API_KEY_VARIABLE = "EXACTSPEC_API_KEY"
@@ -108,6 +105,8 @@ def add_parser(commands) -> None:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     require("server", "exactspec serve")
+    from exactspec.backends.base import UnsupportedModelError  # PyTorch: after --help
+    from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
     if args.num_speculative_tokens < 0:
         parser.error(f"-k {args.num_speculative_tokens} is invalid: it must be ≥ 0 "
                      "(0 = plain decoding)")
@@ -183,6 +182,7 @@ def build_app(args: argparse.Namespace, ray_metrics: bool = False):
         ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError, ValueError:
             as loading does.
     """
+    from exactspec.proposers.build import build_proposer
     from exactspec.server import SpeculationSettings, create_app  # the server extra
 
     target = load_from_args(args, proposer=args.proposer)

@@ -30,8 +30,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exactspec.backends.base import Backend
-from exactspec.batching import DEFAULT_MAX_BATCH_SIZE
 from exactspec.generator import SpeculativeGenerator
+from exactspec.load_options import DEFAULT_MAX_BATCH_SIZE
 from exactspec.proposers.base import Proposer
 from exactspec.request import Request as EngineRequest
 from exactspec.request import RequestError, prepare_request, prompt_tokens

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from exactspec.backends.base import Backend
-from exactspec.batching import DEFAULT_MAX_BATCH_SIZE, BatchedGenerator
+from exactspec.batching import BatchedGenerator
 from exactspec.generator import GenerationResult, SpeculativeGenerator
+from exactspec.load_options import DEFAULT_MAX_BATCH_SIZE
 from exactspec.proposers.base import Proposer
 from exactspec.request import Request
 from exactspec.sampling import SamplingParams
