@@ -44,6 +44,22 @@ class CharTokenizer:
     def get_vocab(self) -> dict[str, int]:
         return {c: i for i, c in enumerate(self.chars)}
 
+    def constraint_tokenizer(self, vocab_size: int, eos_token_ids: Sequence[int]):
+        import llguidance
+
+        chars = self.chars
+
+        class Vocabulary:  # what llguidance.TokenizerWrapper reads; EOS is a special token
+            eos_token_id, bos_token_id, special_token_ids = eos_token_ids[0], None, []
+            tokens = [b"\xff<eos>" if i in eos_token_ids else c.encode() for i, c in
+                      enumerate(chars)] + [b""] * (vocab_size - len(chars))
+
+            def __call__(self, text):
+                text = text.decode() if isinstance(text, bytes) else text
+                return [chars.index(c) for c in text]
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocabulary()),
+                                      n_vocab=vocab_size, eos_token=list(eos_token_ids))
+
 
 def tiny_model(seed: int = 0, vocab: int = VOCAB, max_context: int = 512,
                dtype: torch.dtype = torch.float32):

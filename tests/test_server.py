@@ -469,7 +469,14 @@ def test_what_openai_clients_send_by_default_is_accepted(server, client, library
 
 @pytest.mark.parametrize("change, param, words", [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "only"),
+    ({"response_format": {"type": "xml"}}, "response_format", "text, json_object or json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}},
+     "response_format", "not supported"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+     "exactly one of"),
+    ({"structured_outputs": {"regex": "(a"}}, "structured_outputs", "regex is not supported"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "response_format", "give one of them"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages.0.content", "only text parts"),
@@ -1010,3 +1017,40 @@ def test_return_token_ids_gives_the_prompt_and_generated_ids(server, library):
     streamed = httpx.post(server + "/v1/completions", json=body | {"stream": True, "n": 1},
                           headers=headers)
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "return_token_ids"
+
+
+def test_structured_outputs_through_the_openai_client():
+    """vLLM's structured_outputs on both endpoints, streamed and not, n = 2: every finished
+    choice matches; the same seed gives the library's output under the same constraint."""
+    from conftest import ALPHABET
+    from exactspec.constraints import Constraint
+
+    eos = ALPHABET.index("?")
+    target = tiny_backend(5, eos=[eos], max_context=256)
+    app = create_app(target, PromptLookupProposer(1, 3), model_name=MODEL,
+                     speculation=SpeculationSettings(3, "constant"))
+    regex = r"(ab|cd)+e"
+    with serving(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        ask = dict(model=MODEL, n=2, temperature=1.0, seed=4, max_tokens=30,
+                   extra_body={"structured_outputs": {"regex": regex}})
+        for stream in (False, True):
+            texts, reasons = ["", ""], [None, None]
+            response = client.chat.completions.create(
+                messages=[{"role": "user", "content": "abcd abcd"}], stream=stream, **ask)
+            for part in (response if stream else [response]):
+                for choice in part.choices:
+                    texts[choice.index] += (choice.delta.content or "") if stream \
+                        else choice.message.content
+                    reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+            for text, reason in zip(texts, reasons):  # (the tiny tokenizer writes EOS: ?)
+                assert re.fullmatch(regex + r"\?" if reason == "stop" else r"((ab|cd)*(a|c)?)",
+                                    text), (text, reason)
+        completion = client.completions.create(prompt="abcd", **ask | {
+            "extra_body": {"structured_outputs": {"choice": ["abcd", "cab"]}}})
+        assert {c.text for c in completion.choices} <= {"abcd?", "cab?"}
+        expected = SpeculativeGenerator(target, PromptLookupProposer(1, 3), 3, "constant") \
+            .generate_samples("abcd", SamplingParams(
+                temperature=1.0, seed=4, max_new_tokens=30,
+                constraint=Constraint.choice(["abcd", "cab"])), n=2)
+        assert [c.text for c in completion.choices] == [r.text for r in expected]

@@ -16,10 +16,13 @@ Order, for each row (plain decoding uses the same order, the same code):
     4. bans                    banned_token_ids, bad words (the last token of a bad word is
                                masked when the history ends with the rest of it), and,
                                until min_new_tokens tokens exist, EOS and stop_token_ids.
-    5. warpers                 temperature → top-k → top-p → min-p (the order of Hugging
+    5. constraint              tokens the structured-output constraint forbids after the
+                               output so far (``SamplingParams.constraint``,
+                               :class:`~exactspec.constraints.ConstraintMask`).
+    6. warpers                 temperature → top-k → top-p → min-p (the order of Hugging
                                Face transformers' logits warpers), then softmax
                                (:func:`warp_scores`, :func:`logits_to_probs`).
-Greedy decoding takes the argmax after step 4 (:func:`greedy_tokens`). Raw logits are
+Greedy decoding takes the argmax after step 5 (:func:`greedy_tokens`). Raw logits are
 never modified in place.
 """
 
@@ -30,6 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
+from exactspec.constraints import ConstraintMask
 from exactspec.sampling import SamplingParams
 
 
@@ -73,6 +77,7 @@ class LogitsPipeline:
         eos_token_ids: suppressed with stop_token_ids until min_new_tokens (unless ignore_eos).
         bad_words_ids: token sequences never to generate (from ``params.bad_words``).
         device: where the logits live.
+        constraint: the tokens ``params.constraint`` allows (None: no constraint).
     Raises:
         ValueError: if a token id in logit_bias, banned_token_ids or stop_token_ids is
             outside the vocabulary.
@@ -80,8 +85,10 @@ class LogitsPipeline:
 
     def __init__(self, params: SamplingParams, prompt_token_ids: Sequence[int], vocab_size: int,
                  eos_token_ids: Sequence[int] = (), bad_words_ids: Sequence[Sequence[int]] = (),
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu",
+                 constraint: ConstraintMask | None = None) -> None:
         self.params = params
+        self.constraint = constraint
         self.num_prompt_tokens = len(prompt_token_ids)
         self.vocab_size = vocab_size
         self.device = torch.device(device)
@@ -105,11 +112,12 @@ class LogitsPipeline:
         suppressed = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self._suppressed_until_min = sorted(suppressed) if params.min_new_tokens else []
         self.is_identity = not (self._penalised or self._bias is not None or self._banned
-                                or self._bad_sequences or self._suppressed_until_min)
+                                or self._bad_sequences or self._suppressed_until_min
+                                or constraint is not None)
 
     def process(self, logits: torch.Tensor, context: Sequence[int],
                 drafted: Sequence[int] = ()) -> torch.Tensor:
-        """Steps 1-4 for ``n`` consecutive positions.
+        """Steps 1-5 for ``n`` consecutive positions.
 
         Args:
             logits: ``[n, vocab]`` raw logits; row i predicts the token after
@@ -142,6 +150,9 @@ class LogitsPipeline:
             rows = [i for i in range(n) if num_generated + i < self.params.min_new_tokens]
             if rows:
                 scores[torch.tensor(rows)[:, None], torch.tensor(self._suppressed_until_min)] = -math.inf
+        if self.constraint is not None:
+            allowed = self.constraint.allowed(context[self.num_prompt_tokens:], drafted, n)
+            scores.masked_fill_(~allowed.to(scores.device), -math.inf)
         return scores
 
     def first_empty_row(self, processed: torch.Tensor) -> int | None:

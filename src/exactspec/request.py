@@ -102,8 +102,7 @@ def prepare_request(target: Backend, prompt: Prompt, params: SamplingParams | No
         name, bad = found
         raise RequestError(name, f"{name} has token ids {bad[:5]} outside the vocabulary "
                                  f"[0, {target.vocab_size})")
-    pipeline = LogitsPipeline(params, prompt_token_ids, target.vocab_size, target.eos_token_ids,
-                              bad_words_ids(target.tokenizer, params.bad_words), target.device)
+    pipeline = logits_pipeline(target, params, prompt_token_ids)
     return Request(prompt_token_ids, params, pipeline, make_rng(params.seed, target.device), n,
                    timed=params.greedy or params.seed is None, start=start)
 
@@ -141,6 +140,35 @@ def prompt_tokens(target: Backend, prompt: Prompt, chat: bool = False) -> list[i
                                      f"prompt may have at most {limit - 1} to leave room for a "
                                      "generated token")
     return token_ids
+
+
+def logits_pipeline(target: Backend, params: SamplingParams,
+                    prompt_token_ids: Sequence[int]) -> LogitsPipeline:
+    """The logits chain of a request of ``params`` on ``target`` (its bad words tokenised,
+    its constraint matched with the target's tokenizer): what the engine verifies with and
+    the audit's exact reference computes with.
+
+    Raises:
+        RequestError: for token ids outside the vocabulary (the field named), or a
+            constraint the tokenizer cannot match or a model without an EOS token
+            (``constraint``).
+    """
+    constraint = None
+    if params.constraint is not None:
+        if not target.eos_token_ids:
+            raise RequestError("constraint", "structured output needs a model with an EOS "
+                                             "token (a complete output ends with it)")
+        try:
+            constraint = params.constraint.mask(target.tokenizer.constraint_tokenizer(
+                target.vocab_size, tuple(target.eos_token_ids)), target.vocab_size)
+        except ValueError as error:
+            raise RequestError("constraint", str(error)) from None
+    try:
+        return LogitsPipeline(params, prompt_token_ids, target.vocab_size, target.eos_token_ids,
+                              bad_words_ids(target.tokenizer, params.bad_words), target.device,
+                              constraint)
+    except ValueError as error:
+        raise RequestError("params", str(error)) from None
 
 
 def bad_words_ids(tokenizer: Tokenizer, bad_words: Sequence[str]) -> list[list[int]]:

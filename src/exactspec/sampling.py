@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from exactspec.constraints import Constraint
 
 MIN_TEMPERATURE = 1e-4
 """Smallest positive temperature: logits / temperature must stay finite in float32."""
@@ -54,6 +55,10 @@ class SamplingParams:
         banned_token_ids: Token ids never generated.
         logprobs: Return, per generated token, its log-probability under the target's
             processed distribution and the top ``logprobs`` alternatives (0..20); None: off.
+        constraint: What the output must match (structured output: a JSON schema, a regular
+            expression, a grammar, choices; :class:`~exactspec.constraints.Constraint`);
+            the processed distribution is masked to the tokens it allows. None: off. Not
+            with ``ignore_eos`` (a complete output ends with EOS).
 
     Raises:
         ValueError: naming the field, for any value outside the ranges above.
@@ -76,6 +81,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     banned_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         for name in ("stop", "bad_words", "stop_token_ids", "banned_token_ids"):
@@ -123,6 +129,10 @@ class SamplingParams:
                    "logit_bias", {token: bias}, "token id (≥ 0) → bias in [-100, 100]")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                "logprobs", self.logprobs, "None or an integer in [0, 20]")
+        _check(self.constraint is None or isinstance(self.constraint, Constraint), "constraint",
+               self.constraint, "None or a Constraint (e.g. Constraint.json_schema(...))")
+        _check(self.constraint is None or not self.ignore_eos, "ignore_eos", self.ignore_eos,
+               "False with a constraint (a complete structured output ends with EOS)")
 
     @property
     def greedy(self) -> bool:

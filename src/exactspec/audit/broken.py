@@ -6,8 +6,11 @@ Never use these to generate text: they change the output distribution.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from exactspec.constraints import Constraint, ConstraintMask, ConstraintViolation
 from exactspec.generator import SpeculativeGenerator
 from exactspec.sampling import sample_from_probs
 from exactspec.verification import VerificationResult, rejection_sample
@@ -43,13 +46,54 @@ BROKEN_VERIFIERS = {"accept-all": accept_every_draft, "no-residual": resample_wi
 """The broken controls by name (``exactspec audit --broken NAME``)."""
 
 
+class _VerifiedPositionOnly(ConstraintMask):
+    """Broken: masks only the position after the committed output, so drafted positions
+    are judged against the unconstrained p (the bug the speculative decoding trackers
+    report: vLLM #15554, SGLang #13019). A forbidden draft can then be committed; from
+    there on the grammar is lost and nothing is masked."""
+
+    lost = False
+
+    def allowed(self, output, drafted, n):
+        everything = torch.ones(n, self.vocab_size, dtype=torch.bool)
+        if not self.lost:
+            try:
+                everything[0] = super().allowed(output, (), 1)[0]
+            except ConstraintViolation:  # a forbidden token was committed
+                self.lost = True
+        return everything
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifiedPositionOnly(Constraint):
+    """A constraint whose mask is :class:`_VerifiedPositionOnly` (see there)."""
+
+    def mask(self, tokenizer, vocab_size):
+        return _VerifiedPositionOnly(self, tokenizer, vocab_size)
+
+
+CONSTRAINT_CONTROL = "verified-position-only"
+"""The broken control of a constrained audit: the constraint masks the verified position
+only (:class:`_VerifiedPositionOnly`); correct verification otherwise."""
+
+
 class BrokenGenerator(SpeculativeGenerator):
     """A :class:`~exactspec.generator.SpeculativeGenerator` whose stochastic verification is
-    one of :data:`BROKEN_VERIFIERS` (greedy verification is left correct)."""
+    one of :data:`BROKEN_VERIFIERS` (greedy verification is left correct), or whose
+    constraint masks the verified position only (:data:`CONSTRAINT_CONTROL`; sampling
+    parameters without a constraint are left as they are)."""
 
     def __init__(self, *args, broken: str, **kwargs) -> None:
-        if broken not in BROKEN_VERIFIERS:
+        if broken not in (*BROKEN_VERIFIERS, CONSTRAINT_CONTROL):
             raise ValueError(f"broken control {broken!r} is unknown: choose one of "
-                             f"{', '.join(BROKEN_VERIFIERS)}")
+                             f"{', '.join([*BROKEN_VERIFIERS, CONSTRAINT_CONTROL])}")
         super().__init__(*args, **kwargs)
-        self.rejection_sampler = BROKEN_VERIFIERS[broken]
+        self.broken_constraint = broken == CONSTRAINT_CONTROL
+        if not self.broken_constraint:
+            self.rejection_sampler = BROKEN_VERIFIERS[broken]
+
+    def generate_samples(self, prompt, params=None, **kwargs):
+        if self.broken_constraint and params is not None and params.constraint is not None:
+            params = dataclasses.replace(params, constraint=VerifiedPositionOnly(
+                params.constraint.kind, params.constraint.value))
+        return super().generate_samples(prompt, params, **kwargs)

@@ -27,7 +27,9 @@ from exactspec.audit.endpoint import END, Symbol
 from exactspec.audit.stats import Impossible, NodeFit, PositionFit, fit_tree
 from exactspec.audit.two_sample import PromptComparison, compare_prompt, max_draws_for
 from exactspec.backends.base import Backend, forward_one, new_sequence_id
+from exactspec.constraints import ConstraintViolation
 from exactspec.logits_pipeline import LogitsPipeline, NoTokenAllowedError
+from exactspec.request import logits_pipeline
 from exactspec.sampling import SamplingParams
 
 
@@ -43,7 +45,10 @@ def next_token_probs(target: Backend, prompt_ids: Sequence[int], pipeline: Logit
         prefixes: continuations to score, sorted, every prefix of one listed before it
             (as :func:`~exactspec.audit.stats.fit_tree` passes them).
     Yields:
-        ``(prefix, probs)``, ``probs`` ``[vocab]`` float64 summing to 1, in the order given.
+        ``(prefix, probs)``, ``probs`` ``[vocab]`` float64 summing to 1, in the order given;
+        none for a prefix that breaks the sampling parameters' constraint (the test reports
+        its last token as impossible) or its descendants: the constrained target has no
+        distribution there.
     Raises:
         ValueError: if the prompt is empty or a prefix's parent was not listed before it.
     """
@@ -54,7 +59,11 @@ def next_token_probs(target: Backend, prompt_ids: Sequence[int], pipeline: Logit
     try:
         target.prefill(sequence, prompt_ids[:-1])
         path: tuple[int, ...] | None = None  # the continuation in the cache after the prompt
+        unreachable: set[tuple[int, ...]] = set()  # prefixes that break the constraint
         for prefix in prefixes:
+            if prefix and prefix[:-1] in unreachable:
+                unreachable.add(prefix)
+                continue
             if not prefix:
                 target.rollback(sequence, target.num_cached_tokens(sequence) - (len(prompt_ids) - 1))
                 logits = forward_one(target, sequence, prompt_ids[-1:])
@@ -65,7 +74,11 @@ def next_token_probs(target: Backend, prompt_ids: Sequence[int], pipeline: Logit
                 target.rollback(sequence, len(path) - (len(prefix) - 1))
                 logits = forward_one(target, sequence, prefix[-1:])
             path = prefix
-            processed = pipeline.process(logits, prompt_ids + list(prefix))
+            try:
+                processed = pipeline.process(logits, prompt_ids + list(prefix))
+            except ConstraintViolation:  # the constraint's matcher cannot follow this prefix
+                unreachable.add(prefix)
+                continue
             if pipeline.first_empty_row(processed) is not None:
                 raise NoTokenAllowedError(len(prefix))
             probs = pipeline.probs(processed)[0]
@@ -110,8 +123,7 @@ def fit_prompt(target: Backend, prompt_ids: Sequence[int], params: SamplingParam
                samples: Sequence[Sequence[int]], index: int = 0) -> PromptTest:
     """The per-position tests of one prompt's ``samples`` against the target's exact
     conditionals (undecided: :func:`~exactspec.audit.stats.decide` applies Holm)."""
-    pipeline = LogitsPipeline(params, list(prompt_ids), target.vocab_size, target.eos_token_ids,
-                              [], target.device)
+    pipeline = logits_pipeline(target, params, list(prompt_ids))
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos
                                              else set(target.eos_token_ids))
     fit = fit_tree(samples, params.max_new_tokens, stop_ids,

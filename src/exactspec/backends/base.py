@@ -66,6 +66,13 @@ class Tokenizer(Protocol):
         """Token string → id, for checking that a draft shares the target's tokenizer."""
         ...
 
+    def constraint_tokenizer(self, vocab_size: int, eos_token_ids: Sequence[int]):
+        """The tokenizer as llguidance reads it (an ``llguidance.LLTokenizer``), for
+        structured output (:mod:`exactspec.constraints`): ``vocab_size`` token slots (the
+        logits' width), ``eos_token_ids`` allowed where a constraint is complete. Built
+        once per arguments (about a second for a real vocabulary) and cached."""
+        ...
+
 
 FIRST_SEQUENCE_ID = 1 << 20
 """Where :func:`new_sequence_id` starts: ids below are free for callers who pick their own."""

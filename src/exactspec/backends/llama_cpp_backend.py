@@ -152,6 +152,15 @@ class LlamaCppTokenizer:
         return {llama_cpp.llama_vocab_get_text(vocab, i).decode("utf-8", "replace"): i
                 for i in range(self.llama.n_vocab())}
 
+    @functools.cache
+    def constraint_tokenizer(self, vocab_size: int, eos_token_ids: Sequence[int]):
+        import llguidance.llamacpp
+
+        llama_cpp = import_llama_cpp()
+        return llguidance.llamacpp.lltokenizer_from_vocab(
+            llama_cpp.llama_model_get_vocab(self.llama.model), n_vocab=vocab_size,
+            eos_token=list(eos_token_ids))
+
 
 class LlamaCppBackend:
     """A GGUF model on llama.cpp with a rollback-able KV cache per sequence held (see

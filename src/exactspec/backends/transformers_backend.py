@@ -74,6 +74,13 @@ class HFTokenizer:
     def get_vocab(self) -> dict[str, int]:
         return self.hf_tokenizer.get_vocab()
 
+    @functools.cache
+    def constraint_tokenizer(self, vocab_size: int, eos_token_ids: Sequence[int]):
+        import llguidance.hf
+
+        return llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=vocab_size,
+                                            eos_token=list(eos_token_ids))
+
 
 class TransformersBackend:
     """A transformers causal LM with a rollback-able ``DynamicCache`` per sequence held (see

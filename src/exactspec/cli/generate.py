@@ -96,6 +96,21 @@ def add_parser(commands) -> None:
                           help=f"never generate token ID (repeatable; {CHECKED_AFTER_LOAD})")
     sampling.add_argument("-n", "--num-samples", type=int, default=1, metavar="N",
                           help="independent samples of the same prompt (sharing its prefill)")
+    structured = gen.add_argument_group(
+        "structured output (one of these; the output is masked to what it allows, exactly "
+        "under speculation too; a complete output ends with EOS, one cut by "
+        "--max-new-tokens says finish: length)")
+    constraint = structured.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE",
+                            help="JSON valid against the JSON schema in FILE ('{}': any JSON)")
+    constraint.add_argument("--json-object", action="store_true",
+                            help="any JSON object (OpenAI's json_object)")
+    constraint.add_argument("--regex", metavar="REGEX",
+                            help="text matching REGEX whole (Rust regex syntax)")
+    constraint.add_argument("--grammar", metavar="FILE",
+                            help="text the Lark (or GBNF) grammar in FILE derives")
+    constraint.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                            help="exactly one of the --choice texts (repeatable)")
     out = gen.add_argument_group("output")
     out.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="wrap the prompt in the model's chat template (default: on when the "
@@ -132,6 +147,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from exactspec.trace.terminal import show
 
     try:
+        constraint = _constraint(args)
+    except ValueError as error:
+        parser.error(str(error))
+    try:
         params = SamplingParams(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
             seed=args.seed, max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
@@ -139,7 +158,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
             logit_bias=dict(args.logit_bias), bad_words=tuple(args.bad_word),
-            banned_token_ids=tuple(args.ban_token_id), logprobs=args.logprobs)
+            banned_token_ids=tuple(args.ban_token_id), logprobs=args.logprobs,
+            constraint=constraint)
     except ValueError as error:
         message = str(error)
         for field, flag in FIELD_FLAGS.items():
@@ -236,6 +256,35 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if warning:
         console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False)
     return 0
+
+
+def _constraint(args: argparse.Namespace):
+    """The structured-output flags' :class:`~exactspec.constraints.Constraint` (None:
+    none given).
+
+    Raises:
+        ValueError: naming the flag: a file that cannot be read, a schema, regex or grammar
+            that is not supported (the construct named).
+    """
+    from exactspec.constraints import Constraint
+
+    flag, value = next(((flag, getattr(args, flag.lstrip("-").replace("-", "_")))
+                        for flag in ("--json-schema", "--json-object", "--regex", "--grammar",
+                                     "--choice")
+                        if getattr(args, flag.lstrip("-").replace("-", "_"))), (None, None))
+    if flag is None:
+        return None
+    try:
+        if flag in ("--json-schema", "--grammar"):
+            try:
+                value = Path(value).read_text()
+            except OSError as error:
+                raise ValueError(f"could not read {value!r}: {error.strerror}") from None
+        return {"--json-schema": Constraint.json_schema, "--regex": Constraint.regex,
+                "--grammar": Constraint.grammar, "--choice": Constraint.choice,
+                "--json-object": lambda _: Constraint.json_object()}[flag](value)
+    except ValueError as error:
+        raise ValueError(f"{flag} is invalid: {error}") from None
 
 
 def _proposer_spec(args: argparse.Namespace) -> tuple[ProposerSpec, str]:

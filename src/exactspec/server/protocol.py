@@ -29,6 +29,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from exactspec.constraints import Constraint
 from exactspec.generation_stats import GenerationStats
 from exactspec.generator import GenerationResult, TokenLogprob
 from exactspec.request import Prompt, RequestError
@@ -95,6 +96,61 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of its fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+
+
+def constraint_of(response_format: Mapping[str, Any] | None,
+                  structured_outputs: StructuredOutputs | None) -> Constraint | None:
+    """The :class:`~exactspec.constraints.Constraint` OpenAI's ``response_format``
+    (``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"schema":
+    ...}}``; ``text``: none) or vLLM's ``structured_outputs`` asks for (None: neither).
+
+    Raises:
+        ServerError: 400 naming the field: both given, an unknown type, several
+            ``structured_outputs`` fields, a schema, regex or grammar the engine cannot
+            match (the message names the construct).
+    """
+    if response_format is not None and structured_outputs is not None:
+        raise ServerError(400, "response_format and structured_outputs both constrain the "
+                               "output: give one of them", "response_format")
+    try:
+        if structured_outputs is not None:
+            given = {name: value for name, value in structured_outputs.model_dump().items()
+                     if value is not None}
+            if len(given) != 1:
+                raise ServerError(400, "structured_outputs takes exactly one of json, regex, "
+                                       f"grammar, choice (given: {', '.join(given) or 'none'})",
+                                  "structured_outputs")
+            (name, value), = given.items()
+            return {"json_": Constraint.json_schema, "regex": Constraint.regex,
+                    "grammar": Constraint.grammar, "choice": Constraint.choice}[name](value)
+        if response_format is None:
+            return None
+        kind = response_format.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return Constraint.json_object()
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, Mapping) or not isinstance(spec.get("schema"), Mapping):
+                raise ServerError(400, "response_format json_schema needs \"json_schema\": "
+                                       "{\"name\": ..., \"schema\": {...}}", "response_format")
+            return Constraint.json_schema(dict(spec["schema"]))
+        raise ServerError(400, f"response_format type {kind!r} is invalid: text, json_object "
+                               "or json_schema", "response_format")
+    except ValueError as error:
+        field = "response_format" if structured_outputs is None else "structured_outputs"
+        raise ServerError(400, f"{field}: {error}", field) from None
+
+
 class SamplingRequest(BaseModel):
     """The fields both endpoints share (OpenAI's names, then vLLM's extra ones), and what
     each endpoint's subclass says of itself: its prompts, its ``max_tokens`` and
@@ -134,6 +190,9 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # structured output: OpenAI's response_format, or vLLM's structured_outputs
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
     # exactspec's
     banned_token_ids: list[int] | None = None
     speculation: Speculation | None = None
@@ -220,7 +279,8 @@ class SamplingRequest(BaseModel):
                 frequency_penalty=self.frequency_penalty, logit_bias=logit_bias,
                 bad_words=tuple(self.bad_words or ()),
                 banned_token_ids=tuple(self.banned_token_ids or ()),
-                logprobs=self.asked_logprobs())
+                logprobs=self.asked_logprobs(),
+                constraint=constraint_of(self.response_format, self.structured_outputs))
         except ValueError as error:
             field = str(error).removeprefix("SamplingParams.").split(" ", 1)[0]
             message = str(error).removeprefix("SamplingParams.")
@@ -388,7 +448,6 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Any] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None  # a hint
-    response_format: dict[str, Any] | None = None
     store: bool | None = None
     metadata: dict[str, Any] | None = None  # a hint (tags for stored completions)
     service_tier: str | None = None
@@ -426,14 +485,6 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError(f"service_tier {tier!r} is not supported: exactspec has one tier "
                              "(auto or default)")
         return tier
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, response_format):
-        if response_format is not None and response_format.get("type") != "text":
-            raise ValueError(f"response_format {response_format.get('type')!r} is not "
-                             "supported: only {\"type\": \"text\"}")
-        return response_format
 
     def check(self) -> None:
         """As :meth:`SamplingRequest.check`, and ``top_logprobs`` only with ``logprobs``."""

@@ -1,0 +1,149 @@
+"""Structured output (exactspec.constraints): constraints compile or are refused naming the
+construct; greedy output is identical with and without speculation; every sampled output
+satisfies its constraint; constrained sampling is exact under speculation (the audit's
+test against the target's masked probabilities), and the broken control that masks only
+the verified position is caught."""
+
+import re
+
+import pytest
+import torch
+
+from exactspec import SamplingParams, SpeculativeGenerator
+from exactspec.audit import BrokenGenerator, ExactspecEngine, audit_distribution
+from exactspec.audit.broken import CONSTRAINT_CONTROL
+from exactspec.constraints import Constraint
+from exactspec.proposers import PromptLookupProposer, SuffixProposer
+from exactspec.proposers.draft_model import DraftModelProposer
+from exactspec.request import prepare_request
+from exactspec.verification import verify
+
+from conftest import ALPHABET, perturbed_backend, tiny_backend
+
+EOS = ALPHABET.index("?")
+REGEX = r"(ab|cd)+e"
+CONSTRAINTS = {  # name → (constraint, what a complete output matches)
+    "regex": (Constraint.regex(REGEX), REGEX),
+    "choice": (Constraint.choice(["abcd", "abd", "cab"]), "abcd|abd|cab"),
+    "grammar": (Constraint.grammar('start: item ("," item)*\nitem: "ab" | "cd" | "b"+'),
+                r"(ab|cd|b+)(,(ab|cd|b+))*"),
+}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_backend(5, eos=[EOS])
+
+
+def text_of(target, token_ids):
+    """The output's text without its EOS token."""
+    return target.tokenizer.decode([t for t in token_ids if t != EOS])
+
+
+def test_constraints_compile_or_are_refused_naming_the_construct():
+    assert Constraint.json_schema('{"type": "object"}').kind == "json_schema"
+    assert Constraint.json_object().to_grammar()
+    assert Constraint.grammar('root ::= "a" | "b"').kind == "grammar"  # GBNF, converted
+    with pytest.raises(ValueError, match="the regex is not supported"):
+        Constraint.regex("(ab")
+    with pytest.raises(ValueError, match="the JSON schema is not valid JSON"):
+        Constraint.json_schema("{nope")
+    with pytest.raises(ValueError, match="the json schema is not supported"):
+        Constraint.json_schema({"type": "object", "properties": {"a": {"type": "nonsense"}}})
+    with pytest.raises(ValueError, match="the grammar is not supported"):
+        Constraint.grammar("start: missing_rule")
+    with pytest.raises(ValueError, match=r"choices \[\] are invalid"):
+        Constraint.choice([])
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(constraint=Constraint.regex("a"), ignore_eos=True)
+    with pytest.raises(ValueError, match="constraint"):
+        SamplingParams(constraint="a+")
+
+
+@pytest.mark.parametrize("name", CONSTRAINTS)
+@pytest.mark.parametrize("proposer", ["prompt-lookup", "suffix", "draft-model"])
+def test_greedy_output_is_identical_with_and_without_speculation(target, name, proposer):
+    constraint, pattern = CONSTRAINTS[name]
+    make = {"prompt-lookup": lambda: PromptLookupProposer(1, 3),
+            "suffix": lambda: SuffixProposer(1, 8, 0.0),
+            "draft-model": lambda: DraftModelProposer(perturbed_backend(target, 0.02), target)}
+    params = SamplingParams(max_new_tokens=24, constraint=constraint)
+    for prompt in ("abcd abcd ab", "cab, cd, bb, ab", "hello"):
+        plain = SpeculativeGenerator(target, None).generate(prompt, params)
+        fast = SpeculativeGenerator(target, make[proposer](), 3, "constant").generate(
+            prompt, params)
+        assert fast.token_ids == plain.token_ids, (prompt, plain.text, fast.text)
+        if plain.finish_reason == "stop":
+            assert plain.token_ids[-1] == EOS
+            assert re.fullmatch(pattern, text_of(target, plain.token_ids)), plain.text
+
+
+def test_every_sampled_output_satisfies_its_constraint(target):
+    constraint, pattern = CONSTRAINTS["regex"]
+    params = SamplingParams(temperature=1.5, seed=3, max_new_tokens=12, constraint=constraint)
+    generator = SpeculativeGenerator(target, PromptLookupProposer(1, 3), 3, "constant")
+    results = generator.generate_samples("abcd abcd abe", params, n=200)
+    finished = [r for r in results if r.finish_reason == "stop"]
+    assert len(finished) > 50
+    for result in results:
+        text = text_of(target, result.token_ids)
+        if result.finish_reason == "stop":
+            assert re.fullmatch(pattern, text), text
+        else:  # cut by max_new_tokens: a prefix of a match, never claimed complete
+            assert re.fullmatch(r"((ab|cd)+e?|(ab|cd)*(a|c)?)", text), text
+    drafted = sum(r.stats.drafted_tokens for r in results)
+    assert drafted > 500 and 0 < sum(r.stats.accepted_tokens for r in results) < drafted
+
+
+K = 3
+PROPOSERS = {  # (target) → proposer; the least accepted per block position (of 300 samples)
+    "prompt-lookup": (lambda target: PromptLookupProposer(1, 3), [100, 10, 0]),
+    "draft-model": (lambda target: DraftModelProposer(perturbed_backend(target, 0.02), target),
+                    [300, 200, 50]),
+}
+SAMPLES = 300
+
+
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_constrained_sampling_is_exact_and_masking_only_the_verified_position_is_caught(
+        target, proposer):
+    """The audit's per-position test against the target's masked probabilities, every
+    block position drafted (prompt lookup copies the prompt's c's, which the constraint
+    forbids; the draft model drafts from the masked q, deep into the block) and the
+    control that judges drafts by the unconstrained p committing forbidden tokens."""
+    make, least_accepted = PROPOSERS[proposer]
+    params = SamplingParams(temperature=1.0, seed=0, max_new_tokens=K + 1,
+                            constraint=Constraint.regex("[ab]+e?"))
+    prompts = [target.tokenizer.encode(p) for p in ("abababababab", "abcabcabcab")]
+
+    def engine(generator_class, **kwargs):
+        return ExactspecEngine(generator_class(target, make(target), K, "constant", **kwargs),
+                               "under test")
+    good = audit_distribution(target, engine(SpeculativeGenerator), prompts, params, SAMPLES,
+                              0.01)
+    assert not good.rejected, [(p.impossible, p.positions) for p in good.prompts]
+    assert all(a >= least for a, least in zip(good.accepted_per_position, least_accepted)), \
+        (good.drafted_per_position, good.accepted_per_position)
+    bad = audit_distribution(target, engine(BrokenGenerator, broken=CONSTRAINT_CONTROL),
+                             prompts, params, SAMPLES, 0.01)
+    assert bad.rejected and all(p.impossible for p in bad.prompts)
+
+
+def test_a_draft_the_constraint_forbids_is_rejected_with_certainty(target):
+    """Verification masks each drafted row with its own prefix's state: a forbidden draft
+    has p = 0, so it is never accepted, and the recovered token is an allowed one."""
+    params = SamplingParams(temperature=1.0, seed=0, constraint=Constraint.regex("[ab]+"))
+    prompt = target.tokenizer.encode("abab")
+    pipeline = prepare_request(target, prompt, params).pipeline
+    logits = torch.zeros(3, target.vocab_size)  # flat: every allowed token equally likely
+    rng = torch.Generator().manual_seed(0)
+    allowed = {ALPHABET.index("a"), ALPHABET.index("b"), EOS}  # EOS once "a" is output
+    for draft in (["a", "c"], ["c", "a"]):
+        ids = [ALPHABET.index(c) for c in draft]
+        results = [verify(prompt, ids, None, logits, pipeline, rng).committed
+                   for _ in range(200)]
+        forbidden = draft.index("c")
+        assert all(len(committed) <= forbidden + 1 for committed in results)  # never past c
+        assert {t for committed in results for t in committed} <= allowed
+        # 'a' first: accepted about half the time, then c is rejected at row 1 (masked there)
+        assert (sum(len(committed) == 2 for committed in results) > 50) == (forbidden == 1)
