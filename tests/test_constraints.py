@@ -4,14 +4,15 @@ satisfies its constraint; constrained sampling is exact under speculation (the a
 test against the target's masked probabilities), and the broken control that masks only
 the verified position is caught."""
 
+import copy
 import re
 
 import pytest
 import torch
 
 from exactspec import SamplingParams, SpeculativeGenerator
-from exactspec.audit import BrokenGenerator, ExactspecEngine, audit_distribution
-from exactspec.audit.broken import CONSTRAINT_CONTROL
+from exactspec.audit import ExactspecEngine, audit_distribution
+from exactspec.audit.broken import ConstraintControl
 from exactspec.constraints import Constraint
 from exactspec.proposers import PromptLookupProposer, SuffixProposer
 from exactspec.proposers.draft_model import DraftModelProposer
@@ -116,16 +117,15 @@ def test_constrained_sampling_is_exact_and_masking_only_the_verified_position_is
                             constraint=Constraint.regex("[ab]+e?"))
     prompts = [target.tokenizer.encode(p) for p in ("abababababab", "abcabcabcab")]
 
-    def engine(generator_class, **kwargs):
-        return ExactspecEngine(generator_class(target, make(target), K, "constant", **kwargs),
+    def engine():
+        return ExactspecEngine(SpeculativeGenerator(target, make(target), K, "constant"),
                                "under test")
-    good = audit_distribution(target, engine(SpeculativeGenerator), prompts, params, SAMPLES,
-                              0.01)
+    good = audit_distribution(target, engine(), prompts, params, SAMPLES, 0.01)
     assert not good.rejected, [(p.impossible, p.positions) for p in good.prompts]
     assert all(a >= least for a, least in zip(good.accepted_per_position, least_accepted)), \
         (good.drafted_per_position, good.accepted_per_position)
-    bad = audit_distribution(target, engine(BrokenGenerator, broken=CONSTRAINT_CONTROL),
-                             prompts, params, SAMPLES, 0.01)
+    bad = audit_distribution(target, ConstraintControl(engine(), "control"), prompts, params,
+                             SAMPLES, 0.01)
     assert bad.rejected and all(p.impossible for p in bad.prompts)
 
 
@@ -147,3 +147,29 @@ def test_a_draft_the_constraint_forbids_is_rejected_with_certainty(target):
         assert {t for committed in results for t in committed} <= allowed
         # 'a' first: accepted about half the time, then c is rejected at row 1 (masked there)
         assert (sum(len(committed) == 2 for committed in results) > 50) == (forbidden == 1)
+
+
+def test_forced_tokens_are_drafted_first_and_accepted(target):
+    """Under a choice whose texts share a long prefix, the prefix is forced: drafted with
+    q = 1 and accepted in the first cycle, whatever the proposer drafts after it; the
+    output is the same as plain decoding's, sampled or greedy."""
+    from exactspec.proposers.forced import ForcedTokenProposer
+
+    constraint = Constraint.choice(["abcdabcd1", "abcdabcd2"])
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, seed=1, max_new_tokens=12,
+                                constraint=constraint)
+        plain = SpeculativeGenerator(target, None).generate("x", params)
+        fast = SpeculativeGenerator(target, PromptLookupProposer(1, 3), 8, "constant") \
+            .generate("x", params, trace=True)
+        assert fast.token_ids == plain.token_ids
+        first = fast.trace[0]
+        assert [d.token_id for d in first.drafts[:8]] == target.tokenizer.encode("abcdabcd")
+        assert all(d.verdict == "accepted" for d in first.drafts[:8])
+    mask = constraint.mask(target.tokenizer.constraint_tokenizer(target.vocab_size, (EOS,)),
+                           target.vocab_size)
+    assert mask.forced_tokens([]) == target.tokenizer.encode("abcdabcd")
+    assert mask.forced_tokens(target.tokenizer.encode("abcdabcd")) == []  # 1 or 2: a choice
+    inner = PromptLookupProposer(1, 3)
+    wrapped = copy.copy(ForcedTokenProposer(inner))
+    assert wrapped.inner is not inner and wrapped.drafts_for_free

@@ -188,6 +188,14 @@ class ConstraintMask:
         rows += [rows[-1]] * (n - len(rows))
         return torch.stack(rows)
 
+    def forced_tokens(self, output: Sequence[int]) -> list[int]:
+        """The tokens the constraint forces after ``output`` (the canonical tokenization of
+        the bytes it allows alone; empty where it allows a choice), for drafting."""
+        self._advance_to(output)
+        if self._matcher.is_stopped():
+            return []
+        return list(self._matcher.compute_ff_tokens())
+
     def _advance_to(self, output: Sequence[int]) -> None:
         known = self._output
         common = (len(known) if list(output[:len(known)]) == known  # the usual case: more

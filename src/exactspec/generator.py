@@ -31,6 +31,7 @@ from exactspec.cycle_trace import CycleTrace, trace_cycle
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.generation_stats import GenerationStats
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposer
+from exactspec.proposers.forced import ForcedTokenProposer
 from exactspec.request import Prompt, Request, prepare_request
 from exactspec.sampling import SamplingParams
 from exactspec.speculation_length import (DEFAULT_POLICY, Choice, SpeculationLengthPolicy,
@@ -272,7 +273,9 @@ class SequenceState:
         request: the prepared request (:func:`~exactspec.request.prepare_request`).
         sequence_id: the target's sequence to decode in (empty, or not yet created); the
             caller releases it.
-        proposer, policy: the request's proposer (None: plain decoding) and policy.
+        proposer, policy: the request's proposer (None: plain decoding; under a constraint
+            it drafts after the constraint's forced tokens,
+            :class:`~exactspec.proposers.forced.ForcedTokenProposer`) and policy.
         alone: the sequence has every forward to itself, so a request that may be timed
             (greedy or unseeded) lets its policy observe seconds; in a batch a forward's time
             is the batch's and the policy uses its prior cost model only.
@@ -291,6 +294,8 @@ class SequenceState:
         self.prompt_token_ids, self.pipeline = request.prompt_token_ids, request.pipeline
         self.rng = request.rng if rng is None else rng
         self.num_samples, self.timed = request.n, request.timed
+        if proposer is not None and request.params.constraint is not None:
+            proposer = ForcedTokenProposer(proposer)  # the constraint's forced tokens first
         self.proposer, self.policy = proposer, policy
         self.observe_seconds = alone and request.timed
         policy.reset(self.observe_seconds)

@@ -63,6 +63,14 @@ class _VerifiedPositionOnly(ConstraintMask):
                 self.lost = True
         return everything
 
+    def forced_tokens(self, output):
+        if not self.lost:
+            try:
+                return super().forced_tokens(output)
+            except ConstraintViolation:
+                self.lost = True
+        return []
+
 
 @dataclasses.dataclass(frozen=True)
 class VerifiedPositionOnly(Constraint):
@@ -72,28 +80,41 @@ class VerifiedPositionOnly(Constraint):
         return _VerifiedPositionOnly(self, tokenizer, vocab_size)
 
 
-CONSTRAINT_CONTROL = "verified-position-only"
-"""The broken control of a constrained audit: the constraint masks the verified position
-only (:class:`_VerifiedPositionOnly`); correct verification otherwise."""
+class ConstraintControl:
+    """An :class:`~exactspec.engines.Engine` like ``engine`` but whose requests' constraint
+    masks the verified position only (:class:`_VerifiedPositionOnly`): the broken control
+    of a constrained audit, correct verification otherwise. Requests without a constraint
+    are left as they are."""
+
+    def __init__(self, engine, name: str) -> None:
+        self.engine, self.name, self.corpus = engine, name, engine.corpus
+
+    @property
+    def draft_stats(self):
+        return self.engine.draft_stats
+
+    def generate(self, prompts, params, *, at_once=False):
+        return self.engine.generate(prompts, _broken(params), at_once=at_once)
+
+    def sample(self, prompt_ids, params, num_samples):
+        return self.engine.sample(prompt_ids, _broken(params), num_samples)
+
+
+def _broken(params):
+    """``params`` with its constraint masking the verified position only."""
+    if params.constraint is None:
+        return params
+    return dataclasses.replace(params, constraint=VerifiedPositionOnly(
+        params.constraint.kind, params.constraint.value))
 
 
 class BrokenGenerator(SpeculativeGenerator):
     """A :class:`~exactspec.generator.SpeculativeGenerator` whose stochastic verification is
-    one of :data:`BROKEN_VERIFIERS` (greedy verification is left correct), or whose
-    constraint masks the verified position only (:data:`CONSTRAINT_CONTROL`; sampling
-    parameters without a constraint are left as they are)."""
+    one of :data:`BROKEN_VERIFIERS` (greedy verification is left correct)."""
 
     def __init__(self, *args, broken: str, **kwargs) -> None:
-        if broken not in (*BROKEN_VERIFIERS, CONSTRAINT_CONTROL):
+        if broken not in BROKEN_VERIFIERS:
             raise ValueError(f"broken control {broken!r} is unknown: choose one of "
-                             f"{', '.join([*BROKEN_VERIFIERS, CONSTRAINT_CONTROL])}")
+                             f"{', '.join(BROKEN_VERIFIERS)}")
         super().__init__(*args, **kwargs)
-        self.broken_constraint = broken == CONSTRAINT_CONTROL
-        if not self.broken_constraint:
-            self.rejection_sampler = BROKEN_VERIFIERS[broken]
-
-    def generate_samples(self, prompt, params=None, **kwargs):
-        if self.broken_constraint and params is not None and params.constraint is not None:
-            params = dataclasses.replace(params, constraint=VerifiedPositionOnly(
-                params.constraint.kind, params.constraint.value))
-        return super().generate_samples(prompt, params, **kwargs)
+        self.rejection_sampler = BROKEN_VERIFIERS[broken]

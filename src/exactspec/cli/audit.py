@@ -9,10 +9,12 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING
 
+from exactspec.audit.modes import CONSTRAINT_CONTROL
 from exactspec.cli.audit_endpoint import add_endpoint_options
-from exactspec.cli.common import (DEFAULT_K, add_model_options, add_policy_option,
-                                  add_ray_options, allows_batch_variance, check_ray_options,
-                                  check_proposer_before_loading, load_from_args, positive_int,
+from exactspec.cli.common import (DEFAULT_K, add_constraint_options, add_model_options,
+                                  add_policy_option, add_ray_options, allows_batch_variance,
+                                  check_proposer_before_loading, check_ray_options,
+                                  constraint_from_args, load_from_args, positive_int,
                                   print_error, seed, start_workers, worker_args)
 from exactspec.extras import require
 from exactspec.proposers.spec import FORMS, parse_proposer
@@ -63,11 +65,14 @@ def add_parser(commands) -> None:
                            "unseeded request, so under auto its k follows the batch, drawing "
                            "from its own generator); the broken control is batched too "
                            "(default: one sample after another)")
-    what.add_argument("--broken", choices=["accept-all", "no-residual", "none"],
-                      default="accept-all",
+    what.add_argument("--broken", choices=["accept-all", "no-residual", CONSTRAINT_CONTROL,
+                                           "none"], default=None,
                       help="broken control for the power check: accept every draft (the "
                            "default), or resample from p instead of the residual after a "
-                           "rejection; none skips it (the verdict is then inconclusive)")
+                           f"rejection; {CONSTRAINT_CONTROL} (the default with a structured-"
+                           "output flag): the constraint masks the verified position only, "
+                           "drafts are judged by the unconstrained p; none skips it (the "
+                           "verdict is then inconclusive)")
     sampling = audit.add_argument_group("sampling")
     sampling.add_argument("--temperature", type=float, default=0.8, help="default 0.8")
     sampling.add_argument("--top-k", type=int, default=0, help="default 0 (off)")
@@ -100,6 +105,7 @@ def add_parser(commands) -> None:
                            f"{QUICK['greedy_tokens']} greedy tokens: a few minutes on the "
                            "embedded model; --samples, --greedy-tokens and --prompt given "
                            "explicitly override these")
+    add_constraint_options(audit)
     audit.add_argument("--output", default="audit-results", metavar="DIR",
                        help="where audit.json, report.md and the plots go (default audit-results)")
     add_ray_options(audit, "greedy checks, sample chunks and per-prompt tests",
@@ -150,9 +156,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--prompts {args.prompts!r} cannot be read: {error.strerror}")
     prompts = prompts or list(AUDIT_PROMPTS[: QUICK["num_prompts"] if args.quick else None])
     try:
+        constraint = constraint_from_args(args)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.broken is None:
+        args.broken = CONSTRAINT_CONTROL if constraint is not None else "accept-all"
+    elif args.broken == CONSTRAINT_CONTROL and constraint is None:
+        parser.error(f"--broken {CONSTRAINT_CONTROL} breaks a constraint: give one "
+                     "(--json-schema, --json-object, --regex, --grammar or --choice)")
+    try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                                max_new_tokens=args.tokens)
+                                max_new_tokens=args.tokens, constraint=constraint)
     except ValueError as error:
         parser.error(str(error).replace("SamplingParams.", "--").replace("_", "-"))
 
@@ -213,6 +228,7 @@ def build_audit(args: argparse.Namespace, prompts: list[str], params) -> "AuditS
 
     from exactspec import SpeculativeGenerator
     from exactspec.audit import AuditSetup, BatchedEngine, BrokenGenerator, ExactspecEngine
+    from exactspec.audit.broken import ConstraintControl
     from exactspec.batching import BatchedGenerator
     from exactspec.peers import make_peer
     from exactspec.proposers.build import build_proposer
@@ -234,11 +250,15 @@ def build_audit(args: argparse.Namespace, prompts: list[str], params) -> "AuditS
                            load, k)
         engine.name = f"{engine.label} {args.proposer} k={k}"
     engines = {"engine": engine}
-    if args.broken != "none" and proposer is not None:
+    control = f"broken control: {args.broken}, {args.proposer} k={k}"
+    if args.broken == CONSTRAINT_CONTROL and proposer is not None:
+        engines["control"] = ConstraintControl(as_engine(SpeculativeGenerator(
+            target, proposer, k, "constant", allow_batch_variance=allows_batch_variance(args)),
+            control), control)
+    elif args.broken != "none" and proposer is not None:
         engines["control"] = as_engine(BrokenGenerator(
             target, proposer, k, "constant", broken=args.broken,
-            allow_batch_variance=allows_batch_variance(args)),
-                                       f"broken control: {args.broken}, {args.proposer} k={k}")
+            allow_batch_variance=allows_batch_variance(args)), control)
     tokenizer = target.tokenizer
     prompt_ids = [tokenizer.apply_chat_template(p) if args.chat else tokenizer.encode(p)
                   for p in prompts]

@@ -230,6 +230,55 @@ def has_chat_template(target) -> bool:
     return True
 
 
+def add_constraint_options(parser: argparse.ArgumentParser) -> None:
+    """The structured-output flags (one of them): ``--json-schema``, ``--json-object``,
+    ``--regex``, ``--grammar``, ``--choice`` (:func:`constraint_from_args` reads them)."""
+    structured = parser.add_argument_group(
+        "structured output (one of these; the output is masked to what it allows, exactly "
+        "under speculation too; a complete output ends with EOS, one cut by "
+        "--max-new-tokens says finish: length)")
+    constraint = structured.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE",
+                            help="JSON valid against the JSON schema in FILE ('{}': any JSON)")
+    constraint.add_argument("--json-object", action="store_true",
+                            help="any JSON object (OpenAI's json_object)")
+    constraint.add_argument("--regex", metavar="REGEX",
+                            help="text matching REGEX whole (Rust regex syntax)")
+    constraint.add_argument("--grammar", metavar="FILE",
+                            help="text the Lark (or GBNF) grammar in FILE derives")
+    constraint.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                            help="exactly one of the --choice texts (repeatable)")
+
+
+def constraint_from_args(args: argparse.Namespace):
+    """The structured-output flags' :class:`~exactspec.constraints.Constraint` (None:
+    none given).
+
+    Raises:
+        ValueError: naming the flag: a file that cannot be read, a schema, regex or grammar
+            that is not supported (the construct named).
+    """
+    from exactspec.constraints import Constraint
+
+    flag, value = next(((flag, getattr(args, flag.lstrip("-").replace("-", "_")))
+                        for flag in ("--json-schema", "--json-object", "--regex", "--grammar",
+                                     "--choice")
+                        if getattr(args, flag.lstrip("-").replace("-", "_"))), (None, None))
+    if flag is None:
+        return None
+    try:
+        if flag in ("--json-schema", "--grammar"):
+            try:
+                value = Path(value).read_text()
+            except OSError as error:
+                raise ValueError(f"could not read {value!r}: {error.strerror}") from None
+        return {"--json-schema": Constraint.json_schema, "--regex": Constraint.regex,
+                "--grammar": Constraint.grammar, "--choice": Constraint.choice,
+                "--json-object": lambda _: Constraint.json_object()}[flag](value)
+    except ValueError as error:
+        raise ValueError(f"{flag} is invalid: {error}") from None
+
+
 def add_policy_option(group, default: str | None = None, why: str = "") -> None:
     """``--policy``: how many tokens to draft each cycle."""
     default = default or DEFAULT_POLICY

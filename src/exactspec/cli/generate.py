@@ -11,9 +11,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_model_options,
-                                  add_policy_option, allows_batch_variance,
-                                  check_proposer_before_loading, has_chat_template,
+from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_constraint_options,
+                                  add_model_options, add_policy_option, allows_batch_variance,
+                                  check_proposer_before_loading, constraint_from_args,
+                                  has_chat_template,
                                   load_from_args, logit_bias, ngram_range, positive_int,
                                   print_error, proposer_spec, seed)
 from exactspec.extras import require
@@ -96,21 +97,7 @@ def add_parser(commands) -> None:
                           help=f"never generate token ID (repeatable; {CHECKED_AFTER_LOAD})")
     sampling.add_argument("-n", "--num-samples", type=int, default=1, metavar="N",
                           help="independent samples of the same prompt (sharing its prefill)")
-    structured = gen.add_argument_group(
-        "structured output (one of these; the output is masked to what it allows, exactly "
-        "under speculation too; a complete output ends with EOS, one cut by "
-        "--max-new-tokens says finish: length)")
-    constraint = structured.add_mutually_exclusive_group()
-    constraint.add_argument("--json-schema", metavar="FILE",
-                            help="JSON valid against the JSON schema in FILE ('{}': any JSON)")
-    constraint.add_argument("--json-object", action="store_true",
-                            help="any JSON object (OpenAI's json_object)")
-    constraint.add_argument("--regex", metavar="REGEX",
-                            help="text matching REGEX whole (Rust regex syntax)")
-    constraint.add_argument("--grammar", metavar="FILE",
-                            help="text the Lark (or GBNF) grammar in FILE derives")
-    constraint.add_argument("--choice", action="append", default=None, metavar="TEXT",
-                            help="exactly one of the --choice texts (repeatable)")
+    add_constraint_options(gen)
     out = gen.add_argument_group("output")
     out.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="wrap the prompt in the model's chat template (default: on when the "
@@ -147,7 +134,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from exactspec.trace.terminal import show
 
     try:
-        constraint = _constraint(args)
+        constraint = constraint_from_args(args)
     except ValueError as error:
         parser.error(str(error))
     try:
@@ -256,35 +243,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if warning:
         console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False)
     return 0
-
-
-def _constraint(args: argparse.Namespace):
-    """The structured-output flags' :class:`~exactspec.constraints.Constraint` (None:
-    none given).
-
-    Raises:
-        ValueError: naming the flag: a file that cannot be read, a schema, regex or grammar
-            that is not supported (the construct named).
-    """
-    from exactspec.constraints import Constraint
-
-    flag, value = next(((flag, getattr(args, flag.lstrip("-").replace("-", "_")))
-                        for flag in ("--json-schema", "--json-object", "--regex", "--grammar",
-                                     "--choice")
-                        if getattr(args, flag.lstrip("-").replace("-", "_"))), (None, None))
-    if flag is None:
-        return None
-    try:
-        if flag in ("--json-schema", "--grammar"):
-            try:
-                value = Path(value).read_text()
-            except OSError as error:
-                raise ValueError(f"could not read {value!r}: {error.strerror}") from None
-        return {"--json-schema": Constraint.json_schema, "--regex": Constraint.regex,
-                "--grammar": Constraint.grammar, "--choice": Constraint.choice,
-                "--json-object": lambda _: Constraint.json_object()}[flag](value)
-    except ValueError as error:
-        raise ValueError(f"{flag} is invalid: {error}") from None
 
 
 def _proposer_spec(args: argparse.Namespace) -> tuple[ProposerSpec, str]:

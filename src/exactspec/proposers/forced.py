@@ -1,0 +1,79 @@
+"""Forced tokens: where a request's structured-output constraint allows one continuation
+only (a JSON key after ``{"``, the closing quote and colon, a fixed prefix), those tokens
+are known before the target runs. :class:`ForcedTokenProposer` drafts them first, with
+q = 1 (a point mass), then lets any other proposer continue after them. They are verified
+like every draft: a truly forced token has masked p = 1 and is accepted; llguidance's
+forced tokens are the canonical tokenization of the forced bytes, and where the constraint
+also allows another tokenization of them, p < 1 and the usual rule decides (docs/exactness.md,
+"Constraints").
+
+The engine wraps a request's proposer in it whenever the request has a constraint
+(:class:`~exactspec.generator.SequenceState`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from exactspec.logits_pipeline import LogitsPipeline
+from exactspec.proposers.base import Proposal, Proposer
+
+
+class ForcedTokenProposer(Proposer):
+    """The constraint's forced tokens, then ``inner``'s drafts after them.
+
+    Args:
+        inner: the proposer that continues after the forced tokens. Its capabilities are
+            this proposer's; a tree proposer drafts its tree in cycles without forced
+            tokens, and cycles with forced tokens draft those alone.
+    """
+
+    def __init__(self, inner: Proposer) -> None:
+        self.inner = inner
+        self.drafts_for_free = inner.drafts_for_free
+        self.supports_min_confidence = inner.supports_min_confidence
+        self.estimates_acceptance = inner.estimates_acceptance
+        self.drafts_trees = inner.drafts_trees
+        self.batchable = inner.batchable
+        self.corpus = inner.corpus
+        self._num_forced = 0  # of the last proposal
+        self._inner_proposed = False  # whether the last proposal ended with inner's drafts
+
+    def __copy__(self) -> ForcedTokenProposer:  # a batch row's copy has its own inner
+        return ForcedTokenProposer(copy.copy(self.inner))
+
+    def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
+                rng: torch.Generator, min_confidence: float = 0.0) -> Proposal:
+        forced = [] if pipeline.constraint is None else pipeline.constraint.forced_tokens(
+            token_ids[pipeline.num_prompt_tokens:])[:k]
+        self._num_forced = len(forced)
+        self._inner_proposed = not (len(forced) == k or (forced and self.inner.drafts_trees))
+        if not forced:
+            return self.inner.propose(token_ids, k, pipeline, rng, min_confidence)
+        if not self._inner_proposed:
+            return Proposal(forced)
+        rest = self.inner.propose([*token_ids, *forced], k - len(forced), pipeline, rng,
+                                  min_confidence)
+        probs = rest.probs
+        if probs is not None:
+            point_mass = torch.zeros(len(forced), probs.shape[-1], dtype=probs.dtype,
+                                     device=probs.device)
+            point_mass[torch.arange(len(forced)), torch.tensor(forced)] = 1
+            probs = torch.cat([point_mass, probs])
+        return Proposal([*forced, *rest.token_ids], probs)
+
+    def follow(self, sequence_id: int) -> None:
+        self.inner.follow(sequence_id)
+
+    def observe(self, num_accepted: int) -> None:
+        if self._inner_proposed:
+            self.inner.observe(max(0, num_accepted - self._num_forced))
+
+    def reset(self, reproducible: bool = False, scope: Hashable = None) -> None:
+        self.inner.reset(reproducible, scope)
+
+    def end_sequence(self, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        self.inner.end_sequence(token_ids, num_prompt_tokens)

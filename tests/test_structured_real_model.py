@@ -1,0 +1,88 @@
+"""Structured output on the embedded SmolLM2-135M-Instruct (marked real_model): for JSON
+schemas with nested objects, arrays, enums, bounded numbers, optional fields and
+``additionalProperties: false``, greedy output is identical with and without speculation,
+and every finished output, greedy or sampled, parses and validates."""
+
+import json
+
+import jsonschema
+import pytest
+
+from exactspec import SamplingParams, SpeculativeGenerator, load_model
+from exactspec.constraints import Constraint
+from exactspec.model_files import DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotFoundError
+from exactspec.proposers import PromptLookupProposer, SuffixProposer
+
+pytestmark = pytest.mark.real_model
+
+try:
+    EMBEDDED_MODELS[DEFAULT_MODEL].path()
+except ModelNotFoundError as error:
+    pytest.skip(str(error), allow_module_level=True)
+
+SCHEMAS = {
+    "person": ("Extract the person as JSON: Maria Lopez is 34 and lives in Seville, Spain.",
+               {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+                "properties": {"name": {"type": "string"},
+                               "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                               "city": {"type": "string"}}}),
+    "order": ("Return the order as JSON: 2 apples at 0.5 each and 1 bread at 2.25, paid.",
+              {"type": "object", "additionalProperties": False,
+               "required": ["items", "status"],
+               "properties": {
+                   "items": {"type": "array", "minItems": 1, "maxItems": 5, "items": {
+                       "type": "object", "additionalProperties": False,
+                       "required": ["product", "quantity"],
+                       "properties": {"product": {"type": "string"},
+                                      "quantity": {"type": "integer", "minimum": 1},
+                                      "unit_price": {"type": "number", "minimum": 0}}}},
+                   "status": {"enum": ["paid", "pending", "cancelled"]}}}),
+    "review": ("Classify this review as JSON: 'The battery died after two days. Awful.'",
+               {"type": "object", "additionalProperties": False,
+                "required": ["sentiment", "score", "topics"],
+                "properties": {"sentiment": {"enum": ["positive", "negative", "neutral"]},
+                               "score": {"type": "number", "minimum": -1, "maximum": 1},
+                               "topics": {"type": "array", "items": {"type": "string"},
+                                          "maxItems": 3},
+                               "meta": {"type": "object", "properties": {
+                                   "language": {"type": "string"}}}}}),
+}
+TOKENS = 96
+
+
+@pytest.fixture(scope="module", params=["native", "transformers"])
+def target(request):
+    return load_model(backend=request.param, device="cpu")
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_greedy_json_is_identical_with_speculation_and_validates(target, name):
+    prompt, schema = SCHEMAS[name]
+    params = SamplingParams(max_new_tokens=TOKENS, constraint=Constraint.json_schema(schema))
+    plain = SpeculativeGenerator(target, None).generate(prompt, params, chat=True)
+    for proposer in (PromptLookupProposer(), SuffixProposer()):
+        fast = SpeculativeGenerator(target, proposer, 4, "constant").generate(
+            prompt, params, chat=True)
+        assert fast.token_ids == plain.token_ids, (name, type(proposer).__name__)
+        assert fast.stats.accepted_tokens > 0  # at least the forced tokens
+    assert plain.finish_reason == "stop", plain.text
+    jsonschema.validate(json.loads(plain.text), schema)
+
+
+def test_sampled_json_validates_and_a_cut_one_says_length(target):
+    prompt, schema = SCHEMAS["order"]
+    params = SamplingParams(temperature=0.7, seed=5, max_new_tokens=TOKENS,
+                            constraint=Constraint.json_schema(schema))
+    generator = SpeculativeGenerator(target, PromptLookupProposer(), 4, "constant")
+    results = generator.generate_samples(prompt, params, n=4, chat=True)
+    for result in results:
+        if result.finish_reason == "stop":
+            jsonschema.validate(json.loads(result.text), schema)
+        else:
+            assert result.finish_reason == "length" and len(result.token_ids) == TOKENS
+    assert any(r.finish_reason == "stop" for r in results)
+    short = generator.generate(prompt, SamplingParams(
+        max_new_tokens=5, constraint=Constraint.json_schema(schema)), chat=True)
+    assert short.finish_reason == "length"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(short.text)
