@@ -160,7 +160,6 @@ class ConstraintMask:
         if self._matcher.is_error():
             raise ValueError(f"the {constraint.kind.replace('_', ' ')} is not supported: "
                              f"{_first_line(self._matcher.get_error())}")
-        self._words = (tokenizer.vocab_size + 31) // 32
         self._bits = torch.arange(32, dtype=torch.int32)
         self._output: list[int] = []  # the output the matcher stands after
         self._pushed: list[bool] = []  # per token of it: whether the matcher took it
@@ -212,9 +211,10 @@ class ConstraintMask:
         if (not pushed and not self._mask()[token]) or (pushed and (  # stopped: EOS only
                 self._matcher.validate_tokens([token]) != 1  # checked first: no error state
                 or not self._matcher.consume_token(token))):
-            error = self._matcher.get_error()
-            raise ConstraintViolation(f"token {token} breaks the {self.constraint.describe()} "
-                             f"({_first_line(error)}): this output was not generated under it")
+            raise ConstraintViolation(
+                f"token {token} breaks the {self.constraint.describe()} "
+                f"({_first_line(self._matcher.get_error())}): this output was not generated "
+                "under it")
         self._output.append(token)
         self._pushed.append(pushed)
 
