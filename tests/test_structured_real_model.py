@@ -3,6 +3,7 @@ schemas with nested objects, arrays, enums, bounded numbers, optional fields and
 ``additionalProperties: false``, greedy output is identical with and without speculation,
 and every finished output, greedy or sampled, parses and validates."""
 
+import importlib.util
 import json
 
 import jsonschema
@@ -50,7 +51,9 @@ SCHEMAS = {
 TOKENS = 96
 
 
-@pytest.fixture(scope="module", params=["native", "transformers"])
+@pytest.fixture(scope="module", params=["native", "transformers", pytest.param(
+    "llama_cpp", marks=pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                          reason="llama-cpp-python is not installed"))])
 def target(request):
     return load_model(backend=request.param, device="cpu")
 

@@ -157,9 +157,11 @@ class LlamaCppTokenizer:
         import llguidance.llamacpp
 
         llama_cpp = import_llama_cpp()
-        return llguidance.llamacpp.lltokenizer_from_vocab(
-            llama_cpp.llama_model_get_vocab(self.llama.model), n_vocab=vocab_size,
-            eos_token=list(eos_token_ids))
+        with warnings.catch_warnings():  # llguidance reads each token's attributes through
+            warnings.simplefilter("ignore", DeprecationWarning)  # a deprecated name
+            return llguidance.llamacpp.lltokenizer_from_vocab(
+                llama_cpp.llama_model_get_vocab(self.llama.model), n_vocab=vocab_size,
+                eos_token=list(eos_token_ids))
 
 
 class LlamaCppBackend:
