@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import llguidance
 import llguidance.gbnf_to_lark
+import numpy as np
 import torch
 
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
@@ -160,7 +161,6 @@ class ConstraintMask:
         if self._matcher.is_error():
             raise ValueError(f"the {constraint.kind.replace('_', ' ')} is not supported: "
                              f"{_first_line(self._matcher.get_error())}")
-        self._bits = torch.arange(32, dtype=torch.int32)
         self._output: list[int] = []  # the output the matcher stands after
         self._pushed: list[bool] = []  # per token of it: whether the matcher took it
 
@@ -230,11 +230,12 @@ class ConstraintMask:
 
     def _mask(self) -> torch.Tensor:
         """``[vocab_size]`` bool: the tokens allowed at the matcher's state."""
-        words = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.int32)
+        bitmask = self._matcher.compute_bitmask()  # little-endian 32-bit words, bit i = token i
         if self._matcher.is_error():  # e.g. no token of this vocabulary continues the output
             raise ValueError(f"the {self.constraint.describe()} cannot be continued: "
                              f"{_first_line(self._matcher.get_error())}")
-        bits = ((words[:, None] >> self._bits) & 1).bool().flatten()
+        bits = torch.from_numpy(np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8),
+                                              bitorder="little").view(np.bool_))
         if bits.numel() >= self.vocab_size:
             return bits[: self.vocab_size]
         return torch.cat([bits, bits.new_zeros(self.vocab_size - bits.numel())])
