@@ -77,7 +77,9 @@ def test_shipped_prompt_set_covers_every_group():
     from importlib.resources import files
 
     questions = load_questions(files("exactspec.bench") / "prompts.jsonl")
-    assert {q.group for q in questions} == set(GROUPS)
+    assert {q.group for q in questions} == set(GROUPS) - {"structured"}  # Spec-Bench's six
+    structured = load_questions(files("exactspec.bench") / "structured.jsonl")
+    assert {q.group for q in structured} == {"structured"}
 
 
 def test_parse_method_errors():
@@ -443,3 +445,26 @@ def test_the_library_runs_a_bench_from_a_spec(model_folder, questions_file):
         run(dataclasses.replace(spec, concurrency=[2], executor=lambda build: None))
     with pytest.raises(ValueError, match="repetitions 0 must be ≥ 1"):
         run(dataclasses.replace(spec, repetitions=0))
+
+
+def test_the_structured_group_constrains_each_question_to_its_schema():
+    """exactspec's structured group (30 texts, one schema each): loaded with its schemas;
+    a question's sampling parameters carry its constraint; peers and waves refuse it."""
+    from importlib.resources import files
+
+    from exactspec.bench.concurrency import run_concurrency_bench
+    from exactspec.bench.runner import question_params
+
+    questions = load_questions(files("exactspec.bench") / "structured.jsonl", ["structured"])
+    assert len(questions) == 30 and all(q.json_schema for q in questions)
+    params = question_params(SamplingParams(max_new_tokens=8), questions[0])
+    assert params.constraint.kind == "json_schema"
+    assert json.loads(params.constraint.value) == questions[0].json_schema
+    target = tiny_backend(3)
+    methods = [parse_method(spec, target, None) for spec in ("plain", "hf-plain")]
+    with pytest.raises(ValueError, match="hf-plain cannot run the structured group"):
+        run_bench(target, questions, methods, params=params, repetitions=1, chat=False,
+                  config={}, show_progress=False)
+    with pytest.raises(ValueError, match="does not run the structured group"):
+        run_concurrency_bench(target, questions, methods[:1], [1], params=params,
+                              repetitions=1, chat=False, config={}, show_progress=False)

@@ -67,9 +67,13 @@ def run_concurrency_bench(target: Backend, questions: list[Question], methods: l
     decodes the same questions). Ctrl-C keeps the waves finished by every method.
 
     Raises:
-        ValueError: for a concurrency < 1, or fewer questions than the largest concurrency.
+        ValueError: for a concurrency < 1, fewer questions than the largest concurrency, or
+            a question of the structured group.
         KeyboardInterrupt: on Ctrl-C before any wave was finished by every method.
     """
+    if any(q.json_schema is not None for q in questions):
+        raise ValueError("--concurrency does not run the structured group yet (a wave's "
+                         "requests share one set of sampling parameters): leave it out")
     if any(c < 1 for c in concurrencies):
         raise ValueError(f"--concurrency {list(concurrencies)} is invalid: each must be ≥ 1")
     widest = max(concurrencies)

@@ -5,6 +5,11 @@ Comprehensive Survey of Speculative Decoding", arXiv 2401.07851) reports six gro
 MT-Bench questions (8 categories, 10 each) form "multi-turn conversation"; translation,
 summarization, QA, math reasoning and RAG have 80 questions each. Only the first turn is
 used, through the model's chat template.
+
+exactspec adds a seventh, **structured** (not from Spec-Bench; written for exactspec):
+``structured.jsonl`` in this package, 30 short texts each to be extracted as one JSON record
+of a fixed schema, carried by each line's ``json_schema`` (its outputs are constrained to
+it, :mod:`exactspec.constraints`). Run it with ``--questions`` naming that file.
 """
 
 from __future__ import annotations
@@ -16,17 +21,19 @@ from pathlib import Path
 MT_BENCH_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "coding",
                                  "extraction", "stem", "humanities"})
 GROUPS = ("multi-turn conversation", "translation", "summarization", "qa", "math_reasoning",
-          "rag")
+          "rag", "structured")
 
 
 @dataclass(frozen=True)
 class Question:
-    """One benchmark prompt: ``group`` is one of :data:`GROUPS`."""
+    """One benchmark prompt: ``group`` is one of :data:`GROUPS`; ``json_schema`` the
+    schema its output is constrained to (the structured group), else None."""
 
     question_id: int
     group: str
     category: str
     prompt: str
+    json_schema: dict | None = None
 
 
 def group_of(category: str) -> str:
@@ -59,7 +66,10 @@ def load_questions(path: str | Path, groups: list[str] | None = None,
         try:
             record = json.loads(line)
             question = Question(int(record["question_id"]), group_of(record["category"]),
-                                record["category"], record["turns"][0])
+                                record["category"], record["turns"][0],
+                                record.get("json_schema"))
+            if question.json_schema is not None and not isinstance(question.json_schema, dict):
+                raise TypeError("json_schema is not a JSON object")
         except (ValueError, KeyError, IndexError, TypeError) as error:
             raise ValueError(f"{path}:{number}: not a Spec-Bench question ({error})") from None
         if question.group in by_group:

@@ -9,6 +9,7 @@ Ctrl-C keeps what was measured: every method's runs on the questions finished so
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import platform
@@ -24,9 +25,10 @@ from exactspec.backends.base import Backend, forward_one, new_sequence_id
 from exactspec.backends.llama_cpp_backend import llama_cpp_available
 from exactspec.bench.methods import Method
 from exactspec.bench.questions import Question
+from exactspec.constraints import Constraint
 from exactspec.distributed import Executor, LocalExecutor, Missing
-from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.progress import LoggedProgress
+from exactspec.request import logits_pipeline
 from exactspec.sampling import SamplingParams
 from exactspec.threads import torch_threads
 from exactspec.verification import verify
@@ -120,12 +122,11 @@ def measure_host_seconds(target: Backend, params: SamplingParams | None = None,
     engine runs it (one thread) with the run's sampling ``params`` (default greedy): the
     calibration the report compares the measured overhead with, to flag a run disturbed by
     other work. A sampling run's plain cycle costs more (sorting for top-p, the draw) than
-    a greedy one's, so it is calibrated with its own settings."""
-    params = SamplingParams(**{**asdict(params or SamplingParams()), "max_new_tokens": 2,
-                               "min_new_tokens": 0, "stop": ()})
+    a greedy one's, so it is calibrated with its own settings (a constraint's mask too)."""
+    params = dataclasses.replace(params or SamplingParams(), max_new_tokens=2, min_new_tokens=0,
+                                 stop=())
     tokens = [1, 2, 3]
-    pipeline = LogitsPipeline(params, tokens, target.vocab_size, target.eos_token_ids, [],
-                              target.device)
+    pipeline = logits_pipeline(target, params, tokens)
     logits = torch.randn(1, target.vocab_size, generator=torch.Generator().manual_seed(0))
     rng = torch.Generator(device=target.device).manual_seed(0)
     times = []
@@ -152,10 +153,22 @@ class BenchSetup:
     host_seconds: float
 
 
-def _check_baseline(methods: list[Method]) -> None:
-    """Raises: ValueError if no method is ``plain`` (the baseline of every speedup)."""
+def _check_baseline(methods: list[Method], questions: list[Question]) -> None:
+    """Raises: ValueError if no method is ``plain`` (the baseline of every speedup), or a
+    peer is asked to run a question whose output is constrained (peers take none)."""
     if not any(m.kind == "plain" for m in methods):
         raise ValueError("the methods must include 'plain' (the baseline)")
+    peers = [m.name for m in methods if m.is_peer]
+    if peers and any(q.json_schema is not None for q in questions):
+        raise ValueError(f"{', '.join(peers)} cannot run the structured group: peers take no "
+                         "output constraint; leave them out (--method) or the group")
+
+
+def question_params(params: SamplingParams, question: Question) -> SamplingParams:
+    """``params`` for ``question``: its output constrained to its JSON schema, if it has one."""
+    if question.json_schema is None:
+        return params
+    return dataclasses.replace(params, constraint=Constraint.json_schema(question.json_schema))
 
 
 def prepare_bench(target: Backend, questions: list[Question], methods: list[Method], *,
@@ -165,18 +178,18 @@ def prepare_bench(target: Backend, questions: list[Question], methods: list[Meth
     Raises:
         ValueError: if no method is ``plain`` (the baseline every speedup is relative to).
     """
-    _check_baseline(methods)
+    _check_baseline(methods, questions)
     tokenizer = target.tokenizer
     prompts = {q.question_id: tokenizer.apply_chat_template(q.prompt) if chat
                else tokenizer.encode(q.prompt) for q in questions}
-    warm_up = SamplingParams(**{**asdict(params), "max_new_tokens": 4, "min_new_tokens": 0})
+    warm_up = dataclasses.replace(params, max_new_tokens=4, min_new_tokens=0)
     for method in methods:
         method.run(prompts[questions[0].question_id], warm_up)
     max_k = max(m.k for m in methods)
     median_prompt = int(statistics.median(len(p) for p in prompts.values()))
     return BenchSetup(target, questions, methods, params, prompts,
                       measure_forward_cost(target, median_prompt, max_k + 1),
-                      measure_host_seconds(target, params))
+                      measure_host_seconds(target, question_params(params, questions[0])))
 
 
 def run_bench(target: Backend, questions: list[Question], methods: list[Method], *,
@@ -206,7 +219,7 @@ def run_bench(target: Backend, questions: list[Question], methods: list[Method],
         setup = prepare_bench(target, questions, methods, params=params, chat=chat)
         executor = LocalExecutor(setup)
     else:
-        _check_baseline(methods)
+        _check_baseline(methods, questions)
     units = [(index, repetition) for index in range(len(questions))
              for repetition in range(repetitions)]
     done: dict[int, tuple[list[Record], dict] | Missing] = {}
@@ -277,6 +290,7 @@ def _run_block(question: Question, repetition: int, prompt_ids: list[int],
     """Every method once on one question; greedy outputs compared with plain decoding's.
     ``advance(description)`` after each method's run."""
     block, plain_ids = [], None
+    params = question_params(params, question)
     for method in methods:
         outcome = method.run(prompt_ids, params, question.question_id)
         block.append(Record(question.question_id, question.group, method.name, repetition,

@@ -53,10 +53,12 @@ def add_parser(commands) -> None:
         epilog=EXIT_STATUSES)
     bench.add_argument("--questions", metavar="PATH", default=None,
                        help="Spec-Bench-format JSONL (e.g. Spec-Bench's data/spec_bench/question.jsonl);"
-                            " default: exactspec's own 12-prompt set")
+                            " default: exactspec's own 12-prompt set; 'structured': exactspec's "
+                            "30 extraction prompts, each constrained to a JSON schema")
     bench.add_argument("--category", action="append", default=None, metavar="GROUP",
                        help="task group to run (repeatable; default all): multi-turn "
-                            "conversation, translation, summarization, qa, math_reasoning, rag")
+                            "conversation, translation, summarization, qa, math_reasoning, rag, "
+                            "structured")
     bench.add_argument("--per-category", type=int, default=None, metavar="N",
                        help=f"questions per group (default {FULL['per_category']}; "
                             f"{QUICK['per_category']} with --quick)")
@@ -145,7 +147,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             model_spec(worker_args(args) if args.ray is not None else args),  # a worker: 1 CPU
             args.method or (CONCURRENCY_METHODS if args.concurrency
                             else DEFAULT_BENCH_METHODS)[backend],
-            load_questions(args.questions or files("exactspec.bench") / "prompts.jsonl",
+            load_questions(files("exactspec.bench") / "structured.jsonl"
+                           if args.questions == "structured"
+                           else args.questions or files("exactspec.bench") / "prompts.jsonl",
                            args.category, args.per_category),
             SamplingParams(temperature=args.temperature, seed=args.seed,
                            max_new_tokens=args.max_new_tokens),
