@@ -173,3 +173,21 @@ def test_forced_tokens_are_drafted_first_and_accepted(target):
     inner = PromptLookupProposer(1, 3)
     wrapped = copy.copy(ForcedTokenProposer(inner))
     assert wrapped.inner is not inner and wrapped.drafts_for_free
+
+
+def test_the_trace_names_a_draft_the_constraint_forbids(target):
+    """A drafted token the constraint masks out is traced as ``forbidden`` (rejected with
+    certainty), not as an ordinary rejection; without the constraint nothing is."""
+    for temperature in (0.0, 1.0):
+        generator = SpeculativeGenerator(target, PromptLookupProposer(1, 3), 3, "constant")
+        constrained = generator.generate("abcabcabcab", SamplingParams(
+            temperature=temperature, seed=0, max_new_tokens=16,
+            constraint=Constraint.regex("[ab]+")), trace=True)
+        verdicts = [d.verdict for cycle in constrained.trace for d in cycle.drafts]
+        assert "forbidden" in verdicts
+        forbidden = [d.token_id for c in constrained.trace for d in c.drafts
+                     if d.verdict == "forbidden"]
+        assert set(forbidden) <= set(target.tokenizer.encode("c")) | {EOS}
+        free = generator.generate("abcabcabcab", SamplingParams(
+            temperature=temperature, seed=0, max_new_tokens=16), trace=True)
+        assert all(d.verdict != "forbidden" for c in free.trace for d in c.drafts)

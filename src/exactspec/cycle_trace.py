@@ -13,6 +13,8 @@ was drawn from. Greedy cycles record the target's argmax at each position instea
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -39,9 +41,10 @@ class DraftVerdict:
         acceptance_probability: min(1, p/q), 0 when q = 0 (greedy: None).
         uniform: the verifier's uniform u in [0, 1); accepted iff u·q < p (greedy: None).
         target_token_id: greedy only: the target's argmax at this position.
-        verdict: ``accepted``, ``rejected``, ``not reached`` (after a rejection), or ``past
-            the stop`` (after the token that ended generation: neither committed nor
-            counted).
+        verdict: ``accepted``, ``rejected``, ``forbidden`` (rejected with certainty: the
+            processed logits mask it out at its position — a structured-output constraint
+            or a ban), ``not reached`` (after a rejection), or ``past the stop`` (after the
+            token that ended generation: neither committed nor counted).
     """
 
     token_id: int
@@ -50,7 +53,7 @@ class DraftVerdict:
     acceptance_probability: float | None
     uniform: float | None
     target_token_id: int | None
-    verdict: Literal["accepted", "rejected", "not reached", "past the stop"]
+    verdict: Literal["accepted", "rejected", "forbidden", "not reached", "past the stop"]
 
 
 @dataclass
@@ -110,6 +113,8 @@ def trace_cycle(index: int, position: int, chosen_k: int, draft_token_ids: list[
     kinds = token_kinds(k, num_accepted, len(committed))
     verdicts = ["accepted"] * num_accepted + ["rejected"] * (num_accepted < k) + [
         "not reached"] * max(0, k - num_accepted - 1)
+    if num_accepted < k and processed[num_accepted, draft_token_ids[num_accepted]] == -math.inf:
+        verdicts[num_accepted] = "forbidden"
     if len(committed) < num_accepted + 1:  # a stop cut the cycle: what follows it is moot
         verdicts[len(committed):] = ["past the stop"] * (k - len(committed))
     drafts: list[DraftVerdict] = []

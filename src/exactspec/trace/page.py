@@ -69,7 +69,7 @@ def sample_view(result: GenerationResult, decode: Callable[[list[int]], str]) ->
         cycles.append({
             "index": cycle.index, "position": cycle.position, "chosen_k": cycle.chosen_k,
             "greedy": cycle.greedy, "committed": committed,
-            "rejected": any(d.verdict == "rejected" for d in cycle.drafts),
+            "rejected": any(d.verdict in ("rejected", "forbidden") for d in cycle.drafts),
             "drafts": [d.__dict__ | {"text": text(d.token_id),
                                      "target_text": None if d.target_token_id is None
                                      else text(d.target_token_id)} for d in cycle.drafts],
