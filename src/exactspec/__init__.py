@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from exactspec.backends import (Backend, LlamaCppBackend, TransformersBackend,
                                     UnsupportedModelError)
     from exactspec.batching import BatchedGenerator
+    from exactspec.constraints import Constraint
     from exactspec.generator import GenerationResult, SpeculativeGenerator
     from exactspec.generation_stats import GenerationStats
     from exactspec.model_files import DEFAULT_MODEL, ModelNotFoundError
@@ -38,6 +39,7 @@ __version__ = "0.1.0"
 __getattr__, __dir__, __all__ = lazy_loader.attach(__name__, submod_attrs={
     "backends": ("Backend", "LlamaCppBackend", "TransformersBackend", "UnsupportedModelError"),
     "batching": ("BatchedGenerator",),
+    "constraints": ("Constraint",),
     "generator": ("GenerationResult", "SpeculativeGenerator"),
     "generation_stats": ("GenerationStats",),
     "model_files": ("DEFAULT_MODEL", "ModelNotFoundError"),
