@@ -1,6 +1,7 @@
 """The command line, in-process, on a tiny model saved as a Hugging Face folder."""
 
 import json
+import re
 
 import pytest
 
@@ -488,3 +489,16 @@ def test_ray_options_without_ray_name_the_extra(command, model_folder, monkeypat
     flag = [] if command[0] == "serve" else ["--ray"]
     assert cli.main(command + ["--model", str(model_folder), *flag]) == 1
     assert "pip install 'exactspec[ray]'" in capsys.readouterr().err
+
+
+def test_structured_output_flags_are_checked_before_loading(model_folder, tmp_path, capsys,
+                                                          no_loading):
+    """A bad regex or an unreadable schema file is exit 2 naming the flag, before any model
+    loads (the flags' outputs are tested on the real model: test_structured_real_model)."""
+    with pytest.raises(SystemExit) as exit_info:
+        run(capsys, "x", "--model", model_folder, "--regex", "(ab")
+    assert exit_info.value.code == 2 and "--regex is invalid" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        run(capsys, "x", "--model", model_folder, "--json-schema", tmp_path / "nope.json")
+    assert exit_info.value.code == 2 and "--json-schema is invalid: could not read" in \
+        capsys.readouterr().err

@@ -5,6 +5,7 @@ and every finished output, greedy or sampled, parses and validates."""
 
 import importlib.util
 import json
+import re
 
 import jsonschema
 import pytest
@@ -89,3 +90,31 @@ def test_sampled_json_validates_and_a_cut_one_says_length(target):
     assert short.finish_reason == "length"
     with pytest.raises(json.JSONDecodeError):
         json.loads(short.text)
+
+
+def test_the_command_line_flags_constrain_the_output(tmp_path, capsys):
+    """generate --json-schema / --regex / --choice / --grammar on the embedded model: each
+    output matches, identical with and without speculation."""
+    from exactspec import cli
+
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(SCHEMAS["person"][1]))
+    grammar = tmp_path / "answer.lark"
+    grammar.write_text('start: ("yes" | "no") "."')
+    prompt = "Extract the person as JSON: Maria Lopez is 34 and lives in Seville, Spain."
+    checks = {"--json-schema": ([str(schema)], lambda text: jsonschema.validate(
+                  json.loads(text), SCHEMAS["person"][1]) or True),
+              "--regex": (["[A-Z][a-z]{1,12} [A-Z][a-z]{1,12}"],
+                          lambda text: re.fullmatch("[A-Z][a-z]{1,12} [A-Z][a-z]{1,12}", text)),
+              "--choice": (["Seville", "Madrid"], lambda text: text in ("Seville", "Madrid")),
+              "--grammar": ([str(grammar)], lambda text: text in ("yes.", "no."))}
+    for flag, (values, check) in checks.items():
+        args = [a for value in values for a in (flag, value)]
+        outputs = []
+        for speculation in ([], ["--no-speculation"]):
+            assert cli.main(["generate", prompt, "--json", "--max-new-tokens", "64",
+                             "--backend", "native", *args, *speculation]) == 0
+            outputs.append(json.loads(capsys.readouterr().out))
+        assert outputs[0]["token_ids"] == outputs[1]["token_ids"], flag
+        assert outputs[0]["finish_reason"] == "stop" and check(outputs[0]["text"]), \
+            (flag, outputs[0]["text"])

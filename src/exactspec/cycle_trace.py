@@ -14,7 +14,6 @@ was drawn from. Greedy cycles record the target's argmax at each position instea
 from __future__ import annotations
 
 import math
-
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 

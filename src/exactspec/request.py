@@ -159,8 +159,13 @@ def logits_pipeline(target: Backend, params: SamplingParams,
             raise RequestError("constraint", "structured output needs a model with an EOS "
                                              "token (a complete output ends with it)")
         try:
-            constraint = params.constraint.mask(target.tokenizer.constraint_tokenizer(
-                target.vocab_size, tuple(target.eos_token_ids)), target.vocab_size)
+            tokenizer = target.tokenizer.constraint_tokenizer(target.vocab_size,
+                                                              tuple(target.eos_token_ids))
+        except Exception as error:  # noqa: BLE001 (llguidance's readers raise their own)
+            raise RequestError("constraint", "structured output cannot read this model's "
+                                             f"tokenizer (llguidance): {error}") from None
+        try:
+            constraint = params.constraint.mask(tokenizer, target.vocab_size)
         except ValueError as error:
             raise RequestError("constraint", str(error)) from None
     try:

@@ -260,23 +260,25 @@ def constraint_from_args(args: argparse.Namespace):
     """
     from exactspec.constraints import Constraint
 
-    flag, value = next(((flag, getattr(args, flag.lstrip("-").replace("-", "_")))
-                        for flag in ("--json-schema", "--json-object", "--regex", "--grammar",
-                                     "--choice")
-                        if getattr(args, flag.lstrip("-").replace("-", "_"))), (None, None))
-    if flag is None:
-        return None
-    try:
-        if flag in ("--json-schema", "--grammar"):
-            try:
-                value = Path(value).read_text()
-            except OSError as error:
-                raise ValueError(f"could not read {value!r}: {error.strerror}") from None
-        return {"--json-schema": Constraint.json_schema, "--regex": Constraint.regex,
-                "--grammar": Constraint.grammar, "--choice": Constraint.choice,
-                "--json-object": lambda _: Constraint.json_object()}[flag](value)
-    except ValueError as error:
-        raise ValueError(f"{flag} is invalid: {error}") from None
+    if args.json_object:
+        return Constraint.json_object()
+    for flag, value, build, from_file in (
+            ("--json-schema", args.json_schema, Constraint.json_schema, True),
+            ("--regex", args.regex, Constraint.regex, False),
+            ("--grammar", args.grammar, Constraint.grammar, True),
+            ("--choice", args.choice, Constraint.choice, False)):
+        if value is None:
+            continue
+        try:
+            if from_file:
+                try:
+                    value = Path(value).read_text()
+                except OSError as error:
+                    raise ValueError(f"could not read {value!r}: {error.strerror}") from None
+            return build(value)
+        except ValueError as error:
+            raise ValueError(f"{flag} is invalid: {error}") from None
+    return None
 
 
 def add_policy_option(group, default: str | None = None, why: str = "") -> None:
