@@ -86,7 +86,7 @@ def test_stop_string_via_cli(model_folder, capsys):
     (["--backend", "vllm"], "invalid choice: 'vllm'"),
     (["--threads", "0"], "'0' is invalid: give an integer ≥ 1"),
     (["--proposer", "magic"], "argument --proposer: proposer 'magic' is invalid: use one of "
-                              "plain, prompt-lookup[:ngram=MIN-MAX], "
+                              "plain, forced, prompt-lookup[:ngram=MIN-MAX], "
                               "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL"),
     (["--proposer", "early-exit:0"], "proposer 'early-exit:0' is invalid: L = 0 must be ≥ 1"),
     (["--proposer", "plain", "--no-speculation"], "not allowed with argument --proposer"),
@@ -502,3 +502,7 @@ def test_structured_output_flags_are_checked_before_loading(model_folder, tmp_pa
         run(capsys, "x", "--model", model_folder, "--json-schema", tmp_path / "nope.json")
     assert exit_info.value.code == 2 and "--json-schema is invalid: could not read" in \
         capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # forced tokens need a constraint
+        run(capsys, "x", "--model", model_folder, "--proposer", "forced")
+    assert exit_info.value.code == 2 and "forced drafts only the tokens a constraint forces" \
+        in capsys.readouterr().err

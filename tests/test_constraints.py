@@ -17,6 +17,7 @@ from exactspec.constraints import Constraint
 from exactspec.proposers import PromptLookupProposer, SuffixProposer
 from exactspec.proposers.draft_model import DraftModelProposer
 from exactspec.request import prepare_request
+from exactspec.speculation_length import Choice, ConstantPolicy
 from exactspec.verification import verify
 
 from conftest import ALPHABET, perturbed_backend, tiny_backend
@@ -173,6 +174,64 @@ def test_forced_tokens_are_drafted_first_and_accepted(target):
     inner = PromptLookupProposer(1, 3)
     wrapped = copy.copy(ForcedTokenProposer(inner))
     assert wrapped.inner is not inner and wrapped.drafts_for_free
+
+
+class PlainStepsPolicy(ConstantPolicy):
+    """Chooses k = 0 every cycle and records what it observes."""
+
+    def __init__(self, num_speculative_tokens):
+        super().__init__(num_speculative_tokens)
+        self.observed = []
+
+    def choose(self):
+        return Choice(0)
+
+    def observe(self, num_drafted, num_accepted, draft_seconds, verify_seconds):
+        self.observed.append((num_drafted, num_accepted))
+
+
+def test_forced_tokens_are_drafted_whatever_k_the_policy_chose(target):
+    """A policy that chooses plain steps still gets the forced tokens drafted (free and
+    certain), at most num_speculative_tokens of them a cycle; the policy learns only from
+    its own drafts (none here), and the output is plain decoding's."""
+    constraint = Constraint.choice(["abcdabcd1", "abcdabcd2"])
+    params = SamplingParams(temperature=1.0, seed=3, max_new_tokens=12, constraint=constraint)
+    plain = SpeculativeGenerator(target, None).generate("x", params)
+    policy = PlainStepsPolicy(3)
+    fast = SpeculativeGenerator(target, PromptLookupProposer(1, 3), 3, policy).generate(
+        "x", params, trace=True)
+    assert fast.token_ids == plain.token_ids
+    drafted = [[d.token_id for d in cycle.drafts] for cycle in fast.trace]
+    forced = target.tokenizer.encode("abcdabcd")
+    # 3 forced drafts, accepted, and the bonus token (the 4th, forced too) each cycle
+    assert drafted[:3] == [forced[:3], forced[4:7], []]  # then a choice: nothing forced
+    assert fast.stats.drafted_tokens == fast.stats.accepted_tokens == 6
+    assert policy.observed == [(0, 0)] * len(fast.trace)
+    assert fast.stats.chosen_k_histogram[0] == len(fast.trace)  # the policy's k, always 0
+
+
+def test_the_forced_proposer_drafts_a_constraints_forced_tokens_alone(target):
+    """``forced`` drafts the forced tokens and nothing else (nothing at all without a
+    constraint); the output is plain decoding's, greedy and sampled."""
+    from exactspec.proposers.build import build_proposer
+    from exactspec.proposers.forced import ForcedTokenProposer
+    from exactspec.proposers.spec import parse_proposer
+
+    proposer = build_proposer(parse_proposer("forced"), target, None)
+    assert isinstance(proposer, ForcedTokenProposer) and proposer.inner is None
+    assert proposer.drafts_for_free and proposer.batchable and not proposer.drafts_trees
+    for constraint in (Constraint.choice(["abcdabcd1", "abcdabcd2"]), None):
+        for temperature in (0.0, 1.0):
+            params = SamplingParams(temperature=temperature, seed=5, max_new_tokens=12,
+                                    constraint=constraint)
+            plain = SpeculativeGenerator(target, None).generate("x", params)
+            fast = SpeculativeGenerator(target, proposer, 4, "auto").generate(
+                "x", params, trace=True)
+            assert fast.token_ids == plain.token_ids
+            drafted = [d.token_id for cycle in fast.trace for d in cycle.drafts]
+            # k = 4 forced drafts, the bonus token (a forced 'a'), the 3 forced left
+            expected = target.tokenizer.encode("abcd" "bcd") if constraint else []
+            assert drafted == expected
 
 
 def test_the_trace_names_a_draft_the_constraint_forbids(target):

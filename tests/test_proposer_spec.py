@@ -38,7 +38,7 @@ def test_former_kind_names_are_refused_naming_the_one_name(spec, name):
 
 
 @pytest.mark.parametrize("spec, reason", [
-    ("magic", "use one of plain, prompt-lookup[:ngram=MIN-MAX], "
+    ("magic", "use one of plain, forced, prompt-lookup[:ngram=MIN-MAX], "
               "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL"),
     ("prompt-lookup:corpus=100", "use one of"),  # the corpus is suffix drafting's
     ("suffix:corpus=0", "corpus = 0 must be ≥ 1"),
@@ -50,6 +50,7 @@ def test_former_kind_names_are_refused_naming_the_one_name(spec, name):
     ("prompt-lookup:k=4", "use one of"),  # k is -k's, not the spec's, here
     ("hf-plain", "use one of"),  # no peers here
     ("early-exit:x", "L = 'x' is not an integer"),
+    ("forced:x", "use one of"),  # forced takes nothing
     ("early-exit:0", "L = 0 must be ≥ 1"),
     ("prompt-lookup:ngram=3-1", "ngram '3-1' is invalid: need 1 ≤ MIN ≤ MAX"),
     ("prompt-lookup:ngram=x", "ngram 'x' is invalid: give MIN-MAX n-gram sizes, e.g. 1-3"),

@@ -163,6 +163,7 @@ class ConstraintMask:
                              f"{_first_line(self._matcher.get_error())}")
         self._output: list[int] = []  # the output the matcher stands after
         self._pushed: list[bool] = []  # per token of it: whether the matcher took it
+        self._forced: list[int] | None = None  # forced_tokens at this state, once computed
 
     def allowed(self, output: Sequence[int], drafted: Sequence[int], n: int) -> torch.Tensor:
         """``[n, vocab_size]`` bool: the tokens allowed after ``output + drafted[:i]`` in row
@@ -191,9 +192,10 @@ class ConstraintMask:
         """The tokens the constraint forces after ``output`` (the canonical tokenization of
         the bytes it allows alone; empty where it allows a choice), for drafting."""
         self._advance_to(output)
-        if self._matcher.is_stopped():
-            return []
-        return list(self._matcher.compute_ff_tokens())
+        if self._forced is None:
+            self._forced = [] if self._matcher.is_stopped() else list(
+                self._matcher.compute_ff_tokens())
+        return list(self._forced)
 
     def _advance_to(self, output: Sequence[int]) -> None:
         known = self._output
@@ -217,6 +219,7 @@ class ConstraintMask:
                 "under it")
         self._output.append(token)
         self._pushed.append(pushed)
+        self._forced = None
 
     def _rollback(self, num_tokens: int) -> None:
         """Forget the last ``num_tokens`` tokens consumed."""
@@ -224,6 +227,7 @@ class ConstraintMask:
             return
         pushed = sum(self._pushed[-num_tokens:])
         del self._output[-num_tokens:], self._pushed[-num_tokens:]
+        self._forced = None
         if pushed and not self._matcher.rollback(pushed):  # past what it keeps: replay
             self._matcher.reset()
             self._matcher.consume_tokens([t for t, p in zip(self._output, self._pushed) if p])

@@ -147,7 +147,7 @@ class SampleDecoding:
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.finish_reason: FinishReason | None = None
         self.proposal = self.peek = EMPTY_PROPOSAL
-        self.chosen_k, self.draft_seconds = 0, 0.0
+        self.chosen_k, self.num_forced, self.draft_seconds = 0, 0, 0.0
 
     def room(self) -> int:
         """Tokens the sample may still generate (max_new_tokens, the context limit); at 0
@@ -164,10 +164,16 @@ class SampleDecoding:
         return self.policy.choose() if self.num_speculative_tokens else PLAIN_STEP
 
     def draft(self, choice: Choice, room: int) -> list[int]:
-        """Draft ``choice.k`` tokens (fewer near the end: ``room`` − 1 at most), or peek on a
-        plain step. Returns ``[k+1]`` the block the target scores: ``[last, d_1 .. d_k]``."""
-        self.chosen_k = k = min(choice.k, room - 1)
+        """Draft the constraint's forced tokens, if any, and ``choice.k`` tokens after them
+        (together at most num_speculative_tokens, and ``room`` − 1 near the end), or peek
+        on a plain step. Returns ``[k+1]`` the block the target scores:
+        ``[last, d_1 .. d_k]``."""
+        self.chosen_k = min(choice.k, room - 1)
         t0 = time.perf_counter()
+        most = min(self.num_speculative_tokens, room - 1)
+        self.num_forced = 0 if self.proposer is None else min(
+            self.proposer.num_forced(self.tokens, self.pipeline), most)
+        k = min(self.num_forced + self.chosen_k, most)
         self.proposal = self.peek = EMPTY_PROPOSAL
         if k:
             self.proposal = self.proposer.propose(self.tokens, k, self.pipeline, self.rng,
@@ -213,9 +219,12 @@ class SampleDecoding:
                 committed[:num_emitted], num_accepted))
         if self.num_speculative_tokens:
             self.proposer.observe(num_accepted)
-            self.policy.observe(proposal.depth, num_accepted,
-                                self.draft_seconds if self.observe_seconds else None,
-                                verify_seconds if self.observe_seconds else None)
+            # the policy learns from its own drafts only, not from forced tokens (certain)
+            timed = self.observe_seconds and not self.num_forced
+            self.policy.observe(proposal.depth - self.num_forced,
+                                max(0, num_accepted - self.num_forced),
+                                self.draft_seconds if timed else None,
+                                verify_seconds if timed else None)
             if self.peek.token_ids:
                 self.policy.observe_peek(committed[0] == self.peek.token_ids[0])
         self.stats.record_cycle(proposal.depth, num_accepted, num_emitted, self.chosen_k,
@@ -294,7 +303,8 @@ class SequenceState:
         self.prompt_token_ids, self.pipeline = request.prompt_token_ids, request.pipeline
         self.rng = request.rng if rng is None else rng
         self.num_samples, self.timed = request.n, request.timed
-        if proposer is not None and request.params.constraint is not None:
+        if (proposer is not None and request.params.constraint is not None
+                and not isinstance(proposer, ForcedTokenProposer)):
             proposer = ForcedTokenProposer(proposer)  # the constraint's forced tokens first
         self.proposer, self.policy = proposer, policy
         self.observe_seconds = alone and request.timed

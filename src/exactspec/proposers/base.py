@@ -130,6 +130,14 @@ class Proposer(Protocol):
         """Draft at most ``k`` tokens continuing ``token_ids`` (prompt + committed)."""
         ...
 
+    def num_forced(self, token_ids: Sequence[int], pipeline: LogitsPipeline) -> int:
+        """How many tokens the next proposal after ``token_ids`` begins with that the
+        request's constraint forces (:class:`~exactspec.proposers.forced.ForcedTokenProposer`):
+        they cost nothing and are accepted with certainty, so the engine drafts them
+        whatever k the policy chose, on top of it within num_speculative_tokens (default:
+        0, none)."""
+        return 0
+
     def follow(self, sequence_id: int) -> None:
         """The target's sequence (``Backend`` id) whose context the next proposals continue,
         told by the engine before a generation's first proposal: a proposer that reads the

@@ -9,6 +9,7 @@ from exactspec.backends.base import Backend
 from exactspec.proposers.base import Proposer
 from exactspec.proposers.draft_model import DraftModelProposer
 from exactspec.proposers.early_exit import EarlyExitProposer
+from exactspec.proposers.forced import ForcedTokenProposer
 from exactspec.proposers.head import HeadProposer
 from exactspec.proposers.prompt_lookup import PromptLookupProposer
 from exactspec.proposers.spec import ProposerSpec
@@ -30,6 +31,8 @@ def build_proposer(proposer_spec: ProposerSpec, target: Backend,
     """
     if proposer_spec.peer:
         raise ValueError(f"{proposer_spec.spec!r} is run by a peer (see exactspec.peers), not exactspec")
+    if proposer_spec.kind == "forced":
+        return ForcedTokenProposer()
     if proposer_spec.kind == "prompt-lookup":
         return PromptLookupProposer(*proposer_spec.ngram)
     if proposer_spec.kind == "suffix":

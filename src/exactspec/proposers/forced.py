@@ -25,36 +25,47 @@ from exactspec.proposers.base import Proposal, Proposer
 class ForcedTokenProposer(Proposer):
     """The constraint's forced tokens, then ``inner``'s drafts after them.
 
+    The engine drafts the forced tokens whatever k its policy chose (even at k = 0: they
+    cost no model call and are accepted with certainty), the inner proposer's k after them,
+    within num_speculative_tokens (:meth:`num_forced`, ``SampleDecoding.draft``).
+
     Args:
-        inner: the proposer that continues after the forced tokens. Its capabilities are
-            this proposer's; a tree proposer drafts its tree in cycles without forced
-            tokens, and cycles with forced tokens draft those alone.
+        inner: the proposer that continues after the forced tokens, or None (the proposer
+            ``forced``: the forced tokens alone). Its capabilities are this proposer's; a
+            tree proposer drafts its tree in cycles without forced tokens, and cycles with
+            forced tokens draft those alone.
     """
 
-    def __init__(self, inner: Proposer) -> None:
+    def __init__(self, inner: Proposer | None = None) -> None:
         self.inner = inner
-        self.drafts_for_free = inner.drafts_for_free
-        self.supports_min_confidence = inner.supports_min_confidence
-        self.estimates_acceptance = inner.estimates_acceptance
-        self.drafts_trees = inner.drafts_trees
-        self.batchable = inner.batchable
-        self.corpus = inner.corpus
+        if inner is None:
+            self.drafts_for_free = self.batchable = True
+        else:
+            self.drafts_for_free = inner.drafts_for_free
+            self.supports_min_confidence = inner.supports_min_confidence
+            self.estimates_acceptance = inner.estimates_acceptance
+            self.drafts_trees = inner.drafts_trees
+            self.batchable = inner.batchable
+            self.corpus = inner.corpus
         self._num_forced = 0  # of the last proposal
         self._inner_proposed = False  # whether the last proposal ended with inner's drafts
 
     def __copy__(self) -> ForcedTokenProposer:  # a batch row's copy has its own inner
         return ForcedTokenProposer(copy.copy(self.inner))
 
+    def num_forced(self, token_ids: Sequence[int], pipeline: LogitsPipeline) -> int:
+        return len(self._forced(token_ids, pipeline))
+
     def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
                 rng: torch.Generator, min_confidence: float = 0.0) -> Proposal:
-        forced = [] if pipeline.constraint is None else pipeline.constraint.forced_tokens(
-            token_ids[pipeline.num_prompt_tokens:])[:k]
+        forced = self._forced(token_ids, pipeline)[:k]
         self._num_forced = len(forced)
-        self._inner_proposed = not (len(forced) == k or (forced and self.inner.drafts_trees))
-        if not forced:
-            return self.inner.propose(token_ids, k, pipeline, rng, min_confidence)
+        self._inner_proposed = self.inner is not None and not (
+            len(forced) == k or (forced and self.inner.drafts_trees))
         if not self._inner_proposed:
             return Proposal(forced)
+        if not forced:
+            return self.inner.propose(token_ids, k, pipeline, rng, min_confidence)
         rest = self.inner.propose([*token_ids, *forced], k - len(forced), pipeline, rng,
                                   min_confidence)
         probs = rest.probs
@@ -65,15 +76,25 @@ class ForcedTokenProposer(Proposer):
             probs = torch.cat([point_mass, probs])
         return Proposal([*forced, *rest.token_ids], probs)
 
+    @staticmethod
+    def _forced(token_ids: Sequence[int], pipeline: LogitsPipeline) -> list[int]:
+        """The tokens the constraint forces after ``token_ids`` (none without one)."""
+        if pipeline.constraint is None:
+            return []
+        return pipeline.constraint.forced_tokens(token_ids[pipeline.num_prompt_tokens:])
+
     def follow(self, sequence_id: int) -> None:
-        self.inner.follow(sequence_id)
+        if self.inner is not None:
+            self.inner.follow(sequence_id)
 
     def observe(self, num_accepted: int) -> None:
         if self._inner_proposed:
             self.inner.observe(max(0, num_accepted - self._num_forced))
 
     def reset(self, reproducible: bool = False, scope: Hashable = None) -> None:
-        self.inner.reset(reproducible, scope)
+        if self.inner is not None:
+            self.inner.reset(reproducible, scope)
 
     def end_sequence(self, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
-        self.inner.end_sequence(token_ids, num_prompt_tokens)
+        if self.inner is not None:
+            self.inner.end_sequence(token_ids, num_prompt_tokens)

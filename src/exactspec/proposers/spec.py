@@ -4,6 +4,9 @@
 A spec is ``[PEER-]KIND[:ARG][:key=value...]``::
 
     plain                        no drafting: plain decoding
+    forced                       only the tokens a request's constraint forces (a JSON
+                                 schema's keys and punctuation; nothing without a
+                                 constraint). Every proposer drafts them first under one.
     prompt-lookup[:ngram=MIN-MAX]  n-gram lookup in the context, longest n-gram first
                                  (default ngram=2-3)
     suffix[:ngram=MIN-MAX][:corpus=TOKENS]
@@ -51,14 +54,14 @@ DEFAULT_NGRAM = (2, 3)
 """Prompt lookup's n-gram sizes (MIN, MAX) when a spec gives none."""
 DEFAULT_SUFFIX_NGRAM = (1, 8)
 """Suffix drafting's n-gram sizes (MIN, MAX) when none are given."""
-KINDS = ("plain", "prompt-lookup", "suffix", "early-exit", "draft", "head")
+KINDS = ("plain", "forced", "prompt-lookup", "suffix", "early-exit", "draft", "head")
 NGRAM_DEFAULTS = {"prompt-lookup": DEFAULT_NGRAM, "suffix": DEFAULT_SUFFIX_NGRAM}
 """The kinds that match n-grams, and their sizes when a spec gives none."""
 RENAMED = {"none": "plain", "assistant": "draft"}
 """Former names of a kind (refused, naming the kind's one name)."""
 ARGUMENT = {"early-exit": "L", "draft": "MODEL"}
 """Kinds that take a positional argument, and its name."""
-FORMS = ("plain, prompt-lookup[:ngram=MIN-MAX], "
+FORMS = ("plain, forced, prompt-lookup[:ngram=MIN-MAX], "
          "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL, "
          "head[:PATH][:tree=N]")
 """The allowed forms, for messages."""
@@ -106,7 +109,7 @@ class ProposerSpec:
     @property
     def description(self) -> str:
         """In words, e.g. ``prompt lookup 2:3``, ``draft model NAME``."""
-        return {"plain": "plain decoding",
+        return {"plain": "plain decoding", "forced": "a constraint's forced tokens",
                 "prompt-lookup": "prompt lookup {0}:{1}".format(*self.ngram),
                 "suffix": "suffix {0}:{1}".format(*self.ngram) + (
                     f" with a corpus of {self.corpus} tokens" if self.corpus else ""),
