@@ -244,6 +244,23 @@ def test_plain_markers_without_colour():
     assert styles["b"] == "green" and styles["d"] == "bold yellow" and styles["f"] == "cyan"
 
 
+def test_a_recovered_token_after_a_forbidden_draft_is_marked_so():
+    """Under a constraint, a draft it forbids is rejected with certainty; the token
+    recovered in its place is marked apart from an ordinary recovery, and the legend names
+    the mark only when the output has one."""
+    from exactspec.trace.terminal import legend
+
+    trace = synthetic_trace()
+    trace[1].drafts[1].verdict = "forbidden"
+    decode = lambda ids: "".join("abcdefgh"[t] for t in ids)
+    assert marked_text(trace, decode, colour=False).plain == "a|[b]{!d}|[e]<f>|gh"
+    coloured = marked_text(trace, decode, colour=True)
+    styles = {coloured.plain[span.start:span.end]: str(span.style) for span in coloured.spans}
+    assert styles["d"] == "bold red"
+    assert "{!recovered after a draft the constraint forbids}" in legend(False, True).plain
+    assert "forbids" not in legend(False).plain
+
+
 def test_tokens_without_text_and_split_characters_are_marked_apart():
     from exactspec.trace.view import NO_TEXT, PARTIAL, shown_pieces
 
