@@ -234,6 +234,33 @@ def test_the_forced_proposer_drafts_a_constraints_forced_tokens_alone(target):
             assert drafted == expected
 
 
+def test_min_new_tokens_under_a_constraint(target):
+    """min_new_tokens bans EOS until that many tokens: a constraint that can go on is
+    followed past it (and the output is plain decoding's with speculation); one complete
+    before it allows only EOS, so nothing is left, and speculation raises the same error,
+    naming the constraint, as plain decoding."""
+    from exactspec.logits_pipeline import NoTokenAllowedError
+
+    for constraint, expected in ((Constraint.regex("(ab)+"), None),
+                                 (Constraint.choice(["ab"]), NoTokenAllowedError)):
+        for temperature in (0.0, 1.0):
+            params = SamplingParams(temperature=temperature, seed=2, max_new_tokens=12,
+                                    min_new_tokens=5, constraint=constraint)
+            outcomes = []
+            for proposer in (None, PromptLookupProposer(1, 3)):
+                generator = SpeculativeGenerator(target, proposer, 4, "constant")
+                try:
+                    result = generator.generate("ababab", params)
+                    outcomes.append(result.token_ids)
+                    assert re.fullmatch("(ab)+", text_of(target, result.token_ids))
+                    assert len(result.token_ids) >= 5
+                except NoTokenAllowedError as error:
+                    assert "the choice ab," in str(error) and error.position == 2
+                    outcomes.append(type(error))
+            assert outcomes[0] == outcomes[1]
+            assert (outcomes[0] is NoTokenAllowedError) == (expected is NoTokenAllowedError)
+
+
 def test_the_trace_names_a_draft_the_constraint_forbids(target):
     """A drafted token the constraint masks out is traced as ``forbidden`` (rejected with
     certainty), not as an ordinary rejection; without the constraint nothing is."""

@@ -113,7 +113,7 @@ def raise_every_time(verify):
     def broken(tokens, drafts, probs, logits, pipeline, *args, **kwargs):
         processed = pipeline.process(logits, tokens, drafts)
         if pipeline.first_empty_row(processed) is not None:
-            raise NoTokenAllowedError(-1)
+            raise NoTokenAllowedError(-1, pipeline.params)
         return verify(tokens, drafts, probs, logits, pipeline, *args, **kwargs)
     return broken
 

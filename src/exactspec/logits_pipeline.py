@@ -51,18 +51,22 @@ def outside_vocabulary(params: SamplingParams, vocab_size: int) -> tuple[str, li
 
 class NoTokenAllowedError(ValueError):
     """Every token is banned at a position the sequence reached (``logit_bias``,
-    ``bad_words``, ``banned_token_ids`` and ``min_new_tokens`` together leave nothing):
+    ``bad_words``, ``banned_token_ids``, ``min_new_tokens`` and a constraint together leave
+    nothing, e.g. a constraint complete before ``min_new_tokens``, which allows only EOS):
     raised exactly where plain decoding would raise it, never for a drafted position that
     is not committed.
 
     Args:
         position: the output position (0 = the first generated token) with nothing allowed.
+        params: the request's sampling parameters (the message names its constraint).
     """
 
-    def __init__(self, position: int) -> None:
-        super().__init__(f"every token is banned at output position {position} (logit_bias, "
-                         "bad_words, banned_token_ids and min_new_tokens together leave "
-                         "nothing)")
+    def __init__(self, position: int, params: SamplingParams) -> None:
+        constraint = (f"the {params.constraint.describe()}, " if params.constraint is not None
+                      else "")
+        super().__init__(f"every token is banned at output position {position} ({constraint}"
+                         "logit_bias, bad_words, banned_token_ids and min_new_tokens together "
+                         "leave nothing)")
         self.position = position
 
 

@@ -298,7 +298,8 @@ def verify(tokens: Sequence[int], draft_token_ids: list[int], draft_probs: torch
         committed = [t for t in result.output_token_ids[0].tolist() if t >= 0]  # one sync
         uniforms = None if result.uniforms is None else result.uniforms[0]
     if empty is not None and empty < len(committed):  # the sequence reached that row
-        raise NoTokenAllowedError(len(tokens) - pipeline.num_prompt_tokens + empty)
+        raise NoTokenAllowedError(len(tokens) - pipeline.num_prompt_tokens + empty,
+                                  pipeline.params)
     committed_logprobs = None
     if pipeline.params.logprobs is not None:
         committed_logprobs = token_logprobs(pipeline, processed[: len(committed)], committed)
@@ -356,7 +357,8 @@ def verify_tree(tokens: Sequence[int], draft_token_ids: list[int], parents: list
     while True:
         processed = pipeline.process(logits[row:row + 1], [*tokens, *committed])  # [1, vocab]
         if pipeline.first_empty_row(processed) is not None:  # a row on the committed path
-            raise NoTokenAllowedError(len(tokens) - pipeline.num_prompt_tokens + len(committed))
+            raise NoTokenAllowedError(len(tokens) - pipeline.num_prompt_tokens + len(committed),
+                                      pipeline.params)
         processed_rows.append(processed)
         options = children.get(row, [])
         if greedy:

@@ -80,7 +80,7 @@ def next_token_probs(target: Backend, prompt_ids: Sequence[int], pipeline: Logit
                 unreachable.add(prefix)
                 continue
             if pipeline.first_empty_row(processed) is not None:
-                raise NoTokenAllowedError(len(prefix))
+                raise NoTokenAllowedError(len(prefix), pipeline.params)
             probs = pipeline.probs(processed)[0]
             probs = probs.double().cpu().numpy()
             yield prefix, probs / probs.sum()
