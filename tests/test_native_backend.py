@@ -86,6 +86,76 @@ def test_a_broken_dequantisation_is_caught():
                            KERNELS.linear(x, torch.from_numpy(broken)))
 
 
+def fma32(a, b, c):
+    """float32 fma(a, b, c): the product exact in float64 (24 + 24 bits), the sum rounded
+    once there and once to float32 (which agree but at ties of 2^-29 odds; fixed seeds)."""
+    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+def int8_reference(x: np.ndarray, blocks: np.ndarray, weight_type: str, n: int,
+                   rounding=np.rint) -> np.ndarray:
+    """The C header's int8 product, step by step in numpy (the quantised inputs, exact
+    integer dot products per block, then each output's float32 sequence)."""
+    rows, k = x.shape
+    nb = k // 32
+    raw = blocks.reshape(n, nb, -1).view(np.uint8)
+    d = raw[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if weight_type == "Q8_0":
+        q = raw[:, :, 2:].view(np.int8).astype(np.int64)
+    else:
+        nib = raw[:, :, 4:] if weight_type == "Q4_1" else raw[:, :, 2:]
+        q = np.concatenate([nib & 15, nib >> 4], axis=-1).astype(np.int64)
+        if weight_type == "Q4_0":
+            q -= 8
+    m = raw[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    out = np.zeros((rows, n), np.float32)
+    for r in range(rows):
+        xb = x[r].reshape(nb, 32)
+        amax = np.abs(xb).max(axis=1)
+        dx = (amax / np.float32(127)).astype(np.float32)
+        inv = np.where(dx != 0, np.float32(1) / np.where(dx != 0, dx, 1), 0).astype(np.float32)
+        xq = rounding((xb * inv[:, None]).astype(np.float32)).astype(np.int64)
+        sx = xq.sum(axis=1)
+        for j in range(n):
+            acc = np.float32(0)
+            for b in range(nb):
+                i = int((q[j, b] * xq[b]).sum())
+                acc = fma32(np.float32(i), np.float32(d[j, b] * dx[b]), acc)
+                if weight_type == "Q4_1":
+                    acc = fma32(m[j, b], np.float32(dx[b] * np.float32(sx[b])), acc)
+            out[r, j] = acc
+    return out
+
+
+@pytest.mark.parametrize("weight_type", native.INT8_TYPES)
+def test_int8_products_are_the_stated_arithmetic_with_the_same_bits_everywhere(weight_type,
+                                                                            isa_path):
+    """The int8-activation product (the native forward's over Q4_0, Q4_1 and Q8_0) is the C
+    header's arithmetic bit for bit (a numpy replay), the same bits on every instruction-set
+    path, for 1..16 rows alone or together, 1 or 2 threads, and 52 columns (a partial group
+    of 16); a replay that rounds toward zero instead of to nearest even is caught."""
+    blocks, _ = quantised(weight_type, rows=52, cols=96)
+    number = native.WEIGHT_TYPES[weight_type]
+    packed = KERNELS.repack(blocks, number, 52, 96)
+    x = torch.randn(16, 96)
+    expected = int8_reference(x.numpy(), blocks, weight_type, 52)
+    for isa in available_isas():
+        KERNELS.isa = isa
+        together = KERNELS.linear_int8(x, packed, number, 52, threads=2)
+        assert np.array_equal(together.numpy(), expected), isa
+        for rows in range(1, 17):
+            alone = KERNELS.linear_int8(x[:rows].contiguous(), packed, number, 52)
+            assert torch.equal(alone, together[:rows]), (isa, rows)
+    truncated = int8_reference(x[:2].numpy(), blocks, weight_type, 52, rounding=np.trunc)
+    assert not np.array_equal(truncated, expected[:2])
+
+
+def test_a_type_without_an_int8_product_is_refused():
+    blocks, _ = quantised("F16")
+    with pytest.raises(ValueError, match="has no int8 product"):
+        KERNELS.repack(blocks, native.WEIGHT_TYPES["F16"], 52, 96)
+
+
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     from tiny_gguf import write_tiny_gguf
@@ -121,6 +191,38 @@ def test_every_path_gives_the_same_forward_bits(tiny_gguf, isa_path):
         results[isa] = forward_one(backend, 1, [4, 5, 6, 7])
     if "avx2" in results:
         assert torch.equal(results["avx2"], results["portable"])
+
+
+def test_int8_activations_give_the_same_forward_bits_on_every_path(tiny_gguf, tmp_path,
+                                                                   monkeypatch, isa_path):
+    """Over block weights the forward takes int8 activations by default: batch-invariant,
+    the same bits on every instruction-set path (AVX-512 included: its lanes hold output
+    columns), close to the float32-activation forward (which differs: the inputs' rounding)."""
+    from exactspec.backends.native_backend import GGUFModel
+    from exactspec.model_files import converted_gguf
+
+    monkeypatch.setenv("EXACTSPEC_CACHE_DIR", str(tmp_path))
+    path = converted_gguf(tiny_gguf, "Q8_0")  # the Q4 products: the test above
+    results = {}
+    for isa in available_isas():
+        KERNELS.isa = isa
+        backend = native_backend(path)
+        assert "int8 activations" in backend.description
+        assert backend.batch_invariant and backend.sequences_invariant, isa
+        backend.prefill(1, [1, 2, 3])
+        results[isa] = forward_one(backend, 1, [4, 5, 6, 7])
+    assert all(torch.equal(r, results["portable"]) for r in results.values()), list(results)
+    from exactspec.backends.native_backend import NativeBackend
+
+    floats = NativeBackend(GGUFModel(path, activations="float32"), CharTokenizer())
+    assert "int8" not in floats.description
+    floats.prefill(1, [1, 2, 3])
+    reference = forward_one(floats, 1, [4, 5, 6, 7])
+    got = results["portable"]
+    assert not torch.equal(got, reference)
+    assert torch.allclose(got, reference, atol=0.05 * float(reference.abs().max()))
+    with pytest.raises(ValueError, match="activations = 'int4' is invalid"):
+        GGUFModel(path, activations="int4")
 
 
 @pytest.mark.parametrize("weight_type", ["F16", "BF16", "Q8_0"])

@@ -52,12 +52,22 @@ class NativeKernelsUnavailableError(RuntimeError):
     """The native backend needs exactspec's compiled kernels, which could not be built."""
 
 
+ACTIVATIONS = ("int8", "float32")
+"""The native products' input arithmetic over block weights (:class:`GGUFModel`)."""
+
+
 class GGUFModel:
     """A GGUF file's Llama-family decoder, its tensors mapped in place, as ``es_forward``
     takes it (:class:`exactspec.backends.native.Model`).
 
     Args:
         path: the ``.gguf`` file.
+        activations: how products over Q4_0, Q4_1 and Q8_0 weights treat their input:
+            ``int8`` (the default: each row quantised per block of 32, exact integer dot
+            products, as llama.cpp does; several times faster, docs/design.md "The native
+            backend: int8 activations") or ``float32`` (the dequantised weights times the
+            float32 input). Other weight types always take the float32 product. Either is
+            batch-invariant; they differ from each other by the input's rounding.
     Attributes:
         architecture, n_layer, n_embd, n_head, n_head_kv, head_dim, n_vocab: the shapes.
         context_length: the model's trained context (tokens).
@@ -70,8 +80,11 @@ class GGUFModel:
         ValueError: if the file is not GGUF or lacks a tensor the architecture needs.
     """
 
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
+    def __init__(self, path: Path, activations: str = "int8") -> None:
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations = {activations!r} is invalid: choose one of "
+                             f"{', '.join(ACTIVATIONS)}")
+        self.path, self.activations = Path(path), activations
         try:
             reader = gguf.GGUFReader(self.path, "r")
         except (ValueError, OSError) as error:
@@ -135,7 +148,7 @@ class GGUFModel:
             rope_base=float(value("rope.freq_base", 10000.0)), rope_scale=1.0 / factor,
             rope_factors=None if factors is None else self._vector(factors, rope_dims // 2),
             output_norm=self._vector(self._tensor(tensors, "output_norm.weight"), self.n_embd),
-            tok_embd=self._matrix(embeddings, self.n_vocab, self.n_embd),
+            tok_embd=self._matrix(embeddings, self.n_vocab, self.n_embd, product=False),
             output=self._matrix(output, self.n_vocab, self.n_embd), layers=layers)
         self._keep.append(layers)
         self.n_ff = n_ff
@@ -161,8 +174,9 @@ class GGUFModel:
         self._keep.append(data)
         return data.ctypes.data
 
-    def _matrix(self, tensor, rows: int, cols: int) -> native.Weight:
-        """The ``es_weight`` of a ``[rows, cols]`` matrix tensor, read in place."""
+    def _matrix(self, tensor, rows: int, cols: int, product: bool = True) -> native.Weight:
+        """The ``es_weight`` of a ``[rows, cols]`` matrix tensor, read in place, and for a
+        ``product`` with int8 activations its repacked copy (the same bytes reordered)."""
         self._count(tensor)
         type_name = tensor.tensor_type.name
         type_number = native.WEIGHT_TYPES.get(type_name)
@@ -179,7 +193,12 @@ class GGUFModel:
         if not tensor.data.flags.c_contiguous:
             raise UnsupportedModelError(f"tensor {tensor.name} is not stored contiguously")
         self._keep.append(tensor.data)
-        return native.Weight(data=tensor.data.ctypes.data, type=type_number)
+        packed = None
+        if product and self.activations == "int8" and type_name in native.INT8_TYPES:
+            packed = kernels.repack(tensor.data, type_number, rows, cols)
+            self._keep.append(packed)
+        return native.Weight(data=tensor.data.ctypes.data, type=type_number,
+                             packed=None if packed is None else packed.ctypes.data)
 
 
 def _kernels() -> native.NativeKernels:
@@ -269,7 +288,9 @@ class NativeBackend:
         self.device = torch.device("cpu")
         self.threads = ThreadChooser(torch.get_num_threads() if threads is None else threads)
         types = ", ".join(sorted(model.weight_types))
-        self.description = f"native {self._kernels.isa} kernels, {types} weights"
+        int8 = model.activations == "int8" and set(model.weight_types) & set(native.INT8_TYPES)
+        self.description = (f"native {self._kernels.isa} kernels, {types} weights"
+                            + (", int8 activations" if int8 else ""))
         self._sequences: dict[int, _Sequence] = {}
         self._feature_layers: tuple[int, ...] | None = None
         self._feature_layer_ids = torch.zeros(0, dtype=torch.int64)  # es_forward's argument

@@ -53,9 +53,20 @@ WEIGHT_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "BF16": 30}
 """The GGUF weight types the kernels read in place, by name: ggml's type numbers."""
 
 
+INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+"""The block types with an int8-activation product (``es_linear_q8``; the C source's header
+gives its arithmetic)."""
+
+
 class Weight(ctypes.Structure):
-    """``es_weight``: a matrix's first byte and its ggml type."""
-    _fields_ = [("data", ctypes.c_void_p), ("type", ctypes.c_int64)]
+    """``es_weight``: a matrix's first byte, its ggml type, and its repacked copy for the
+    int8-activation product (null: the float32 product)."""
+    _fields_ = [("data", ctypes.c_void_p), ("type", ctypes.c_int64), ("packed", ctypes.c_void_p)]
+
+
+class QuantizedRows(ctypes.Structure):
+    """``es_q8_rows``: rows quantised per block of 32 (int8 values, scales, sums)."""
+    _fields_ = [(name, ctypes.c_void_p) for name in ("xq", "dx", "sx", "dxs")]
 
 
 class Layer(ctypes.Structure):
@@ -117,6 +128,15 @@ class NativeKernels:
                                        ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int,
                                        ctypes.c_int]
         library.es_forward.restype = None
+        library.es_repacked_bytes.argtypes = [ctypes.c_int, i64, i64]
+        library.es_repacked_bytes.restype = i64
+        library.es_repack.argtypes = [ptr, ctypes.c_int, i64, i64, ptr]
+        library.es_repack.restype = None
+        library.es_quantize_rows.argtypes = [ptr, i64, i64, i64, i64, QuantizedRows]
+        library.es_quantize_rows.restype = None
+        library.es_linear_q8.argtypes = [QuantizedRows, i64, i64, ptr, ctypes.c_int, i64, ptr,
+                                         i64, ctypes.c_int, ctypes.c_int]
+        library.es_linear_q8.restype = None
         self.row_bytes = library.es_row_bytes
         self.forward = library.es_forward
         """``es_forward`` (the C source's header gives its arguments and arithmetic)."""
@@ -182,6 +202,48 @@ class NativeKernels:
                              f"of type {weight_type}")
         self._lib.es_linear_typed(x.data_ptr(), k, rows, k, weight.ctypes.data, weight_type, n,
                                   out.data_ptr(), n, threads, ISAS.index(self.isa))
+        return out
+
+    def repack(self, weight: np.ndarray, weight_type: int, n: int, k: int) -> np.ndarray:
+        """The int8 product's copy of a ``[n, k]`` block-format weight (``es_repack``: the
+        same bytes, reordered per 16 output columns).
+
+        Raises:
+            ValueError: for a type without an int8 product (:data:`INT8_TYPES`) or a k that
+                is not a multiple of 32.
+        """
+        size = self._lib.es_repacked_bytes(weight_type, n, k)
+        if size == 0:
+            raise ValueError(f"weight type {weight_type} with K = {k} has no int8 product: "
+                             f"types {[WEIGHT_TYPES[name] for name in INT8_TYPES]}, K a "
+                             "multiple of 32")
+        packed = np.empty(size, dtype=np.uint8)
+        self._lib.es_repack(weight.ctypes.data, weight_type, n, k, packed.ctypes.data)
+        return packed
+
+    def linear_int8(self, x: torch.Tensor, packed: np.ndarray, weight_type: int, n: int,
+                    threads: int = 1) -> torch.Tensor:
+        """``x @ W.T`` as the native forward computes it for a block-format weight: each row
+        of ``x`` quantised to int8 per block of 32 (its own scales), exact integer dot
+        products per block, scaled in float in one fixed order (the C source's header).
+
+        Args:
+            x: ``[rows, K]`` float32, contiguous.
+            packed: the weight's :meth:`repack` copy.
+        Returns:
+            ``[rows, n]`` float32.
+        """
+        rows, k = x.shape
+        _check_cpu_float32(x)
+        if not x.is_contiguous() or k % 32:
+            raise ValueError("x must be contiguous [rows, K] with K a multiple of 32")
+        buffers = [np.empty(rows * k, np.int8), np.empty(rows * k // 32, np.float32),
+                   np.empty(rows * k // 32, np.int32), np.empty(rows * k // 32, np.float32)]
+        quantized = QuantizedRows(*(b.ctypes.data for b in buffers))
+        self._lib.es_quantize_rows(x.data_ptr(), k, 0, rows, k, quantized)
+        out = torch.empty(rows, n, dtype=torch.float32)
+        self._lib.es_linear_q8(quantized, rows, k, packed.ctypes.data, weight_type, n,
+                               out.data_ptr(), n, threads, ISAS.index(self.isa))
         return out
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

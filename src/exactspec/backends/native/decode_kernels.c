@@ -504,6 +504,309 @@ void es_linear(const float *x, int64_t ldx, int64_t rows, int64_t K, const float
     es_linear_typed(x, ldx, rows, K, w, T_F32, N, y, ldy, threads, isa);
 }
 
+/* ---- products with int8 activations over repacked block weights (es_linear_q8) ----
+ *
+ * For Q4_0, Q4_1 and Q8_0 weights es_forward multiplies as llama.cpp's CPU backend does:
+ * each row of x is quantised per block of 32 inputs with a scale of its own (so a row's
+ * bits never depend on another row), then exact integer dot products per block, scaled
+ * in float (docs/design.md, "The native backend: int8 activations"):
+ *
+ *   es_quantize_rows, per row r and block b:
+ *     a = max_k |x[r, k]| (exact);  dx = a / 127 (IEEE division);  inv = dx != 0 ? 1 / dx : 0
+ *     xq[k] = x[r, k] * inv rounded to the nearest integer, ties to even (in [-127, 127])
+ *     sx = sum_k xq[k] (exact);  dxs = dx * (float)sx (rounded once)
+ *   es_linear_q8, per output j, over the blocks b in order (acc = 0 first):
+ *     Q4_0:  i = sum_k q[j, k] xq[k] - 8 sx (exact);  acc = fma((float)i, d[j, b] * dx, acc)
+ *     Q4_1:  i = sum_k q[j, k] xq[k];  acc = fma((float)i, d * dx, acc);  acc = fma(m[j, b], dxs, acc)
+ *     Q8_0:  i = sum_k q[j, k] xq[k];  acc = fma((float)i, d * dx, acc)
+ *     y[r, j] = acc                      (d * dx: one float product, rounded once)
+ *
+ * The integers are exact and each output's floats are that one sequence on every path
+ * (vector lanes hold output columns, never parts of one sum), so AVX-512 VNNI, AVX2 and
+ * portable C give the same bits, whatever the rows, the other rows or the threads (which
+ * split the columns in blocks of 48).
+ *
+ * es_repack reorders a matrix's blocks once, at load, per 16 output columns and block of
+ * 32 weights (the file's bytes, reordered: one 64-byte vector then holds 4 consecutive
+ * weights of each of the 16 columns, which VNNI's dpbusd multiplies by 4 inputs at once):
+ *   Q4_0, Q4_1: 256 bytes, byte 64p + 4j + i = q[j, 4p + i] | q[j, 16 + 4p + i] << 4
+ *               (p < 4), then the 16 columns' d as halves, then (Q4_1) their m
+ *   Q8_0:       512 bytes, byte 64p + 4j + i = q[j, 4p + i] + 128 (p < 8), then the d
+ * Columns past N (up to a multiple of 16) are zero and never stored.
+ */
+
+/* Bytes per 16 columns and block of 32, or 0 for a type without an int8 path. */
+static int64_t q8_group_block_bytes(int type) {
+    return type == T_Q4_0 ? 288 : type == T_Q4_1 ? 320 : type == T_Q8_0 ? 544 : 0;
+}
+
+int64_t es_repacked_bytes(int type, int64_t N, int64_t K) {
+    if (K % 32 || !q8_group_block_bytes(type)) return 0;
+    return (N + 15) / 16 * (K / 32) * q8_group_block_bytes(type);
+}
+
+void es_repack(const uint8_t *w, int type, int64_t N, int64_t K, uint8_t *out) {
+    const int64_t nb = K / 32, row_bytes = es_row_bytes(type, K),
+                  gb = q8_group_block_bytes(type), quads = type == T_Q8_0 ? 512 : 256;
+    for (int64_t g = 0; g < (N + 15) / 16; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = out + (g * nb + b) * gb;
+            __builtin_memset(o, 0, gb);
+            for (int64_t j = 0; j < 16 && g * 16 + j < N; j++) {
+                const uint8_t *blk = w + (g * 16 + j) * row_bytes + b * (row_bytes / nb);
+                __builtin_memcpy(o + quads + 2 * j, blk, 2);                    /* d */
+                if (type == T_Q4_1) __builtin_memcpy(o + quads + 32 + 2 * j, blk + 2, 2);
+                if (type == T_Q8_0) {
+                    for (int k = 0; k < 32; k++)
+                        o[64 * (k / 4) + 4 * j + k % 4] = (uint8_t)((int8_t)blk[2 + k] + 128);
+                } else {
+                    const uint8_t *nib = blk + (type == T_Q4_1 ? 4 : 2);
+                    for (int k = 0; k < 16; k++)  /* q[k] low nibble, q[16 + k] high */
+                        o[64 * (k / 4) + 4 * j + k % 4] = nib[k];
+                }
+            }
+        }
+}
+
+/* Row r's block b: xq[r * K + 32 b ..], and per block dx, sx, dxs at [r * (K / 32) + b]. */
+typedef struct { int8_t *xq; float *dx; int32_t *sx; float *dxs; } es_q8_rows;
+
+static void quantize_row_portable(const float *x, int64_t K, int8_t *xq, float *dx,
+                                  int32_t *sx, float *dxs) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        const float *xb = x + 32 * b;
+        float a = 0.0f;
+        for (int k = 0; k < 32; k++) a = fmaxf(a, fabsf(xb[k]));
+        float d = a / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t s = 0;
+        for (int k = 0; k < 32; k++) {
+            int v = (int)nearbyintf(xb[k] * inv);
+            xq[32 * b + k] = (int8_t)v;
+            s += v;
+        }
+        dx[b] = d, sx[b] = s, dxs[b] = d * (float)s;
+    }
+}
+
+/* The same numbers with AVX-512 (max, division, product and the conversion's rounding to
+ * nearest even are the same IEEE operations). */
+__attribute__((target("avx512f,avx512bw,avx512dq")))
+static void quantize_row_avx512(const float *x, int64_t K, int8_t *xq, float *dx,
+                                int32_t *sx, float *dxs) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t b = 0; b < K / 32; b++) {
+        __m512 lo = _mm512_loadu_ps(x + 32 * b), hi = _mm512_loadu_ps(x + 32 * b + 16);
+        float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo),
+                                                     _mm512_andnot_ps(sign, hi)));
+        float d = a / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+        __m512 vinv = _mm512_set1_ps(inv);
+        __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vinv)),
+                qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vinv));
+        _mm_storeu_si128((__m128i *)(xq + 32 * b), _mm512_cvtepi32_epi8(ql));
+        _mm_storeu_si128((__m128i *)(xq + 32 * b + 16), _mm512_cvtepi32_epi8(qh));
+        int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+        dx[b] = d, sx[b] = s, dxs[b] = d * (float)s;
+    }
+}
+
+static int has_vnni = -1, has_avx512_quantize = -1;
+
+static void cpu_features(void) {
+    if (has_vnni < 0) {
+        __builtin_cpu_init();
+        has_vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")
+                   && __builtin_cpu_supports("f16c");
+        has_avx512_quantize = __builtin_cpu_supports("avx512bw")
+                              && __builtin_cpu_supports("avx512dq");
+    }
+}
+
+/* Quantise rows r0..r1 of x (row stride ldx, K inputs) into q (see the header). */
+void es_quantize_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, int64_t K,
+                      es_q8_rows q) {
+    cpu_features();
+    for (int64_t r = r0; r < r1; r++)
+        (has_avx512_quantize ? quantize_row_avx512 : quantize_row_portable)(
+            x + r * ldx, K, q.xq + r * K, q.dx + r * (K / 32), q.sx + r * (K / 32),
+            q.dxs + r * (K / 32));
+}
+
+/* The float steps of one block for one output lane (portable; the vector paths do the same
+ * per lane). */
+static inline float q8_step(int type, int32_t i, int32_t sx, float d, float m, float dx,
+                            float dxs, float acc) {
+    if (type == T_Q4_0) i -= 8 * sx;
+    if (type == T_Q8_0) i -= 128 * sx; /* the repacked bytes are q + 128 */
+    acc = fmaf((float)i, d * dx, acc);
+    if (type == T_Q4_1) acc = fmaf(m, dxs, acc);
+    return acc;
+}
+
+static void q8_group_portable(int type, es_q8_rows q, int64_t rows, int64_t K,
+                              const uint8_t *wg, int64_t columns, float *y, int64_t ldy) {
+    const int64_t nb = K / 32, gb = q8_group_block_bytes(type);
+    const int quads = type == T_Q8_0 ? 512 : 256;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < columns; j++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *o = wg + b * gb;
+                const int8_t *xb = q.xq + r * K + 32 * b;
+                int32_t i = 0;
+                for (int k = 0; k < 32; k++) {
+                    int w = type == T_Q8_0 ? o[64 * (k / 4) + 4 * j + k % 4]
+                            : k < 16 ? o[64 * (k / 4) + 4 * j + k % 4] & 15
+                                     : o[64 * ((k - 16) / 4) + 4 * j + k % 4] >> 4;
+                    i += w * xb[k];
+                }
+                float m = type == T_Q4_1 ? half_to_float(read_u16(o + quads + 32 + 2 * j)) : 0.0f;
+                int64_t at = r * nb + b;
+                acc = q8_step(type, i, q.sx[at], half_to_float(read_u16(o + quads + 2 * j)), m,
+                              q.dx[at], q.dxs[at], acc);
+            }
+            y[r * ldy + j] = acc;
+        }
+}
+
+/* AVX2: 8 columns a vector (half a group), dpbusd emulated by maddubs and madd (exact:
+ * |products| stay within 16 bits; Q8_0 multiplies |q| by x with q's sign). */
+__attribute__((target("avx2,fma,f16c")))
+static void q8_group_avx2(int type, es_q8_rows q, int64_t rows, int64_t K,
+                          const uint8_t *wg, int64_t columns, float *y, int64_t ldy) {
+    const int64_t nb = K / 32, gb = q8_group_block_bytes(type);
+    const int quads = type == T_Q8_0 ? 512 : 256;
+    const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1),
+                  flip = _mm256_set1_epi8((char)0x80);
+    for (int half = 0; half < 2 && 8 * half < columns; half++) {
+        const int64_t c0 = 8 * half;
+        for (int64_t r = 0; r < rows; r++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *o = wg + b * gb;
+                const int32_t *x4 = (const int32_t *)(q.xq + r * K + 32 * b);
+                __m256i s = _mm256_setzero_si256();
+                for (int p = 0; p < 8; p++) {
+                    __m256i w, xb = _mm256_set1_epi32(x4[p]), prod;
+                    if (type == T_Q8_0) {
+                        __m256i sw = _mm256_xor_si256(
+                            _mm256_loadu_si256((const __m256i *)(o + 64 * p + 32 * half)), flip);
+                        prod = _mm256_maddubs_epi16(_mm256_abs_epi8(sw), _mm256_sign_epi8(xb, sw));
+                    } else {
+                        __m256i v = _mm256_loadu_si256((const __m256i *)(o + 64 * (p % 4) + 32 * half));
+                        w = p < 4 ? _mm256_and_si256(v, low4)
+                                  : _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                        prod = _mm256_maddubs_epi16(w, xb);
+                    }
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(prod, ones));
+                }
+                const int64_t at = r * nb + b;
+                /* the Q8_0 sum above is already sum q xq (signed q): no -128 sx */
+                if (type == T_Q4_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * q.sx[at]));
+                __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + quads + 16 * half)));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+                                      _mm256_mul_ps(d, _mm256_set1_ps(q.dx[at])), acc);
+                if (type == T_Q4_1) {
+                    __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + quads + 32 + 16 * half)));
+                    acc = _mm256_fmadd_ps(m, _mm256_set1_ps(q.dxs[at]), acc);
+                }
+            }
+            if (columns >= c0 + 8) _mm256_storeu_ps(y + r * ldy + c0, acc);
+            else {
+                float lanes[8];
+                _mm256_storeu_ps(lanes, acc);
+                for (int64_t c = c0; c < columns; c++) y[r * ldy + c] = lanes[c - c0];
+            }
+        }
+    }
+}
+
+/* AVX-512 VNNI: 16 columns a vector, R rows a tile (the group's unpacked weights serve
+ * every row); two dpbusd chains per row. */
+#define Q8_VNNI_TILE(R)                                                                    \
+    __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) static void q8_vnni_##R(   \
+        int type, es_q8_rows q, int64_t K, const uint8_t *wg, int64_t columns, float *y,   \
+        int64_t ldy) {                                                                     \
+        const int64_t nb = K / 32, gb = q8_group_block_bytes(type);                        \
+        const int quads = type == T_Q8_0 ? 512 : 256;                                       \
+        const __m512i low4 = _mm512_set1_epi8(15);                                         \
+        __m512 acc[R];                                                                     \
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                          \
+        for (int64_t b = 0; b < nb; b++) {                                                 \
+            const uint8_t *o = wg + b * gb;                                                \
+            __m512i w[8];                                                                  \
+            if (type == T_Q8_0)                                                            \
+                for (int p = 0; p < 8; p++) w[p] = _mm512_loadu_si512((const void *)(o + 64 * p)); \
+            else                                                                           \
+                for (int p = 0; p < 4; p++) {                                              \
+                    __m512i v = _mm512_loadu_si512((const void *)(o + 64 * p));            \
+                    w[p] = _mm512_and_si512(v, low4);                                      \
+                    w[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);            \
+                }                                                                          \
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + quads)));  \
+            __m512 m = type == T_Q4_1                                                      \
+                ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o + quads + 32)))   \
+                : _mm512_setzero_ps();                                                     \
+            for (int r = 0; r < R; r++) {                                                  \
+                const int32_t *x4 = (const int32_t *)(q.xq + r * K + 32 * b);              \
+                const int64_t at = r * nb + b;                                             \
+                __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();          \
+                for (int p = 0; p < 8; p += 2) {                                           \
+                    s0 = _mm512_dpbusd_epi32(s0, w[p], _mm512_set1_epi32(x4[p]));          \
+                    s1 = _mm512_dpbusd_epi32(s1, w[p + 1], _mm512_set1_epi32(x4[p + 1]));  \
+                }                                                                          \
+                __m512i s = _mm512_add_epi32(s0, s1);                                      \
+                if (type != T_Q4_1)                                                        \
+                    s = _mm512_sub_epi32(s, _mm512_set1_epi32((type == T_Q8_0 ? 128 : 8) * q.sx[at])); \
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),                            \
+                                         _mm512_mul_ps(d, _mm512_set1_ps(q.dx[at])), acc[r]); \
+                if (type == T_Q4_1)                                                        \
+                    acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(q.dxs[at]), acc[r]);        \
+            }                                                                              \
+        }                                                                                  \
+        const __mmask16 keep = columns >= 16 ? 0xffff : (__mmask16)((1u << columns) - 1);  \
+        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);      \
+    }
+Q8_VNNI_TILE(1) Q8_VNNI_TILE(2) Q8_VNNI_TILE(3) Q8_VNNI_TILE(4)
+Q8_VNNI_TILE(5) Q8_VNNI_TILE(6) Q8_VNNI_TILE(7) Q8_VNNI_TILE(8)
+typedef void (*q8_tile_fn)(int, es_q8_rows, int64_t, const uint8_t *, int64_t, float *, int64_t);
+static const q8_tile_fn q8_vnni_tiles[9] = {0, q8_vnni_1, q8_vnni_2, q8_vnni_3, q8_vnni_4,
+                                            q8_vnni_5, q8_vnni_6, q8_vnni_7, q8_vnni_8};
+
+/* Columns j0..j1 (j0 a multiple of 16) of every row. */
+static void columns_q8(int isa, es_q8_rows q, int64_t rows, int64_t K, const uint8_t *packed,
+                       int type, int64_t N, float *y, int64_t ldy, int64_t j0, int64_t j1) {
+    cpu_features();
+    const int64_t group_bytes = K / 32 * q8_group_block_bytes(type);
+    for (int64_t j = j0; j < j1; j += 16) {
+        const uint8_t *wg = packed + j / 16 * group_bytes;
+        const int64_t columns = MIN(16, MIN(j1, N) - j);
+        for (int64_t r = 0; r < rows; r += 8) {
+            const int64_t R = MIN(8, rows - r);
+            es_q8_rows qr = {q.xq + r * K, q.dx + r * (K / 32), q.sx + r * (K / 32),
+                             q.dxs + r * (K / 32)};
+            if (isa == 2 && has_vnni) q8_vnni_tiles[R](type, qr, K, wg, columns, y + r * ldy + j, ldy);
+            else if (isa >= 1) q8_group_avx2(type, qr, R, K, wg, columns, y + r * ldy + j, ldy);
+            else q8_group_portable(type, qr, R, K, wg, columns, y + r * ldy + j, ldy);
+        }
+    }
+}
+
+/* y [rows, N] = the int8 product of x's quantised rows q and a repacked weight (see the
+ * header), on `threads` threads that split the columns in blocks of 48. */
+void es_linear_q8(es_q8_rows q, int64_t rows, int64_t K, const uint8_t *packed, int type,
+                  int64_t N, float *y, int64_t ldy, int threads, int isa) {
+    int64_t blocks = (N + 47) / 48;
+    if (rows <= 0 || N <= 0) return;
+    if (threads < 1) threads = 1;
+    if (threads > blocks) threads = (int)blocks;
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t j0, j1;
+        column_share(N, omp_get_thread_num(), omp_get_num_threads(), &j0, &j1);
+        if (j0 < j1) columns_q8(isa, q, rows, K, packed, type, N, y, ldy, j0, j1);
+    }
+}
+
 /* ---- attention for a block of queries ----
  *
  * es_attention: for each query i of one sequence (the last nq positions of its L keys) and
@@ -764,7 +1067,10 @@ void es_attention(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, 
  * other rows, their number, the chunking of a prefill or the thread count.
  */
 
-typedef struct { const void *data; int64_t type; } es_weight;
+typedef struct {
+    const void *data; int64_t type;
+    const uint8_t *packed; /* es_repack's copy (the int8 product), or NULL (the float one) */
+} es_weight;
 
 typedef struct {
     const float *attn_norm, *ffn_norm, *bq, *bk, *bv; /* biases may be NULL */
@@ -836,6 +1142,10 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
           *t1 = malloc(sizeof(float) * n * E), *g = malloc(sizeof(float) * n * F),
           *u = malloc(sizeof(float) * n * F), *cs = malloc(sizeof(float) * n * (n_rot + 1)),
           *xl = malloc(sizeof(float) * (n_logits ? n_logits : 1) * E);
+    const int64_t max_Kq = max_K > QD ? max_K : QD; /* the widest input of a product */
+    es_q8_rows q8 = {malloc(n * max_Kq), malloc(sizeof(float) * n * (max_Kq / 32 + 1)),
+                     malloc(sizeof(int32_t) * n * (max_Kq / 32 + 1)),
+                     malloc(sizeof(float) * n * (max_Kq / 32 + 1))};
     const float scale = 1.0f / sqrtf((float)d);
     const int64_t split = n <= 4 * n_segs ? H / Hkv : 1; /* attention items per kv head */
     if (threads < 1) threads = 1;
@@ -850,7 +1160,15 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
         do {                                                                              \
             int64_t j0, j1;                                                               \
             column_share(N, t, nt, &j0, &j1);                                             \
-            if (j0 < j1) columns(isa, X, K, n, K, (W).data, (int)(W).type, Y, N, j0, j1, panel); \
+            if (j0 < j1 && (W).packed)                                                    \
+                columns_q8(isa, q8, n, K, (W).packed, (int)(W).type, N, Y, N, j0, j1);    \
+            else if (j0 < j1)                                                             \
+                columns(isa, X, K, n, K, (W).data, (int)(W).type, Y, N, j0, j1, panel);   \
+        } while (0)
+#define QUANTIZE(X, K, W1, W2, W3)                                                        \
+        do {                                                                              \
+            if ((W1).packed || (W2).packed || (W3).packed)                                \
+                es_quantize_rows(X, K, r0, r1, K, q8);                                    \
         } while (0)
 
         for (int64_t r = r0; r < r1; r++) {
@@ -867,6 +1185,7 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
             const es_layer *L = m->layers + l;
             for (int64_t r = r0; r < r1; r++)
                 rms_norm(h + r * E, L->attn_norm, E, m->rms_eps, isa, x + r * E);
+            QUANTIZE(x, E, L->wq, L->wk, L->wv);
 #pragma omp barrier
             LINEAR(x, E, L->wq, QD, q);
             LINEAR(x, E, L->wk, KD, k);
@@ -904,12 +1223,17 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
                                g, h0, h1);
             }
 #pragma omp barrier
+            if (L->wo.packed) {
+                QUANTIZE(a, QD, L->wo, L->wo, L->wo);
+#pragma omp barrier
+            }
             LINEAR(a, QD, L->wo, E, t1);
 #pragma omp barrier
             for (int64_t r = r0; r < r1; r++) {
                 for (int64_t c = 0; c < E; c++) h[r * E + c] += t1[r * E + c];
                 rms_norm(h + r * E, L->ffn_norm, E, m->rms_eps, isa, x + r * E);
             }
+            QUANTIZE(x, E, L->gate, L->up, L->up);
 #pragma omp barrier
             LINEAR(x, E, L->gate, F, g);
             LINEAR(x, E, L->up, F, u);
@@ -919,6 +1243,7 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
                     float gc = g[r * F + c];
                     x[r * F + c] = (gc / (1.0f + expf(-gc))) * u[r * F + c];
                 }
+            QUANTIZE(x, F, L->down, L->down, L->down);
 #pragma omp barrier
             LINEAR(x, F, L->down, E, t1);
 #pragma omp barrier
@@ -930,20 +1255,27 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
             }
 #pragma omp barrier
         }
-        for (int64_t i = n_logits * t / nt; i < n_logits * (t + 1) / nt; i++)
+        const int64_t i0 = n_logits * t / nt, i1 = n_logits * (t + 1) / nt;
+        for (int64_t i = i0; i < i1; i++)
             rms_norm(h + logit_rows[i] * E, m->output_norm, E, m->rms_eps, isa, xl + i * E);
+        if (m->output.packed) es_quantize_rows(xl, E, i0, i1, E, q8);
 #pragma omp barrier
         if (n_logits) {
             int64_t j0, j1;
             column_share(m->n_vocab, t, nt, &j0, &j1);
-            if (j0 < j1)
+            if (j0 < j1 && m->output.packed)
+                columns_q8(isa, q8, n_logits, E, m->output.packed, (int)m->output.type,
+                           m->n_vocab, logits, m->n_vocab, j0, j1);
+            else if (j0 < j1)
                 columns(isa, xl, E, n_logits, E, m->output.data, (int)m->output.type, logits,
                         m->n_vocab, j0, j1, panel);
         }
         free(panel);
         free(e);
 #undef LINEAR
+#undef QUANTIZE
     }
+    free(q8.xq); free(q8.dx); free(q8.sx); free(q8.dxs);
     free(seg_start); free(h); free(x); free(q); free(k); free(v); free(a); free(t1);
     free(g); free(u); free(cs); free(xl);
 }
