@@ -298,9 +298,10 @@ class NativeBackend:
 
     @classmethod
     def load(cls, path: str | Path, *, threads: int | None = None,
-             max_model_len: int | None = None) -> NativeBackend:
+             max_model_len: int | None = None, activations: str = "int8") -> NativeBackend:
         """Load a ``.gguf`` file; the tokenizer and chat template are the file's own (through
         transformers' GGUF tokenizer, converted once and cached, no weights loaded).
+        ``activations``: see :class:`GGUFModel`.
 
         Raises:
             FileNotFoundError: if ``path`` does not exist.
@@ -316,7 +317,7 @@ class NativeBackend:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ValueError(f"{name} = {value!r} is invalid: it must be an integer ≥ 1")
-        model = GGUFModel(path)
+        model = GGUFModel(path, activations)
         return cls(model, HFTokenizer(gguf_tokenizer(path)), threads=threads,
                    max_context_length=max_model_len)
 
