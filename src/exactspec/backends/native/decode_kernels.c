@@ -825,7 +825,8 @@ void es_linear_q8(es_q8_rows q, int64_t rows, int64_t K, const uint8_t *packed, 
  * are taken in blocks of QUERY_BLOCK with the heads of their kv group, and each key of the
  * shared prefix is scored for the whole block while it is in L1 (only the order of
  * independent dot products changes, never one dot's arithmetic). The AVX2 path and the
- * portable path give the same bits; there is no AVX-512 path.
+ * portable path give the same bits, and so does the AVX-512 path, which differs from AVX2
+ * only in the weighted sum's width (16 dims a vector; each dim is its own chain).
  *
  * Token trees (tree_rows != NULL): the nq queries are the nodes of a tree of drafts, and
  * query i sees the P = L - nq keys before them, then the nodes tree_rows[tree_offsets[i] ..
@@ -945,6 +946,29 @@ __attribute__((target("avx2,fma"))) static inline void weighted_sum_rows_avx2(
     }
 }
 
+/* The same chains 16 dims at a time (each dim is its own chain, so the width changes no bit). */
+__attribute__((target("avx512f,avx2,fma"))) static inline void weighted_sum_rows_avx512(
+    const float *e, int64_t n, const float *v, int64_t ldv, int64_t d, float *out, int64_t P,
+    const int64_t *extra) {
+    int64_t c = 0;
+    for (; c + 64 <= d; c += 64) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j < n; j++) {
+            __m512 w = _mm512_set1_ps(e[j]);
+            const float *row = v + key_row(j, P, extra) * ldv + c;
+            a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(row), a0);
+            a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(row + 16), a1);
+            a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(row + 32), a2);
+            a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(row + 48), a3);
+        }
+        _mm512_storeu_ps(out + c, a0);
+        _mm512_storeu_ps(out + c + 16, a1);
+        _mm512_storeu_ps(out + c + 32, a2);
+        _mm512_storeu_ps(out + c + 48, a3);
+    }
+    weighted_sum_rows_avx2(e, n, v + c, ldv, d - c, out + c, P, extra);
+}
+
 static void weighted_sum_rows_portable(const float *e, int64_t n, const float *v, int64_t ldv,
                                        int64_t d, float *out, int64_t P, const int64_t *extra) {
     for (int64_t c = 0; c < d; c++) {
@@ -999,6 +1023,8 @@ static void weighted_sum_rows_portable(const float *e, int64_t n, const float *v
 
 ATTEND_KV_HEAD(attend_kv_head_avx2, __attribute__((target("avx2,fma"))), dot_avx2,
                exp_sum_avx2, weighted_sum_rows_avx2)
+ATTEND_KV_HEAD(attend_kv_head_avx512, __attribute__((target("avx512f,avx2,fma"))), dot_avx2,
+               exp_sum_avx2, weighted_sum_rows_avx512)
 ATTEND_KV_HEAD(attend_kv_head_portable, , dot_portable, exp_sum_portable,
                weighted_sum_rows_portable)
 
@@ -1009,7 +1035,7 @@ static void attend_kv_head(const float *q, int64_t nq, int64_t H, int64_t d, int
                            float *out, int64_t so, int64_t soh, float *e, int isa,
                            const int64_t *tree_rows, const int64_t *tree_offsets, int64_t g,
                            int64_t h0, int64_t h1) {
-    (isa >= 1 ? attend_kv_head_avx2 : attend_kv_head_portable)(
+    (isa == 2 ? attend_kv_head_avx512 : isa == 1 ? attend_kv_head_avx2 : attend_kv_head_portable)(
         q, nq, H, d, sq, sh, k, v, Hkv, L, skh, skj, svh, svj, scale, out, so, soh, e,
         tree_rows, tree_offsets, g, h0, h1);
 }
