@@ -238,3 +238,18 @@ def test_a_backend_that_is_not_batch_invariant_is_refused_unless_allowed():
     with pytest.raises(ValueError, match="kernels 'quick' is invalid: choose one of "
                                          "batch-invariant, fast"):
         TransformersBackend(tiny_model(0), CharTokenizer(), kernels="quick")
+
+
+def test_the_native_kernels_build_wherever_a_c_compiler_is_found():
+    """The kernels' tests skip where the kernels cannot be built; so that a C source that no
+    longer compiles cannot pass as 'no compiler here', a machine with one must build them."""
+    import os
+    import shutil
+
+    from exactspec.backends import native
+
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler on this machine")
+    if os.environ.get("EXACTSPEC_NATIVE_KERNELS", "1") == "0":
+        pytest.skip("the native kernels are switched off (EXACTSPEC_NATIVE_KERNELS=0)")
+    assert native.load() is not None

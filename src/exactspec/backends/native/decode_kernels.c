@@ -826,7 +826,8 @@ void es_linear_q8(es_q8_rows q, int64_t rows, int64_t K, const uint8_t *packed, 
  * shared prefix is scored for the whole block while it is in L1 (only the order of
  * independent dot products changes, never one dot's arithmetic). The AVX2 path and the
  * portable path give the same bits, and so does the AVX-512 path, which differs from AVX2
- * only in the weighted sum's width (16 dims a vector; each dim is its own chain).
+ * only in vector width: two keys' dots at once (each in 8 lanes, summed as hsum8 does) and
+ * 16 dims a vector in the weighted sum (each dim is its own chain).
  *
  * Token trees (tree_rows != NULL): the nq queries are the nodes of a tree of drafts, and
  * query i sees the P = L - nq keys before them, then the nodes tree_rows[tree_offsets[i] ..
@@ -906,6 +907,38 @@ __attribute__((target("avx2,fma"))) static inline float dot_avx2(const float *a,
     return s;
 }
 
+__attribute__((target("avx512f"))) static inline __m512 halves(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)),
+                                               _mm256_castps_pd(hi), 1));
+}
+
+/* Two keys' dots against one query, each with dot_avx2's arithmetic: key b0 in the low
+ * 8 lanes, b1 in the high 8, and hsum8's steps within each half (the same bits). */
+__attribute__((target("avx512f,avx2,fma"))) static inline void dot2_avx512(
+    const float *a, const float *b0, const float *b1, int64_t d, float *s0, float *s1) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 8 <= d; c += 8)
+        acc = _mm512_fmadd_ps(halves(_mm256_loadu_ps(a + c), _mm256_loadu_ps(a + c)),
+                              halves(_mm256_loadu_ps(b0 + c), _mm256_loadu_ps(b1 + c)), acc);
+    __m512 t = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, _MM_SHUFFLE(2, 3, 0, 1)));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(3, 2, 3, 2)));  /* l, l+2 */
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(1, 1, 1, 1)));  /* 0 + 1 */
+    float x0 = _mm512_cvtss_f32(t), x1 = _mm_cvtss_f32(_mm512_extractf32x4_ps(t, 2));
+    for (; c < d; c++) x0 = fmaf(a[c], b0[c], x0), x1 = fmaf(a[c], b1[c], x1);
+    *s0 = x0, *s1 = x1;
+}
+
+__attribute__((target("avx2,fma"))) static inline void dot2_avx2(
+    const float *a, const float *b0, const float *b1, int64_t d, float *s0, float *s1) {
+    *s0 = dot_avx2(a, b0, d), *s1 = dot_avx2(a, b1, d);
+}
+
+static inline void dot2_portable(const float *a, const float *b0, const float *b1, int64_t d,
+                                 float *s0, float *s1) {
+    *s0 = dot_portable(a, b0, d), *s1 = dot_portable(a, b1, d);
+}
+
 /* out[0..d) = sum_j e[j] * v[key_row(j) * ldv + c], fma in order of j, each dim on its own:
  * rows 0 .. P-1 in place, then a tree path's rows (a chain: P = n, no extra rows) */
 static inline int64_t key_row(int64_t j, int64_t P, const int64_t *extra) {
@@ -983,7 +1016,7 @@ static void weighted_sum_rows_portable(const float *e, int64_t n, const float *v
 /* Kv head g of es_attention (below): its heads' queries, QUERY_BLOCK at a time;
  * e: QUERY_BLOCK * (H / Hkv) * L floats of scratch. One body, compiled for AVX2 (where the
  * dot products inline) and for the portable path. */
-#define ATTEND_KV_HEAD(NAME, TARGET, DOT, EXP_SUM, WEIGHTED_SUM)                               \
+#define ATTEND_KV_HEAD(NAME, TARGET, DOT, DOT2, EXP_SUM, WEIGHTED_SUM)                         \
     TARGET static void NAME(                                                                  \
         const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, int64_t sh,             \
         const float *k, const float *v, int64_t Hkv, int64_t L, int64_t skh, int64_t skj,     \
@@ -995,7 +1028,16 @@ static void weighted_sum_rows_portable(const float *e, int64_t n, const float *v
         for (int64_t i0 = 0; i0 < nq; i0 += QUERY_BLOCK) {                                    \
             int64_t rows = MIN(QUERY_BLOCK, nq - i0) * W;                                     \
             /* row r: query i0 + r / W, head h0 + r % W; its scores at e + r * L */           \
-            for (int64_t j = 0; j < P; j++) { /* keys every query sees, once for the block */ \
+            int64_t j = 0; /* keys every query sees, two at a time, once for the block */    \
+            for (; j + 2 <= P; j += 2) {                                                      \
+                const float *kj = kh + j * skj;                                               \
+                for (int64_t r = 0; r < rows; r++) {                                          \
+                    float s0, s1;                                                             \
+                    DOT2(q + (i0 + r / W) * sq + (h0 + r % W) * sh, kj, kj + skj, d, &s0, &s1); \
+                    e[r * L + j] = s0 * scale, e[r * L + j + 1] = s1 * scale;                 \
+                }                                                                             \
+            }                                                                                 \
+            for (; j < P; j++) {                                                              \
                 const float *kj = kh + j * skj;                                               \
                 for (int64_t r = 0; r < rows; r++)                                            \
                     e[r * L + j] = DOT(q + (i0 + r / W) * sq + (h0 + r % W) * sh, kj, d) * scale; \
@@ -1021,11 +1063,11 @@ static void weighted_sum_rows_portable(const float *e, int64_t n, const float *v
         }                                                                                     \
     }
 
-ATTEND_KV_HEAD(attend_kv_head_avx2, __attribute__((target("avx2,fma"))), dot_avx2,
+ATTEND_KV_HEAD(attend_kv_head_avx2, __attribute__((target("avx2,fma"))), dot_avx2, dot2_avx2,
                exp_sum_avx2, weighted_sum_rows_avx2)
 ATTEND_KV_HEAD(attend_kv_head_avx512, __attribute__((target("avx512f,avx2,fma"))), dot_avx2,
-               exp_sum_avx2, weighted_sum_rows_avx512)
-ATTEND_KV_HEAD(attend_kv_head_portable, , dot_portable, exp_sum_portable,
+               dot2_avx512, exp_sum_avx2, weighted_sum_rows_avx512)
+ATTEND_KV_HEAD(attend_kv_head_portable, , dot_portable, dot2_portable, exp_sum_portable,
                weighted_sum_rows_portable)
 
 /* Heads h0 .. h1 - 1 (all of kv head g's group, or part of it) of es_attention. */
