@@ -234,6 +234,31 @@ def test_the_forced_proposer_drafts_a_constraints_forced_tokens_alone(target):
             assert drafted == expected
 
 
+@pytest.mark.parametrize("policy", ["auto", "constant"])
+def test_batched_rows_each_follow_their_own_constraint(target, policy):
+    """Rows of one batch under different constraints (and one under none), greedy and
+    seeded, each equal to decoding it alone (greedy: plain decoding's output); the forced
+    tokens are drafted in the batch too."""
+    from exactspec import BatchedGenerator
+
+    constraints = [Constraint.choice(["abcdabcd1", "abcdabcd2"]), Constraint.regex(REGEX),
+                   None, CONSTRAINTS["grammar"][0]]
+    params = [SamplingParams(temperature=temperature, seed=i, max_new_tokens=14,
+                             constraint=constraint)
+              for i, constraint in enumerate(constraints) for temperature in (0.0, 0.9)]
+    prompts = ["x", "abab", "cdcd", "ab,cd"] * 2
+    prompts = [prompts[i // 2] for i in range(len(params))]
+    plain = SpeculativeGenerator(target, None)
+    generator = SpeculativeGenerator(target, PromptLookupProposer(1, 3), 4, policy)
+    alone = [generator.generate(p, q).token_ids for p, q in zip(prompts, params)]
+    results = BatchedGenerator(generator, max_batch_size=4).generate(prompts, params)
+    assert [r.token_ids for r in results] == alone
+    for p, q, result in zip(prompts, params, results):
+        if q.temperature == 0:
+            assert result.token_ids == plain.generate(p, q).token_ids
+    assert results[0].stats.accepted_tokens >= 6  # 'abcdabcd' forced: drafted, accepted
+
+
 def test_min_new_tokens_under_a_constraint(target):
     """min_new_tokens bans EOS until that many tokens: a constraint that can go on is
     followed past it (and the output is plain decoding's with speculation); one complete
