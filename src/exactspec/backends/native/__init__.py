@@ -132,7 +132,8 @@ class NativeKernels:
         library.es_repacked_bytes.restype = i64
         library.es_repack.argtypes = [ptr, ctypes.c_int, i64, i64, ptr]
         library.es_repack.restype = None
-        library.es_quantize_rows.argtypes = [ptr, i64, i64, i64, i64, QuantizedRows]
+        library.es_quantize_rows.argtypes = [ptr, i64, i64, i64, i64, QuantizedRows,
+                                             ctypes.c_int]
         library.es_quantize_rows.restype = None
         library.es_linear_q8.argtypes = [QuantizedRows, i64, i64, ptr, ctypes.c_int, i64, ptr,
                                          i64, ctypes.c_int, ctypes.c_int]
@@ -240,7 +241,8 @@ class NativeKernels:
         buffers = [np.empty(rows * k, np.int8), np.empty(rows * k // 32, np.float32),
                    np.empty(rows * k // 32, np.int32), np.empty(rows * k // 32, np.float32)]
         quantized = QuantizedRows(*(b.ctypes.data for b in buffers))
-        self._lib.es_quantize_rows(x.data_ptr(), k, 0, rows, k, quantized)
+        self._lib.es_quantize_rows(x.data_ptr(), k, 0, rows, k, quantized,
+                                   ISAS.index(self.isa))
         out = torch.empty(rows, n, dtype=torch.float32)
         self._lib.es_linear_q8(quantized, rows, k, packed.ctypes.data, weight_type, n,
                                out.data_ptr(), n, threads, ISAS.index(self.isa))

@@ -621,12 +621,13 @@ static void cpu_features(void) {
     }
 }
 
-/* Quantise rows r0..r1 of x (row stride ldx, K inputs) into q (see the header). */
+/* Quantise rows r0..r1 of x (row stride ldx, K inputs) into q (see the header); AVX-512
+ * where isa is 2 and the CPU has it, else portable C (the same numbers). */
 void es_quantize_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, int64_t K,
-                      es_q8_rows q) {
+                      es_q8_rows q, int isa) {
     cpu_features();
     for (int64_t r = r0; r < r1; r++)
-        (has_avx512_quantize ? quantize_row_avx512 : quantize_row_portable)(
+        (isa == 2 && has_avx512_quantize ? quantize_row_avx512 : quantize_row_portable)(
             x + r * ldx, K, q.xq + r * K, q.dx + r * (K / 32), q.sx + r * (K / 32),
             q.dxs + r * (K / 32));
 }
@@ -1236,7 +1237,7 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
 #define QUANTIZE(X, K, W1, W2, W3)                                                        \
         do {                                                                              \
             if ((W1).packed || (W2).packed || (W3).packed)                                \
-                es_quantize_rows(X, K, r0, r1, K, q8);                                    \
+                es_quantize_rows(X, K, r0, r1, K, q8, isa);                                    \
         } while (0)
 
         for (int64_t r = r0; r < r1; r++) {
@@ -1326,7 +1327,7 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
         const int64_t i0 = n_logits * t / nt, i1 = n_logits * (t + 1) / nt;
         for (int64_t i = i0; i < i1; i++)
             rms_norm(h + logit_rows[i] * E, m->output_norm, E, m->rms_eps, isa, xl + i * E);
-        if (m->output.packed) es_quantize_rows(xl, E, i0, i1, E, q8);
+        if (m->output.packed) es_quantize_rows(xl, E, i0, i1, E, q8, isa);
 #pragma omp barrier
         if (n_logits) {
             int64_t j0, j1;
