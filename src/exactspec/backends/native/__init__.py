@@ -8,7 +8,10 @@ over GGUF weight blocks, attention, and the native backend's whole forward pass
 it once per source version with the machine's C compiler into exactspec's cache
 (``$EXACTSPEC_CACHE_DIR/kernels``, 2–3 seconds), loads it with ctypes and picks the
 instruction set at run time: AVX-512F, AVX2 + FMA, or portable C (``fmaf``; the same bits
-as AVX2). Each path is batch-invariant on its own; one process uses one path.
+as AVX2). Each path is batch-invariant on its own; one process uses one path. The float32
+products sum in 16 lanes on AVX-512 (other bits than AVX2's); attention and the products
+with int8 activations (``es_linear_q8``, AVX-512 VNNI where the CPU has it) give the same
+bits on all three.
 
 Why compiled on first use rather than at ``pip install``: the project installs as pure
 Python (``pip install -e .``, no build step to fail on a machine without a compiler), the
