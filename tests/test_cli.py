@@ -506,3 +506,15 @@ def test_structured_output_flags_are_checked_before_loading(model_folder, tmp_pa
         run(capsys, "x", "--model", model_folder, "--proposer", "forced")
     assert exit_info.value.code == 2 and "forced drafts only the tokens a constraint forces" \
         in capsys.readouterr().err
+
+
+def test_activations_apply_to_the_native_backend_only(model_folder, capsys):
+    """--activations on a model that runs on transformers is one error line naming the
+    flag; the option reaches the native backend (its description says which ran)."""
+    from exactspec.cli.common import model_spec
+
+    assert cli.main(["generate", "x", "--model", str(model_folder), "--activations",
+                     "float32", "--max-new-tokens", "2"]) == 1
+    assert "(--activations) applies to the native backend only" in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["generate", "x", "--activations", "float32"])
+    assert model_spec(args).activations == "float32"

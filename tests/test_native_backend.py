@@ -223,6 +223,12 @@ def test_int8_activations_give_the_same_forward_bits_on_every_path(tiny_gguf, tm
     assert torch.allclose(got, reference, atol=0.05 * float(reference.abs().max()))
     with pytest.raises(ValueError, match="activations = 'int4' is invalid"):
         GGUFModel(path, activations="int4")
+    from exactspec import models
+
+    asked = {}
+    monkeypatch.setattr(models.NativeBackend, "load", lambda path, **options: asked.update(options))
+    models.ModelSpec(str(path), backend="native", activations="float32").load()
+    assert asked["activations"] == "float32"  # load_model passes it on
 
 
 @pytest.mark.parametrize("weight_type", ["F16", "BF16", "Q8_0"])

@@ -13,6 +13,10 @@ KERNELS = ("batch-invariant", "fast")
 """Kernel choices of the transformers backend (``batch-invariant`` is the default; see
 :mod:`exactspec.backends.batch_invariant`)."""
 
+ACTIVATIONS = ("int8", "float32")
+"""The native backend's input arithmetic over Q4_0, Q4_1 and Q8_0 weights (``int8``, the
+default, or ``float32``; see :class:`~exactspec.backends.native_backend.GGUFModel`)."""
+
 DEFAULT_MAX_BATCH_SIZE = 8
 """Rows :class:`~exactspec.batching.BatchedGenerator` decodes together when none is given."""
 

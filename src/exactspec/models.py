@@ -79,6 +79,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
                device: str = "auto", dtype: str | None = None,
                threads: int | None = None, kernels: str | None = None,
                max_model_len: int | None = None, weight_type: str | None = None,
+               activations: str | None = None,
                proposer: ProposerSpec | None = None) -> Backend:
     """Load a model on the native, the transformers or the llama.cpp backend.
 
@@ -106,6 +107,9 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
         weight_type: native and llama.cpp: the GGUF file's weights converted to ``F32`` (the same
             weights), ``BF16``, ``F16`` or ``Q8_0`` (rounded), see
             :func:`~exactspec.model_files.converted_gguf`; None: as the file has them.
+        activations: native only: ``int8`` (the default) or ``float32`` inputs to the
+            products over Q4_0, Q4_1 and Q8_0 weights (see
+            :class:`~exactspec.backends.native_backend.GGUFModel`); None: the default.
         proposer: the proposer that will draft for this target, where its needs choose the
             backend (see :func:`choose_backend`); None: no such needs.
     Returns:
@@ -125,7 +129,11 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
                             proposer=proposer)
     if chosen == "native":
         return NativeBackend.load(path if weight_type is None else converted_gguf(path, weight_type),
-                                  threads=threads, max_model_len=max_model_len)
+                                  threads=threads, max_model_len=max_model_len,
+                                  activations=activations or "int8")
+    if activations is not None:
+        raise ValueError(f"activations = {activations!r} (--activations) applies to the native "
+                         f"backend only, and this model runs on {chosen}")
     if chosen == "llama_cpp":
         return LlamaCppBackend.load(path, threads=threads, context_length=max_model_len,
                                     weight_type=weight_type)
@@ -152,6 +160,7 @@ class ModelSpec:
     kernels: str | None = None
     max_model_len: int | None = None
     weight_type: str | None = None
+    activations: str | None = None
 
     def load(self, name_or_path: str | None = None, *,
              proposer: ProposerSpec | None = None) -> Backend:
@@ -160,4 +169,5 @@ class ModelSpec:
         return load_model(name_or_path or self.name_or_path, backend=self.backend,
                           device=self.device, dtype=self.dtype, threads=self.threads,
                           kernels=self.kernels, max_model_len=self.max_model_len,
-                          weight_type=self.weight_type, proposer=proposer)
+                          weight_type=self.weight_type, activations=self.activations,
+                          proposer=proposer)

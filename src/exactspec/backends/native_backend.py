@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from exactspec.backends import native
+from exactspec.load_options import ACTIVATIONS
 from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError,
                                      check_batch_invariance, check_context, check_reserve,
                                      check_retain, check_rows, check_sequence_invariance,
@@ -50,10 +51,6 @@ INITIAL_CAPACITY = 256
 
 class NativeKernelsUnavailableError(RuntimeError):
     """The native backend needs exactspec's compiled kernels, which could not be built."""
-
-
-ACTIVATIONS = ("int8", "float32")
-"""The native products' input arithmetic over block weights (:class:`GGUFModel`)."""
 
 
 class GGUFModel:

@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.markup import escape
 
 from exactspec.distributed import RayExecutor, connect, default_workers
-from exactspec.load_options import BACKENDS, KERNELS, default_threads
+from exactspec.load_options import ACTIVATIONS, BACKENDS, KERNELS, default_threads
 from exactspec.model_files import (DEFAULT_MODEL, EMBEDDED_MODELS, WEIGHT_TYPES,
                                    check_model_path, context_length, layer_count,
                                    resolve_model_path)
@@ -91,6 +91,12 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                        help="speculate even on a backend whose block logits differ from "
                             "single-token logits by rounding (the load-time check failed): the "
                             "output is then exact only up to that rounding")
+    model.add_argument("--activations", default=None, choices=ACTIVATIONS,
+                       help="native backend: the products' inputs over Q4_0, Q4_1 and Q8_0 "
+                            "weights: int8 (the default: quantised per block of 32 with exact "
+                            "integer dot products, as llama.cpp; the fastest) or float32 "
+                            "(against the dequantised weights: the file's weights as written, "
+                            "about 1.8x slower a step)")
     model.add_argument("--weight-type", default=None, choices=WEIGHT_TYPES, type=str.upper,
                        help="native and llama_cpp backends: run the GGUF file's weights converted to "
                             "this type (converted once, cached). Q8_0 makes each extra token "
@@ -205,7 +211,8 @@ def model_spec(args: argparse.Namespace):
 
     return ModelSpec(args.model, backend=args.backend, device=args.device, dtype=args.dtype,
                      threads=args.threads, kernels=args.kernels,
-                     max_model_len=args.max_model_len, weight_type=args.weight_type)
+                     max_model_len=args.max_model_len, weight_type=args.weight_type,
+                     activations=args.activations)
 
 
 def load_from_args(args: argparse.Namespace, name_or_path: str | None = None, *,
