@@ -946,26 +946,32 @@ static inline int64_t key_row(int64_t j, int64_t P, const int64_t *extra) {
     return j < P ? j : P + extra[j - P];
 }
 
+/* 4 L dims at a time in four accumulators of L lanes (a vector type and its intrinsics),
+ * from dim c on, advancing c: each dim one fma chain over j in order. */
+#define WEIGHTED_SUM_4(VEC, L, ZERO, SET1, LOAD, FMADD, STORE)                              \
+    for (; c + 4 * L <= d; c += 4 * L) {                                                    \
+        VEC a0 = ZERO(), a1 = a0, a2 = a0, a3 = a0;                                         \
+        for (int64_t j = 0; j < n; j++) {                                                   \
+            VEC w = SET1(e[j]);                                                             \
+            const float *row = v + key_row(j, P, extra) * ldv + c;                          \
+            a0 = FMADD(w, LOAD(row), a0);                                                   \
+            a1 = FMADD(w, LOAD(row + L), a1);                                               \
+            a2 = FMADD(w, LOAD(row + 2 * L), a2);                                           \
+            a3 = FMADD(w, LOAD(row + 3 * L), a3);                                           \
+        }                                                                                   \
+        STORE(out + c, a0);                                                                 \
+        STORE(out + c + L, a1);                                                             \
+        STORE(out + c + 2 * L, a2);                                                         \
+        STORE(out + c + 3 * L, a3);                                                         \
+    }
+
 __attribute__((target("avx2,fma"))) static inline void weighted_sum_rows_avx2(
     const float *e, int64_t n, const float *v, int64_t ldv, int64_t d, float *out, int64_t P,
     const int64_t *extra) {
     /* 32 dims at a time in four accumulators, then 8, then one: each dim one fma chain */
     int64_t c = 0;
-    for (; c + 32 <= d; c += 32) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t j = 0; j < n; j++) {
-            __m256 w = _mm256_broadcast_ss(e + j);
-            const float *row = v + key_row(j, P, extra) * ldv + c;
-            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row), a0);
-            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8), a1);
-            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 16), a2);
-            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 24), a3);
-        }
-        _mm256_storeu_ps(out + c, a0);
-        _mm256_storeu_ps(out + c + 8, a1);
-        _mm256_storeu_ps(out + c + 16, a2);
-        _mm256_storeu_ps(out + c + 24, a3);
-    }
+    WEIGHTED_SUM_4(__m256, 8, _mm256_setzero_ps, _mm256_set1_ps, _mm256_loadu_ps,
+                   _mm256_fmadd_ps, _mm256_storeu_ps)
     for (; c + 8 <= d; c += 8) {
         __m256 a = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; j++)
@@ -980,26 +986,14 @@ __attribute__((target("avx2,fma"))) static inline void weighted_sum_rows_avx2(
     }
 }
 
-/* The same chains 16 dims at a time (each dim is its own chain, so the width changes no bit). */
+/* The same chains 64 dims at a time (each dim is its own chain, so the width changes no
+ * bit), the rest as AVX2 does them. */
 __attribute__((target("avx512f,avx2,fma"))) static inline void weighted_sum_rows_avx512(
     const float *e, int64_t n, const float *v, int64_t ldv, int64_t d, float *out, int64_t P,
     const int64_t *extra) {
     int64_t c = 0;
-    for (; c + 64 <= d; c += 64) {
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t j = 0; j < n; j++) {
-            __m512 w = _mm512_set1_ps(e[j]);
-            const float *row = v + key_row(j, P, extra) * ldv + c;
-            a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(row), a0);
-            a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(row + 16), a1);
-            a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(row + 32), a2);
-            a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(row + 48), a3);
-        }
-        _mm512_storeu_ps(out + c, a0);
-        _mm512_storeu_ps(out + c + 16, a1);
-        _mm512_storeu_ps(out + c + 32, a2);
-        _mm512_storeu_ps(out + c + 48, a3);
-    }
+    WEIGHTED_SUM_4(__m512, 16, _mm512_setzero_ps, _mm512_set1_ps, _mm512_loadu_ps,
+                   _mm512_fmadd_ps, _mm512_storeu_ps)
     weighted_sum_rows_avx2(e, n, v + c, ldv, d - c, out + c, P, extra);
 }
 
@@ -1234,10 +1228,9 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
             else if (j0 < j1)                                                             \
                 columns(isa, X, K, n, K, (W).data, (int)(W).type, Y, N, j0, j1, panel);   \
         } while (0)
-#define QUANTIZE(X, K, W1, W2, W3)                                                        \
+#define QUANTIZE(X, K, NEEDED)  /* this thread's rows of X, for the int8 products */     \
         do {                                                                              \
-            if ((W1).packed || (W2).packed || (W3).packed)                                \
-                es_quantize_rows(X, K, r0, r1, K, q8, isa);                                    \
+            if (NEEDED) es_quantize_rows(X, K, r0, r1, K, q8, isa);                       \
         } while (0)
 
         for (int64_t r = r0; r < r1; r++) {
@@ -1254,7 +1247,7 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
             const es_layer *L = m->layers + l;
             for (int64_t r = r0; r < r1; r++)
                 rms_norm(h + r * E, L->attn_norm, E, m->rms_eps, isa, x + r * E);
-            QUANTIZE(x, E, L->wq, L->wk, L->wv);
+            QUANTIZE(x, E, L->wq.packed || L->wk.packed || L->wv.packed);
 #pragma omp barrier
             LINEAR(x, E, L->wq, QD, q);
             LINEAR(x, E, L->wk, KD, k);
@@ -1293,7 +1286,7 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
             }
 #pragma omp barrier
             if (L->wo.packed) {
-                QUANTIZE(a, QD, L->wo, L->wo, L->wo);
+                QUANTIZE(a, QD, 1);
 #pragma omp barrier
             }
             LINEAR(a, QD, L->wo, E, t1);
@@ -1302,7 +1295,7 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
                 for (int64_t c = 0; c < E; c++) h[r * E + c] += t1[r * E + c];
                 rms_norm(h + r * E, L->ffn_norm, E, m->rms_eps, isa, x + r * E);
             }
-            QUANTIZE(x, E, L->gate, L->up, L->up);
+            QUANTIZE(x, E, L->gate.packed || L->up.packed);
 #pragma omp barrier
             LINEAR(x, E, L->gate, F, g);
             LINEAR(x, E, L->up, F, u);
@@ -1312,7 +1305,7 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
                     float gc = g[r * F + c];
                     x[r * F + c] = (gc / (1.0f + expf(-gc))) * u[r * F + c];
                 }
-            QUANTIZE(x, F, L->down, L->down, L->down);
+            QUANTIZE(x, F, L->down.packed);
 #pragma omp barrier
             LINEAR(x, F, L->down, E, t1);
 #pragma omp barrier
