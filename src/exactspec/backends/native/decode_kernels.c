@@ -769,9 +769,14 @@ static void q8_group_avx2(int type, es_q8_rows q, int64_t rows, int64_t K,
     }
 Q8_VNNI_TILE(1) Q8_VNNI_TILE(2) Q8_VNNI_TILE(3) Q8_VNNI_TILE(4)
 Q8_VNNI_TILE(5) Q8_VNNI_TILE(6) Q8_VNNI_TILE(7) Q8_VNNI_TILE(8)
+Q8_VNNI_TILE(9) Q8_VNNI_TILE(10) Q8_VNNI_TILE(11) Q8_VNNI_TILE(12)
+Q8_VNNI_TILE(13) Q8_VNNI_TILE(14) Q8_VNNI_TILE(15) Q8_VNNI_TILE(16)
+#define Q8_TILE_ROWS 16 /* the most rows one tile takes */
 typedef void (*q8_tile_fn)(int, es_q8_rows, int64_t, const uint8_t *, int64_t, float *, int64_t);
-static const q8_tile_fn q8_vnni_tiles[9] = {0, q8_vnni_1, q8_vnni_2, q8_vnni_3, q8_vnni_4,
-                                            q8_vnni_5, q8_vnni_6, q8_vnni_7, q8_vnni_8};
+static const q8_tile_fn q8_vnni_tiles[Q8_TILE_ROWS + 1] = {
+    0, q8_vnni_1, q8_vnni_2, q8_vnni_3, q8_vnni_4, q8_vnni_5, q8_vnni_6, q8_vnni_7, q8_vnni_8,
+    q8_vnni_9, q8_vnni_10, q8_vnni_11, q8_vnni_12, q8_vnni_13, q8_vnni_14, q8_vnni_15,
+    q8_vnni_16};
 
 /* Columns j0..j1 (j0 a multiple of 16) of every row. */
 static void columns_q8(int isa, es_q8_rows q, int64_t rows, int64_t K, const uint8_t *packed,
@@ -781,8 +786,8 @@ static void columns_q8(int isa, es_q8_rows q, int64_t rows, int64_t K, const uin
     for (int64_t j = j0; j < j1; j += 16) {
         const uint8_t *wg = packed + j / 16 * group_bytes;
         const int64_t columns = MIN(16, MIN(j1, N) - j);
-        for (int64_t r = 0; r < rows; r += 8) {
-            const int64_t R = MIN(8, rows - r);
+        for (int64_t r = 0; r < rows; r += Q8_TILE_ROWS) {
+            const int64_t R = MIN(Q8_TILE_ROWS, rows - r);
             es_q8_rows qr = {q.xq + r * K, q.dx + r * (K / 32), q.sx + r * (K / 32),
                              q.dxs + r * (K / 32)};
             if (isa == 2 && has_vnni) q8_vnni_tiles[R](type, qr, K, wg, columns, y + r * ldy + j, ldy);
@@ -824,11 +829,11 @@ void es_linear_q8(es_q8_rows q, int64_t rows, int64_t K, const uint8_t *packed, 
  * so each query's arithmetic is that of a one-token step at its position, whatever the
  * other queries, their number or the thread split (threads take whole kv heads). Queries
  * are taken in blocks of QUERY_BLOCK with the heads of their kv group, and each key of the
- * shared prefix is scored for the whole block while it is in L1 (only the order of
- * independent dot products changes, never one dot's arithmetic). The AVX2 path and the
- * portable path give the same bits, and so does the AVX-512 path, which differs from AVX2
- * only in vector width: two keys' dots at once (each in 8 lanes, summed as hsum8 does) and
- * 16 dims a vector in the weighted sum (each dim is its own chain).
+ * shared prefix is scored for the whole block while it is in L1, eight keys at a time with
+ * their eight hsum8 side by side in one vector (only the order of independent dot products
+ * changes, never one dot's arithmetic). The AVX2 path and the portable path give the same
+ * bits, and so does the AVX-512 path, which differs from AVX2 only in the weighted sum's
+ * width: 16 dims a vector (each dim is its own chain).
  *
  * Token trees (tree_rows != NULL): the nq queries are the nodes of a tree of drafts, and
  * query i sees the P = L - nq keys before them, then the nodes tree_rows[tree_offsets[i] ..
@@ -908,36 +913,51 @@ __attribute__((target("avx2,fma"))) static inline float dot_avx2(const float *a,
     return s;
 }
 
-__attribute__((target("avx512f"))) static inline __m512 halves(__m256 lo, __m256 hi) {
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)),
-                                               _mm256_castps_pd(hi), 1));
-}
-
-/* Two keys' dots against one query, each with dot_avx2's arithmetic: key b0 in the low
- * 8 lanes, b1 in the high 8, and hsum8's steps within each half (the same bits). */
-__attribute__((target("avx512f,avx2,fma"))) static inline void dot2_avx512(
-    const float *a, const float *b0, const float *b1, int64_t d, float *s0, float *s1) {
-    __m512 acc = _mm512_setzero_ps();
+/* Eight keys' scores against one query, s[i] = dot(a, b + i * ldb) * scale, each dot with
+ * dot_avx2's arithmetic: the eight hsum8 run side by side in one vector, each adding the
+ * same pairs in the same order (a + b and b + a are the same bits). */
+__attribute__((target("avx2,fma"), always_inline)) static inline void dot8_avx2(
+    const float *a, const float *b, int64_t ldb, int64_t d, float scale, float *s) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+           a7 = a0;
     int64_t c = 0;
-    for (; c + 8 <= d; c += 8)
-        acc = _mm512_fmadd_ps(halves(_mm256_loadu_ps(a + c), _mm256_loadu_ps(a + c)),
-                              halves(_mm256_loadu_ps(b0 + c), _mm256_loadu_ps(b1 + c)), acc);
-    __m512 t = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, _MM_SHUFFLE(2, 3, 0, 1)));
-    t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(3, 2, 3, 2)));  /* l, l+2 */
-    t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(1, 1, 1, 1)));  /* 0 + 1 */
-    float x0 = _mm512_cvtss_f32(t), x1 = _mm_cvtss_f32(_mm512_extractf32x4_ps(t, 2));
-    for (; c < d; c++) x0 = fmaf(a[c], b0[c], x0), x1 = fmaf(a[c], b1[c], x1);
-    *s0 = x0, *s1 = x1;
+    for (; c + 8 <= d; c += 8) {
+        __m256 x = _mm256_loadu_ps(a + c);
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + c), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + ldb + c), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 2 * ldb + c), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 3 * ldb + c), a3);
+        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 4 * ldb + c), a4);
+        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 5 * ldb + c), a5);
+        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 6 * ldb + c), a6);
+        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 7 * ldb + c), a7);
+    }
+    /* lanes l + l+4: key i in the low half, key i + 4 in the high half */
+#define LO_HI(X, Y) _mm256_add_ps(_mm256_permute2f128_ps(X, Y, 0x20), \
+                                  _mm256_permute2f128_ps(X, Y, 0x31))
+    __m256 p0 = LO_HI(a0, a4), p1 = LO_HI(a1, a5), p2 = LO_HI(a2, a6), p3 = LO_HI(a3, a7);
+#undef LO_HI
+    __m256 t01 = _mm256_add_ps(_mm256_shuffle_ps(p0, p1, _MM_SHUFFLE(1, 0, 1, 0)), /* l, l+2 */
+                               _mm256_shuffle_ps(p0, p1, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m256 t23 = _mm256_add_ps(_mm256_shuffle_ps(p2, p3, _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm256_shuffle_ps(p2, p3, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m256 r = _mm256_add_ps(_mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(2, 0, 2, 0)), /* 0 + 1 */
+                             _mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 1, 3, 1)));
+    if (c == d) {
+        _mm256_storeu_ps(s, _mm256_mul_ps(r, _mm256_set1_ps(scale)));
+        return;
+    }
+    _mm256_storeu_ps(s, r);
+    for (int i = 0; i < 8; i++) {
+        float x = s[i];
+        for (int64_t t = c; t < d; t++) x = fmaf(a[t], b[i * ldb + t], x);
+        s[i] = x * scale;
+    }
 }
 
-__attribute__((target("avx2,fma"))) static inline void dot2_avx2(
-    const float *a, const float *b0, const float *b1, int64_t d, float *s0, float *s1) {
-    *s0 = dot_avx2(a, b0, d), *s1 = dot_avx2(a, b1, d);
-}
-
-static inline void dot2_portable(const float *a, const float *b0, const float *b1, int64_t d,
-                                 float *s0, float *s1) {
-    *s0 = dot_portable(a, b0, d), *s1 = dot_portable(a, b1, d);
+static inline void dot8_portable(const float *a, const float *b, int64_t ldb, int64_t d,
+                                 float scale, float *s) {
+    for (int i = 0; i < 8; i++) s[i] = dot_portable(a, b + i * ldb, d) * scale;
 }
 
 /* out[0..d) = sum_j e[j] * v[key_row(j) * ldv + c], fma in order of j, each dim on its own:
@@ -1011,7 +1031,7 @@ static void weighted_sum_rows_portable(const float *e, int64_t n, const float *v
 /* Kv head g of es_attention (below): its heads' queries, QUERY_BLOCK at a time;
  * e: QUERY_BLOCK * (H / Hkv) * L floats of scratch. One body, compiled for AVX2 (where the
  * dot products inline) and for the portable path. */
-#define ATTEND_KV_HEAD(NAME, TARGET, DOT, DOT2, EXP_SUM, WEIGHTED_SUM)                         \
+#define ATTEND_KV_HEAD(NAME, TARGET, DOT, DOT8, EXP_SUM, WEIGHTED_SUM)                         \
     TARGET static void NAME(                                                                  \
         const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, int64_t sh,             \
         const float *k, const float *v, int64_t Hkv, int64_t L, int64_t skh, int64_t skj,     \
@@ -1023,15 +1043,11 @@ static void weighted_sum_rows_portable(const float *e, int64_t n, const float *v
         for (int64_t i0 = 0; i0 < nq; i0 += QUERY_BLOCK) {                                    \
             int64_t rows = MIN(QUERY_BLOCK, nq - i0) * W;                                     \
             /* row r: query i0 + r / W, head h0 + r % W; its scores at e + r * L */           \
-            int64_t j = 0; /* keys every query sees, two at a time, once for the block */    \
-            for (; j + 2 <= P; j += 2) {                                                      \
-                const float *kj = kh + j * skj;                                               \
-                for (int64_t r = 0; r < rows; r++) {                                          \
-                    float s0, s1;                                                             \
-                    DOT2(q + (i0 + r / W) * sq + (h0 + r % W) * sh, kj, kj + skj, d, &s0, &s1); \
-                    e[r * L + j] = s0 * scale, e[r * L + j + 1] = s1 * scale;                 \
-                }                                                                             \
-            }                                                                                 \
+            int64_t j = 0; /* keys every query sees, eight at a time, once for the block */  \
+            for (; j + 8 <= P; j += 8)                                                        \
+                for (int64_t r = 0; r < rows; r++)                                            \
+                    DOT8(q + (i0 + r / W) * sq + (h0 + r % W) * sh, kh + j * skj, skj, d,     \
+                         scale, e + r * L + j);                                               \
             for (; j < P; j++) {                                                              \
                 const float *kj = kh + j * skj;                                               \
                 for (int64_t r = 0; r < rows; r++)                                            \
@@ -1058,11 +1074,11 @@ static void weighted_sum_rows_portable(const float *e, int64_t n, const float *v
         }                                                                                     \
     }
 
-ATTEND_KV_HEAD(attend_kv_head_avx2, __attribute__((target("avx2,fma"))), dot_avx2, dot2_avx2,
+ATTEND_KV_HEAD(attend_kv_head_avx2, __attribute__((target("avx2,fma"))), dot_avx2, dot8_avx2,
                exp_sum_avx2, weighted_sum_rows_avx2)
 ATTEND_KV_HEAD(attend_kv_head_avx512, __attribute__((target("avx512f,avx2,fma"))), dot_avx2,
-               dot2_avx512, exp_sum_avx2, weighted_sum_rows_avx512)
-ATTEND_KV_HEAD(attend_kv_head_portable, , dot_portable, dot2_portable, exp_sum_portable,
+               dot8_avx2, exp_sum_avx2, weighted_sum_rows_avx512)
+ATTEND_KV_HEAD(attend_kv_head_portable, , dot_portable, dot8_portable, exp_sum_portable,
                weighted_sum_rows_portable)
 
 /* Heads h0 .. h1 - 1 (all of kv head g's group, or part of it) of es_attention. */
@@ -1210,8 +1226,12 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
                      malloc(sizeof(int32_t) * n * (max_Kq / 32 + 1)),
                      malloc(sizeof(float) * n * (max_Kq / 32 + 1))};
     const float scale = 1.0f / sqrtf((float)d);
-    const int64_t split = n <= 4 * n_segs ? H / Hkv : 1; /* attention items per kv head */
     if (threads < 1) threads = 1;
+    /* attention items per kv head: whole kv heads where they share out evenly among the
+     * threads, else each head on its own (3 kv heads on 2 threads would leave one idle a
+     * third of the time) */
+    const int64_t kv_items = n_segs * Hkv,
+                  split = kv_items % threads == 0 || kv_items >= 4 * threads ? 1 : H / Hkv;
 
 #pragma omp parallel num_threads(threads)
     {
@@ -1270,8 +1290,7 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
                     }
                 }
 #pragma omp barrier
-            /* items: (segment, kv head), or (segment, head) where few queries would
-             * leave threads idle; the split changes no arithmetic */
+            /* items: (segment, kv head) or (segment, head); the split changes no arithmetic */
             for (int64_t item = t; item < n_segs * Hkv * split; item += nt) {
                 const es_segment *S = segs + item / (Hkv * split);
                 int64_t row = seg_start[item / (Hkv * split)], cap = S->capacity;
