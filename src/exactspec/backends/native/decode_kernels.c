@@ -877,6 +877,32 @@ __attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
 }
 
+/* x[c] = silu(g[c]) * u[c] for c < n: t = exp(-|g|) (the exp above), then
+ * (g's sign bit set ? g * t : g) / (1 + t), then * u; each step one IEEE operation, the
+ * same bits on every path. */
+static inline float silu_mul_portable(float g, float u) {
+    float t = exp_portable(-fabsf(g));
+    return ((signbit(g) ? g * t : g) / (1.0f + t)) * u;
+}
+
+__attribute__((target("avx2,fma"))) static void silu_mul_avx2(const float *g, const float *u,
+                                                          float *x, int64_t n) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) {
+        __m256 gv = _mm256_loadu_ps(g + c), t = exp8(_mm256_or_ps(gv, sign));
+        __m256 num = _mm256_blendv_ps(gv, _mm256_mul_ps(gv, t), gv);
+        _mm256_storeu_ps(x + c, _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, t)),
+                                              _mm256_loadu_ps(u + c)));
+    }
+    for (; c < n; c++) x[c] = silu_mul_portable(g[c], u[c]);
+}
+
+static void silu_mul(const float *g, const float *u, float *x, int64_t n, int isa) {
+    if (isa >= 1) silu_mul_avx2(g, u, x, n);
+    else for (int64_t c = 0; c < n; c++) x[c] = silu_mul_portable(g[c], u[c]);
+}
+
 /* e[j] = exp(e[j] - m) in place for j < n; returns their sum in the order of the header */
 __attribute__((target("avx2,fma"))) static float exp_sum_avx2(float *e, int64_t n, float m) {
     __m256 acc = _mm256_setzero_ps(), mv = _mm256_set1_ps(m);
@@ -1139,7 +1165,9 @@ void es_attention(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, 
  *     a  = attention (attend_kv_head: the query's keys, one-token-step arithmetic; trees too)
  *     h  = h + a @ Wo^T
  *     x  = rms_norm(h, ffn_norm);  g = x @ Wgate^T;  u = x @ Wup^T
- *     h  = h + ((g / (1 + expf(-g))) * u) @ Wdown^T
+ *     h  = h + (silu(g) * u) @ Wdown^T    silu(g) = (g < 0 ? g t : g) / (1 + t), t = exp(-|g|)
+ *                                        (silu_mul: the exp of attention, the same bits on
+ *                                        every path and machine)
  *
  * then logits = rms_norm(h, output_norm) @ Wout^T for the rows asked for. Every step of a
  * row reads only that row (and its own sequence's cache), so its bits do not depend on the
@@ -1319,11 +1347,7 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
             LINEAR(x, E, L->gate, F, g);
             LINEAR(x, E, L->up, F, u);
 #pragma omp barrier
-            for (int64_t r = r0; r < r1; r++)
-                for (int64_t c = 0; c < F; c++) {
-                    float gc = g[r * F + c];
-                    x[r * F + c] = (gc / (1.0f + expf(-gc))) * u[r * F + c];
-                }
+            for (int64_t r = r0; r < r1; r++) silu_mul(g + r * F, u + r * F, x + r * F, F, isa);
             QUANTIZE(x, F, L->down.packed);
 #pragma omp barrier
             LINEAR(x, F, L->down, E, t1);
