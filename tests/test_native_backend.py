@@ -58,7 +58,7 @@ def test_block_products_equal_float32_products_of_the_reference_dequantisation(w
         assert torch.equal(got, expected), (weight_type, isa)
 
 
-@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_0", "Q4_1", "F16", "BF16"])
 def test_fused_tiles_and_the_panel_give_the_same_bits_for_every_row_count(weight_type):
     blocks, reference = quantised(weight_type, rows=100, cols=128)
     fused_rows = ctypes.c_int.in_dll(KERNELS._lib, "es_fused_rows")

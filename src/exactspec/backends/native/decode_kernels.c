@@ -258,6 +258,19 @@ __attribute__((target("avx512f,avx512bw,f16c"))) static inline void dq_q8_0(
     *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 18)))), d);
 }
 
+__attribute__((target("avx512f,avx512bw,f16c"))) static inline void dq_f16(
+    const uint8_t *p, __m512 *lo, __m512 *hi) {
+    *lo = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    *hi = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
+}
+__attribute__((target("avx512f,avx512bw,f16c"))) static inline void dq_bf16(
+    const uint8_t *p, __m512 *lo, __m512 *hi) {
+    *lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    *hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 32))), 16));
+}
+
 /* The same floats with AVX-512 (F16C for the halves: an exact conversion too). */
 __attribute__((target("avx512f,avx512bw,f16c")))
 static void dequantize_row_avx512(int type, const uint8_t *w, int64_t row, int64_t K,
@@ -340,8 +353,8 @@ static void dequantize_row(int type, const uint8_t *w, int64_t row, int64_t K, f
     else dequantize_row_portable(type, w, row, K, out);
 }
 
-/* Fused AVX-512 tiles for the block types: R <= 8 rows x C columns, each block of 32
- * weights dequantised in registers (dq_*, the same floats as dequantize_row) and used at
+/* Fused AVX-512 tiles for the block types and F16/BF16 (K a multiple of 32): R <= 8 rows x
+ * C columns, each block of 32 weights dequantised in registers (dq_*, the same floats as dequantize_row) and used at
  * once for every row, with
  * the 16-lane order of the float32 tile (lanes over k in steps of 16, then hsum16): the
  * same bits as the panel path, without writing the panel. */
@@ -388,7 +401,7 @@ typedef void (*qtile_fn)(const float *x, int64_t ldx, int64_t K, const uint8_t *
         0, TYPE##_1x1, TYPE##_2x1, TYPE##_3x1, TYPE##_4x1, TYPE##_5x1, TYPE##_6x1,        \
         TYPE##_7x1, TYPE##_8x1};
 
-QTILES(q4_1, 20) QTILES(q4_0, 18) QTILES(q8_0, 34)
+QTILES(q4_1, 20) QTILES(q4_0, 18) QTILES(q8_0, 34) QTILES(f16, 64) QTILES(bf16, 64)
 
 int es_fused_rows = 8; /* rows up to which the fused tiles run, beyond it the panel (tests
                            compare both paths) */
@@ -402,6 +415,8 @@ static int rows_fused(int isa, const float *x, int64_t ldx, int64_t rows, int64_
     if (type == T_Q4_1) wide = q4_1_wide, narrow = q4_1_narrow;
     else if (type == T_Q4_0) wide = q4_0_wide, narrow = q4_0_narrow;
     else if (type == T_Q8_0) wide = q8_0_wide, narrow = q8_0_narrow;
+    else if (type == T_F16 && K % 32 == 0) wide = f16_wide, narrow = f16_narrow;
+    else if (type == T_BF16 && K % 32 == 0) wide = bf16_wide, narrow = bf16_narrow;
     else return 0;
     int64_t row_bytes = es_row_bytes(type, K), j = j0, C = rows <= 4 ? 4 : 2;
     for (; j + C <= j1; j += C)
