@@ -306,3 +306,94 @@ def _head_logits(proposer, prompt, drafted):
         logits = torch.full((1, proposer.target.vocab_size), float("-inf"))
         logits[0, head.draft_token_ids] = head.logits(hidden)[0]
     return logits
+
+
+class _RecordingHeadProposer(HeadProposer):
+    """The head's proposer, keeping every cycle's context and proposal."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[list[int], object]] = []
+
+    def propose(self, token_ids, k, pipeline, rng, min_confidence=0.0):
+        proposal = super().propose(token_ids, k, pipeline, rng, min_confidence)
+        self.calls.append((list(token_ids), proposal))
+        return proposal
+
+
+ALIGNMENT_PROMPTS = PROMPTS + [[random.Random(n).randrange(64) for _ in range(2 + n % 5)]
+                               for n in range(9)]
+
+
+def _drafts_against_teacher_forcing(target, head_file, tmp_path, tree_nodes=None):
+    """Greedy generations drafted by the head inside the engine (k = 2, a chain or a tree),
+    and the training code's teacher-forced drafts (its own features by prefill, then
+    ``DraftHead.unrolled``) on the same conversations: per cycle, (first cycle?, the
+    engine's depth-1 draft, the teacher-forced one, and at depth 2 — where the depth-1 draft
+    was the target's next token — the engine's and the teacher-forced one)."""
+    from exactspec.training.train import extract_features, make_batch
+
+    proposer = _RecordingHeadProposer(target, head_file, dtype=torch.float32,
+                                      tree_nodes=tree_nodes)
+    generator = SpeculativeGenerator(target, proposer, 2, "constant")
+    conversations, calls = [], []
+    for index, prompt in enumerate(ALIGNMENT_PROMPTS):
+        proposer.calls = []
+        result = generator.generate(prompt, SamplingParams(max_new_tokens=30))
+        conversations.append(Conversation(index, "", list(prompt), result.token_ids, "length"))
+        calls.append(proposer.calls)
+    head = proposer.head
+    examples = extract_features(target.model, conversations, tmp_path,
+                                head.config.feature_layers, show_progress=False)
+    rows = []
+    with torch.no_grad():
+        for example, cycles in zip(examples, calls):
+            outputs = head.unrolled(make_batch([example], 2).features,
+                                    make_batch([example], 2).token_ids, 2)
+            forced = [head.draft_token_ids[head.logits(output[0]).argmax(-1)].tolist()
+                      for output in outputs]
+            full = example.tokens.tolist()
+            for context, proposal in cycles:
+                at = len(context)  # drafts tokens at, at + 1 from row at − 2
+                if at + 1 >= len(full) or not proposal.token_ids:
+                    continue
+                tokens, parents = proposal.token_ids, proposal.parents or [
+                    i - 1 for i in range(len(proposal.token_ids))]
+                depth1 = tokens[parents.index(-1)]  # a tree's first root child: its best
+                children = [t for t, p in zip(tokens, parents)
+                            if p >= 0 and tokens[p] == full[at] and parents[p] == -1]
+                rows.append((at == example.prompt_length, depth1, forced[0][at - 2],
+                             children[0] if children else None, forced[1][at - 2]))
+    return rows
+
+
+@pytest.mark.parametrize("tree_nodes", [None, 6])
+def test_the_engines_drafts_are_the_training_codes_teacher_forced_drafts(
+        target, tiny_head_file, tmp_path, tree_nodes):
+    """Issue 43's alignment check: drafting inside the engine (features from the target's
+    prefill and verification forwards, the head's cache across cycles, a tree's parent
+    links) proposes at every cycle, the first included, what the training code's
+    teacher-forced forward drafts at the same position: any misalignment between the
+    features training saw and those drafting reads would show as a difference."""
+    rows = _drafts_against_teacher_forcing(target, tiny_head_file, tmp_path, tree_nodes)
+    first = [row for row in rows if row[0]]
+    assert len(first) == len(ALIGNMENT_PROMPTS)
+    assert sum(row[3] is not None for row in rows) >= 5  # depth 2 compared, first cycles too
+    assert any(row[3] is not None for row in first)
+    assert all(row[1] == row[2] for row in rows)
+    assert all(row[3] == row[4] for row in rows if row[3] is not None)
+
+
+def test_features_one_position_off_are_caught(tiny_head_file, tmp_path):
+    """Control: a target whose features are one position late (row s reads s − 1's) drafts
+    other tokens than teacher forcing at some cycle."""
+    shifted = tiny_backend(0)
+    features = shifted.hidden_features
+
+    def one_late(sequence, start):
+        every = features(sequence, 0)
+        return torch.cat([every[:1], every[:-1]])[start:]
+
+    shifted.hidden_features = one_late
+    rows = _drafts_against_teacher_forcing(shifted, tiny_head_file, tmp_path)
+    assert any(row[1] != row[2] or (row[3] is not None and row[3] != row[4]) for row in rows)
