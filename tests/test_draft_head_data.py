@@ -3,7 +3,9 @@
 import pytest
 
 from exactspec import SamplingParams, SpeculativeGenerator
-from exactspec.training.data import read_conversations, synthesize, topic_words
+from exactspec.training.data import (LOOP_SPAN, PASSAGE_TASKS, TASKS, cut_at_repetition,
+                                     deduplicated, read_conversations, stdlib_passages,
+                                     synthesize, topic_words)
 
 from conftest import ALPHABET, VOCAB, tiny_backend
 
@@ -34,8 +36,8 @@ def chat_backend():
 
 def test_conversations_are_the_targets_answers_and_a_resumed_file_equals_one_run(tmp_path):
     target = chat_backend()
-    kwargs = dict(seed=7, topics=TOPICS, batch_size=3, question_tokens=8, answer_tokens=12,
-                  show_progress=False)
+    kwargs = dict(seed=7, tasks=("question",), topics=TOPICS, batch_size=3, question_tokens=8,
+                  answer_tokens=12, answer_temperatures=(0.0,), show_progress=False)
     whole = synthesize(target, tmp_path / "whole.jsonl", 5, **kwargs)
     assert [c.index for c in whole] == list(range(5))
     synthesize(target, tmp_path / "resumed.jsonl", 2, **kwargs)
@@ -63,3 +65,76 @@ def test_topics_are_whole_lower_case_words_of_the_vocabulary():
     assert topic_words(Vocab(), min_letters=5) == ["mountain", "river"]
     with pytest.raises(ValueError, match="no topics"):
         synthesize(chat_backend(), "unused.jsonl", 1, topics=[], show_progress=False)
+
+
+PASSAGES = ["cats sleep in the sun. they purr when warm and fed by their people",
+            "rivers run to the sea. maps show where they bend and where towns stand"]
+
+
+def test_every_task_makes_its_user_turn_and_answers_alternate_greedy_and_sampled(tmp_path):
+    """Each task's user turn comes from its own request (the passage before a passage
+    question) or instruction; answers are the target's own, greedy and sampled at 0.7 in
+    turn; a resumed file equals one run."""
+    target = chat_backend()
+    kwargs = dict(seed=3, topics=TOPICS, passages=PASSAGES, batch_size=4, question_tokens=6,
+                  answer_tokens=10, show_progress=False)
+    conversations = synthesize(target, tmp_path / "mix.jsonl", 30, **kwargs)
+    assert {c.task for c in conversations} == set(TASKS)
+    assert read_conversations(tmp_path / "mix.jsonl") == conversations
+    tokenizer, sampled_differently = target.tokenizer, 0
+    for conversation in conversations:
+        prompt = tokenizer.decode(conversation.prompt_ids)
+        if conversation.task in PASSAGE_TASKS or conversation.task == "passage-question":
+            number = int(conversation.topic.split()[1])
+            # the chat template keeps the alphabet's characters only
+            kept = "".join(ch for ch in PASSAGES[number][:20] if ch in ALPHABET[:VOCAB])
+            assert kept in prompt, (conversation.task, prompt)
+        else:
+            assert conversation.topic in TOPICS
+        greedy = SpeculativeGenerator(target, None).generate(
+            conversation.prompt_ids, SamplingParams(max_new_tokens=10)).token_ids
+        if conversation.index % 2 == 0:  # greedy: the target's own answer
+            assert conversation.answer_ids == cut_at_repetition(greedy)[0]
+        else:
+            sampled_differently += conversation.answer_ids != cut_at_repetition(greedy)[0]
+    assert sampled_differently >= 5  # the odd ones were sampled (at 0.7)
+    synthesize(target, tmp_path / "resumed.jsonl", 13, **kwargs)
+    assert synthesize(target, tmp_path / "resumed.jsonl", 30, **kwargs) == conversations
+
+
+def test_answers_are_cut_at_their_first_repetition():
+    loop = list(range(20)) + list(range(4, 4 + LOOP_SPAN)) + [99]
+    assert cut_at_repetition(loop) == (list(range(20)), True)
+    assert cut_at_repetition(list(range(40))) == (list(range(40)), False)
+    assert cut_at_repetition([1, 2, 1, 2, 1], span=2) == ([1, 2], True)
+
+
+def test_deduplicated_keeps_the_first_of_each_prompt():
+    from exactspec.training.data import Conversation
+
+    items = [Conversation(i, "", prompt, [i], "stop") for i, prompt in
+             enumerate([[1, 2], [3], [1, 2], [3, 4], [3]])]
+    assert [c.index for c in deduplicated(items)] == [0, 1, 3]
+
+
+def test_passages_are_standard_library_docstring_paragraphs():
+    passages = stdlib_passages()
+    assert len(passages) > 100
+    assert all(300 <= len(p) <= 1200 and ">>>" not in p for p in passages)
+    assert passages == stdlib_passages()  # a fixed order
+
+
+def test_synthesis_refusals(tmp_path):
+    target = chat_backend()
+    with pytest.raises(ValueError, match="tasks \\['poetry'\\] are invalid: choose from question"):
+        synthesize(target, tmp_path / "x.jsonl", 2, tasks=("poetry",), show_progress=False)
+    with pytest.raises(ValueError, match="no passages for the tasks \\['summarize'\\]"):
+        synthesize(target, tmp_path / "x.jsonl", 2, tasks=("summarize",), passages=[],
+                   show_progress=False)
+    with pytest.raises(ValueError, match="no passages for the tasks \\['rewrite'\\] fit the "
+                                         "context \\(512 tokens\\) with the answer"):
+        synthesize(target, tmp_path / "x.jsonl", 2, tasks=("rewrite",), passages=["ab " * 200],
+                   show_progress=False)
+    with pytest.raises(ValueError, match="answer_temperatures is empty"):
+        synthesize(target, tmp_path / "x.jsonl", 2, topics=TOPICS, passages=PASSAGES,
+                   answer_temperatures=(), show_progress=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -12,6 +13,7 @@ from exactspec.cli.common import (EXIT_STATUSES, add_model_options, load_from_ar
                                   positive_int, print_error, seed)
 from exactspec.model_files import ModelNotFoundError
 from exactspec.training.config import TrainingConfig
+from exactspec.training.tasks import TASKS
 
 DEFAULTS = TrainingConfig()
 
@@ -35,7 +37,13 @@ def add_parser(commands) -> None:
     data.add_argument("--data", type=Path, required=True, metavar="FILE.jsonl",
                       help="the target's conversations (exactspec.training.data's format)")
     data.add_argument("--synthesize", type=positive_int, default=None, metavar="N",
-                      help="first extend --data to N conversations written by the target")
+                      help="first extend --data to N conversations written by the target "
+                           "(user turns of the --tasks, answers greedy and at 0.7 in turn, "
+                           "loops cut; resumable)")
+    data.add_argument("--tasks", type=_tasks, default=None, metavar="T,T,...",
+                      help="the kinds of user turns --synthesize draws from, comma-separated "
+                           f"(default all: {', '.join(TASKS)}; the passages are Python's "
+                           "standard library docstrings)")
     training = train.add_argument_group("training")
     training.add_argument("--output", type=Path, default=Path("draft-head"), metavar="DIR",
                           help="the run folder: features, checkpoint.pt, head.safetensors, "
@@ -65,10 +73,19 @@ def add_parser(commands) -> None:
     train.set_defaults(subparser=train)
 
 
+def _tasks(text: str) -> tuple[str, ...]:
+    tasks = tuple(task.strip() for task in text.split(",") if task.strip())
+    unknown = [task for task in tasks if task not in TASKS]
+    if unknown or not tasks:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or repr(text)} is not a task: "
+                                         f"choose from {', '.join(TASKS)}")
+    return tasks
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # PyTorch and the training tool, imported here so that --help starts at once
     from exactspec.draft_head.model import head_metadata
-    from exactspec.training.data import read_conversations, synthesize
+    from exactspec.training.data import deduplicated, read_conversations, synthesize
     from exactspec.training.train import train
 
     console = Console(stderr=True, soft_wrap=True, highlight=False)
@@ -87,8 +104,22 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         with console.status(f"Loading {args.model} …"):
             target = load_from_args(args)
-        conversations = (synthesize(target, args.data, args.synthesize, seed=args.seed)
-                         if args.synthesize else read_conversations(args.data))
+        if args.synthesize:
+            before = read_conversations(args.data)
+            start = time.perf_counter()
+            conversations = synthesize(target, args.data, args.synthesize, seed=args.seed,
+                                       tasks=args.tasks or TASKS)
+            written = sum(len(c.answer_ids) for c in conversations[len(before):])
+            console.print(f"synthesized {len(conversations) - len(before)} conversations, "
+                          f"{written} answer tokens in {time.perf_counter() - start:.0f} s "
+                          f"({written / (time.perf_counter() - start):.0f} tokens/s)")
+        else:
+            conversations = read_conversations(args.data)
+        unique = deduplicated(conversations)
+        if len(unique) < len(conversations):
+            console.print(f"{len(conversations) - len(unique)} conversations repeat an earlier "
+                          "prompt: left out")
+        conversations = unique
         if (args.output / "checkpoint.pt").exists():
             console.print(f"resuming the run in {args.output} (with its own settings)")
         path = train(target.model, conversations, args.output, config, target_name=args.model,

@@ -1,34 +1,47 @@
-"""Training data for a draft head: the target's own chat answers, to questions it wrote.
+"""Training data for a draft head: the target's own chat answers, to requests it wrote.
 
 A head drafts well for a target when it was trained on what that target writes in the
 format it serves (issue 30's probe: a head trained on package docstrings agreed with the
-target's argmax 0.41 of the time on docstrings but 0.16 on its chat answers). So the data
-here are conversations the target writes itself, in two steps, following the self-synthesis
-of Magpie (Xu et al. 2024, arXiv 2406.08464: prompts sampled from the aligned model itself)
-and EAGLE's practice of training on the target's own responses (Li et al. 2024, arXiv
-2401.15077, section 4):
+target's argmax 0.41 of the time on docstrings but 0.16 on its chat answers), and on the
+kinds of requests users send (issue 43: a head trained on questions about single words
+agreed 0.55 on such questions but 0.26–0.30 on Spec-Bench's tasks). So the data here are
+conversations the target writes itself, following the self-synthesis of Magpie (Xu et al.
+2024, arXiv 2406.08464: prompts sampled from the aligned model itself) and EAGLE's practice
+of training on the target's own responses (Li et al. 2024, arXiv 2401.15077, section 4):
 
-1. a *question*: the target asked, in its chat format, to write one question a curious
-   person could ask an AI assistant about a *topic*, a word drawn from the target's own
-   vocabulary (sampled at ``question_temperature``, seeded per conversation);
-2. its *answer* to that question, in its chat format (greedy by default).
+1. a *user turn* of one of the :data:`TASKS`: either the target asked, in its chat format,
+   to write a request of that kind (about a *topic*, a word of its own vocabulary, or
+   about a *passage*), sampled at ``question_temperature``; or, for the passage tasks
+   (:data:`PASSAGE_TASKS`: summarise, rewrite, extract, translate), a fixed instruction
+   over a passage. Passages are paragraphs of the docstrings in Python's standard library
+   (:func:`stdlib_passages`: text every machine that runs exactspec has, read from the
+   sources without importing them);
+2. the target's *answer*, in its chat format, at one of ``answer_temperatures`` (greedy
+   and 0.7 by default, alternating: the head serves both), cut at the start of its first
+   repeated span of :data:`LOOP_SPAN` tokens (a loop kept to the length cap would teach the
+   head the loop; ``finish_reason`` ``"loop"``).
 
 No benchmark text is involved: nothing the bench measures (Spec-Bench) can leak into a head.
+:func:`deduplicated` drops conversations whose prompt an earlier one had.
 
-File format (``.jsonl``): one conversation per line, ``{"index", "topic", "prompt",
-"answer", "finish_reason"}``, ``prompt`` the answer's prompt token ids (chat template
-applied) and ``answer`` its token ids, each as base64 of little-endian uint32. A line is
-written and flushed as soon as its conversation is complete, so an interrupted run keeps
-every finished conversation; :func:`synthesize` resumes after the last complete line, and
-conversation i depends only on ``seed`` and i, so a resumed file equals an uninterrupted one.
+File format (``.jsonl``): one conversation per line, ``{"index", "task", "topic",
+"prompt", "answer", "finish_reason"}``, ``prompt`` the answer's prompt token ids (chat
+template applied) and ``answer`` its token ids, each as base64 of little-endian uint32 (a
+line without ``task`` is a ``"question"`` of the first version). A line is written and
+flushed as soon as its conversation is complete, so an interrupted run keeps every finished
+conversation; :func:`synthesize` resumes after the last complete line, and conversation i
+depends only on ``seed``, i and the options, so a resumed file equals an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import ast
 import base64
 import dataclasses
+import functools
 import json
 import random
+import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +54,10 @@ from exactspec.generator import SpeculativeGenerator
 from exactspec.progress import LoggedProgress
 from exactspec.proposers.suffix import SuffixProposer
 from exactspec.sampling import SamplingParams
+from exactspec.training.tasks import PASSAGE_TASKS, REQUESTS, TASKS
 
-QUESTION_REQUEST = ("Write one question that a curious person could ask an AI assistant about "
-                    "{topic}. Reply with the question only.")
-"""The user turn that asks the target for a question about ``{topic}``."""
+LOOP_SPAN = 16
+"""An answer is cut where a span of this many tokens first repeats an earlier one."""
 WORD_MARKERS = ("Ġ", "▁", " ")
 """How tokenizers mark a token that starts a word (byte-level BPE, SentencePiece, plain)."""
 
@@ -55,10 +68,12 @@ class Conversation:
 
     Attributes:
         index: its position in the file (0-based); its randomness depends on it only.
-        topic: the word the question is about.
+        topic: the word the request is about, or ``passage N`` (:func:`stdlib_passages`).
         prompt_ids: ``[prompt_len]`` the answer's prompt: the question in the chat template.
         answer_ids: ``[answer_len]`` the target's answer.
-        finish_reason: ``"stop"`` or ``"length"`` (``answer_tokens`` reached).
+        finish_reason: ``"stop"``, ``"length"`` (``answer_tokens`` reached) or ``"loop"``
+            (cut at its first repetition, :func:`cut_at_repetition`).
+        task: one of :data:`TASKS`.
     """
 
     index: int
@@ -66,6 +81,7 @@ class Conversation:
     prompt_ids: list[int]
     answer_ids: list[int]
     finish_reason: str
+    task: str = "question"
 
 
 def topic_words(tokenizer: Tokenizer, min_letters: int = 6) -> list[str]:
@@ -82,10 +98,69 @@ def topic_words(tokenizer: Tokenizer, min_letters: int = 6) -> list[str]:
     return sorted(words)
 
 
+def stdlib_passages(min_chars: int = 300, max_chars: int = 1200) -> list[str]:
+    """Paragraph runs of the module and class docstrings in Python's standard library
+    (read from its sources with :mod:`ast`, nothing imported), each of ``min_chars`` ..
+    ``max_chars`` characters, in a fixed order: the passages the passage tasks are over
+    (read once per process, a few seconds)."""
+    return list(_stdlib_passages(min_chars, max_chars))
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_passages(min_chars: int, max_chars: int) -> tuple[str, ...]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    passages: list[str] = []
+    for source in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
+        if "test" in source.parts[len(root.parts):][0]:
+            continue
+        try:
+            tree = ast.parse(source.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        nodes = [tree] + [node for node in tree.body if isinstance(node, ast.ClassDef)]
+        for node in nodes:
+            text = ast.get_docstring(node) or ""
+            run = ""
+            for paragraph in (" ".join(p.split()) for p in text.split("\n\n")):
+                if not paragraph or ">>>" in paragraph:
+                    continue
+                run = f"{run} {paragraph}".strip()
+                if len(run) >= min_chars:
+                    if len(run) <= max_chars:
+                        passages.append(run)
+                    run = ""
+    return tuple(passages)
+
+
+def cut_at_repetition(token_ids: Sequence[int], span: int = LOOP_SPAN) -> tuple[list[int], bool]:
+    """``token_ids`` up to where a span of ``span`` tokens first repeats an earlier span
+    (the repetition left out), and whether it was cut."""
+    seen: set[tuple[int, ...]] = set()
+    for start in range(len(token_ids) - span + 1):
+        window = tuple(token_ids[start:start + span])
+        if window in seen:
+            return list(token_ids[:start]), True
+        seen.add(window)
+    return list(token_ids), False
+
+
+def deduplicated(conversations: Sequence[Conversation]) -> list[Conversation]:
+    """The conversations whose prompt no earlier one had, in order."""
+    seen: set[tuple[int, ...]] = set()
+    kept = []
+    for conversation in conversations:
+        key = tuple(conversation.prompt_ids)
+        if key not in seen:
+            seen.add(key)
+            kept.append(conversation)
+    return kept
+
+
 def synthesize(target: Backend, path: str | Path, num_conversations: int, *, seed: int = 0,
-               topics: Sequence[str] | None = None, batch_size: int = 8,
-               question_tokens: int = 48, question_temperature: float = 0.8,
-               answer_tokens: int = 256, answer_temperature: float = 0.0,
+               tasks: Sequence[str] = TASKS, topics: Sequence[str] | None = None,
+               passages: Sequence[str] | None = None, batch_size: int = 8,
+               question_tokens: int = 64, question_temperature: float = 0.8,
+               answer_tokens: int = 256, answer_temperatures: Sequence[float] = (0.0, 0.7),
                show_progress: bool = True) -> list[Conversation]:
     """Write conversations ``0 .. num_conversations - 1`` to ``path`` (see the module
     docstring), resuming after those already there.
@@ -94,26 +169,51 @@ def synthesize(target: Backend, path: str | Path, num_conversations: int, *, see
         target: the target model; it must have a chat template.
         path: the ``.jsonl`` file (created with its folder if missing).
         num_conversations: how many the file should hold in the end (≥ 1).
-        seed: the run's seed: conversation i's topic, question and answer depend only on it
-            and i.
-        topics: the words questions are about (default: :func:`topic_words` of the target).
+        seed: the run's seed: conversation i's task, topic or passage, user turn and answer
+            depend only on it, i and the options.
+        tasks: the tasks drawn from (each of :data:`TASKS`; default all).
+        topics: the words requests are about (default: :func:`topic_words` of the target).
+        passages: the passages of the passage tasks (default: :func:`stdlib_passages`).
         batch_size: conversations decoded together (rows of a
             :class:`~exactspec.batching.BatchedGenerator`; suffix drafting, exact).
-        question_tokens, answer_tokens: most tokens of a question and of an answer.
-        question_temperature, answer_temperature: their sampling temperatures (0: greedy).
+        question_tokens, answer_tokens: most tokens of a written user turn and of an answer.
+        question_temperature: the written user turns' sampling temperature.
+        answer_temperatures: conversation i's answer is sampled at entry i % len (0: greedy).
     Returns:
         every conversation in the file, ``[num_conversations]`` (or more if it held more).
     Raises:
-        ValueError: for ``num_conversations`` < 1, no topics, a file of another seed, or a
-            target without a chat template.
+        ValueError: for ``num_conversations`` < 1, an unknown task, no topics or passages
+            where the tasks need them, a file of another seed, or a target without a chat
+            template.
     """
     if not isinstance(num_conversations, int) or num_conversations < 1:
         raise ValueError(f"num_conversations = {num_conversations!r} is invalid: it must be an "
                          "integer ≥ 1")
-    topics = list(topics) if topics is not None else topic_words(target.tokenizer)
-    if not topics:
+    unknown = [task for task in tasks if task not in TASKS]
+    if unknown or not tasks:
+        raise ValueError(f"tasks {unknown or list(tasks)} are invalid: choose from "
+                         f"{', '.join(TASKS)}")
+    if not answer_temperatures:
+        raise ValueError("answer_temperatures is empty: give at least one (0: greedy)")
+    tasks = list(tasks)
+    with_topic = [task for task in tasks if "{topic}" in REQUESTS.get(task, "")]
+    topics = list(topics) if topics is not None else (
+        topic_words(target.tokenizer) if with_topic else [])
+    if with_topic and not topics:
         raise ValueError("no topics: the vocabulary has no whole words to ask about; pass "
                          "topics=")
+    with_passage = [task for task in tasks if task not in with_topic]
+    passages = list(passages) if passages is not None else (
+        stdlib_passages() if with_passage else [])
+    limit = target.max_context_length
+    if limit is not None:  # a passage's longest user turn must leave room for the answer
+        passages = [p for p in passages if len(target.tokenizer.apply_chat_template(
+            REQUESTS["passage-question"].format(passage=p))) + question_tokens
+            + answer_tokens <= limit]
+    if with_passage and not passages:
+        raise ValueError(f"no passages for the tasks {with_passage}"
+                         + (f" fit the context ({limit} tokens) with the answer" if limit
+                            else "") + ": pass passages=")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     done = read_conversations(path)
@@ -124,27 +224,54 @@ def synthesize(target: Backend, path: str | Path, num_conversations: int, *, see
     generator = SpeculativeGenerator(target, SuffixProposer(), 4)
     batched = BatchedGenerator(generator, batch_size)
     with (LoggedProgress(disable=not show_progress) as progress, open(path, "a") as file):
-        task = progress.add_task("synthesizing conversations", total=num_conversations,
-                                 completed=len(done))
+        task_bar = progress.add_task("synthesizing conversations", total=num_conversations,
+                                     completed=len(done))
         for start in range(len(done), num_conversations, batch_size):
             indices = list(range(start, min(start + batch_size, num_conversations)))
-            chosen = [random.Random(f"{seed}:{i}").choice(topics) for i in indices]
-            questions = batched.generate(
-                [QUESTION_REQUEST.format(topic=topic) for topic in chosen],
-                [SamplingParams(temperature=question_temperature, max_new_tokens=question_tokens,
-                                seed=_seed(seed, i, 0)) for i in indices], chat=True)
-            answers = batched.generate(
-                [q.text.strip() or topic for q, topic in zip(questions, chosen)],
-                [SamplingParams(temperature=answer_temperature, max_new_tokens=answer_tokens,
-                                seed=_seed(seed, i, 1)) for i in indices], chat=True)
-            for i, topic, answer in zip(indices, chosen, answers):
-                conversation = Conversation(i, topic, answer.prompt_token_ids, answer.token_ids,
-                                            answer.finish_reason)
+            drawn = [_draw(seed, i, tasks, topics, passages) for i in indices]
+            written = [i for i, (task, _, _) in zip(indices, drawn) if task in REQUESTS]
+            requests = [REQUESTS[task].format(topic=topic, passage=passage)
+                        for task, topic, passage in drawn if task in REQUESTS]
+            turns = dict(zip(written, batched.generate(
+                requests, [SamplingParams(temperature=question_temperature,
+                                          max_new_tokens=question_tokens,
+                                          seed=_seed(seed, i, 0)) for i in written],
+                chat=True))) if written else {}
+            users = []
+            for i, (task, topic, passage) in zip(indices, drawn):
+                if task in PASSAGE_TASKS:
+                    sentence = passage.split(". ")[0].rstrip(".") + "."
+                    users.append(PASSAGE_TASKS[task].format(passage=passage, sentence=sentence))
+                else:
+                    question = turns[i].text.strip() or topic or passage
+                    users.append(f"{passage}\n\n{question}" if task == "passage-question"
+                                 else question)
+            answers = batched.generate(users, [
+                SamplingParams(temperature=answer_temperatures[i % len(answer_temperatures)],
+                               max_new_tokens=answer_tokens, seed=_seed(seed, i, 1))
+                for i in indices], chat=True)
+            for i, (task, topic, _), answer in zip(indices, drawn, answers):
+                answer_ids, looped = cut_at_repetition(answer.token_ids)
+                conversation = Conversation(
+                    i, topic, answer.prompt_token_ids, answer_ids,
+                    "loop" if looped else answer.finish_reason, task)
                 file.write(json.dumps(_encode(conversation, seed)) + "\n")
                 file.flush()
                 done.append(conversation)
-                progress.advance(task)
+                progress.advance(task_bar)
     return done
+
+
+def _draw(seed: int, index: int, tasks: Sequence[str], topics: Sequence[str],
+          passages: Sequence[str]) -> tuple[str, str, str]:
+    """Conversation ``index``'s (task, topic, passage): the topic a word for a topic task,
+    else ``passage N``."""
+    rng = random.Random(f"{seed}:{index}")
+    task = rng.choice(tasks)
+    if "{topic}" in REQUESTS.get(task, ""):
+        return task, rng.choice(topics), ""
+    number = rng.randrange(len(passages))
+    return task, f"passage {number}", passages[number]
 
 
 def read_conversations(path: str | Path) -> list[Conversation]:
@@ -161,12 +288,13 @@ def read_conversations(path: str | Path) -> list[Conversation]:
             break  # an interrupted last line
         conversations.append(Conversation(record["index"], record["topic"],
                                           _ids(record["prompt"]), _ids(record["answer"]),
-                                          record["finish_reason"]))
+                                          record["finish_reason"],
+                                          record.get("task", "question")))
     return conversations
 
 
 def _seed(seed: int, index: int, step: int) -> int:
-    """The sampling seed of conversation ``index``'s question (step 0) or answer (step 1)."""
+    """The sampling seed of conversation ``index``'s user turn (step 0) or answer (step 1)."""
     return (seed * 1_000_003 + index) * 2 + step
 
 

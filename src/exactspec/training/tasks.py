@@ -1,0 +1,33 @@
+"""The kinds of user turns the draft head's training data are made of
+(:func:`exactspec.training.data.synthesize`): plain strings, importable without PyTorch
+(the command line's ``--tasks`` checks its values against :data:`TASKS`)."""
+
+QUESTION_REQUEST = ("Write one question that a curious person could ask an AI assistant about "
+                    "{topic}. Reply with the question only.")
+"""The user turn that asks the target for a question about ``{topic}``."""
+REQUESTS = {
+    "question": QUESTION_REQUEST,
+    "writing": ("Write one request that a user could send to an AI assistant asking it to write "
+                "something short (a story, a poem, a letter or a description) about {topic}. "
+                "Reply with the request only."),
+    "advice": ("Write one request in which a user asks an AI assistant for practical advice "
+               "about {topic}. Reply with the request only."),
+    "math": ("Write one short math word problem about {topic} that takes a few steps of "
+             "arithmetic to solve. Reply with the problem only."),
+    "code": ("Write one request asking an AI assistant for a short Python function that has to "
+             "do with {topic}. Reply with the request only."),
+    "passage-question": ("Read the text below and write one question a reader could ask about "
+                         "it. Reply with the question only.\n\n{passage}"),
+}
+"""The tasks whose user turn the target writes: the request it is sent (``{topic}``: a
+vocabulary word; ``{passage}``: a passage, which then precedes the question it wrote)."""
+PASSAGE_TASKS = {
+    "summarize": "Summarize the following text in a few sentences.\n\n{passage}",
+    "rewrite": "Rewrite the following text in plain, simple words.\n\n{passage}",
+    "extract": "List the names and key terms that the following text mentions.\n\n{passage}",
+    "translate": "Translate the following text into French.\n\n{sentence}",
+}
+"""The tasks whose user turn is a fixed instruction over a passage (``{sentence}``: its
+first sentence)."""
+TASKS = (*REQUESTS, *PASSAGE_TASKS)
+"""Every task, the default mix (drawn uniformly per conversation)."""
