@@ -13,8 +13,9 @@ TOPICS = ["cats", "rivers", "maps", "tea"]
 
 
 class ChatTokenizer:
-    """The tests' character tokenizer with a chat template: ``question <text>\\nanswer``
-    (the text lower-cased, characters outside the alphabet dropped)."""
+    """The tests' character tokenizer with a chat template: ``question <text>\\n`` per user
+    turn, ``answer <text>\\n`` per assistant turn, then ``answer`` (the text lower-cased,
+    characters outside the alphabet dropped)."""
 
     def __init__(self, tokenizer):
         self.inner = tokenizer
@@ -23,9 +24,12 @@ class ChatTokenizer:
         return getattr(self.inner, name)
 
     def apply_chat_template(self, prompt):
-        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
-        text = "".join(c for c in text.lower() if c in ALPHABET[:VOCAB])
-        return self.inner.encode(f"question {text}\nanswer")
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        text = ""
+        for message in messages:
+            content = "".join(c for c in message["content"].lower() if c in ALPHABET[:VOCAB])
+            text += f"{'question' if message['role'] == 'user' else 'answer'} {content}\n"
+        return self.inner.encode(f"{text}answer")
 
 
 def chat_backend():
@@ -81,7 +85,7 @@ def test_every_task_makes_its_user_turn_and_answers_alternate_greedy_and_sampled
     conversations = synthesize(target, tmp_path / "mix.jsonl", 30, **kwargs)
     assert {c.task for c in conversations} == set(TASKS)
     assert read_conversations(tmp_path / "mix.jsonl") == conversations
-    tokenizer, sampled_differently = target.tokenizer, 0
+    tokenizer, sampled_differently, follow_ups = target.tokenizer, 0, 0
     for conversation in conversations:
         prompt = tokenizer.decode(conversation.prompt_ids)
         if conversation.task in PASSAGE_TASKS or conversation.task == "passage-question":
@@ -91,6 +95,9 @@ def test_every_task_makes_its_user_turn_and_answers_alternate_greedy_and_sampled
             assert kept in prompt, (conversation.task, prompt)
         else:
             assert conversation.topic in TOPICS
+        if conversation.task == "follow-up":  # two user turns and the first answer
+            assert prompt.count("question ") == 2 and prompt.count("answer ") == 1
+            follow_ups += 1
         greedy = SpeculativeGenerator(target, None).generate(
             conversation.prompt_ids, SamplingParams(max_new_tokens=10)).token_ids
         if conversation.index % 2 == 0:  # greedy: the target's own answer
@@ -98,6 +105,7 @@ def test_every_task_makes_its_user_turn_and_answers_alternate_greedy_and_sampled
         else:
             sampled_differently += conversation.answer_ids != cut_at_repetition(greedy)[0]
     assert sampled_differently >= 5  # the odd ones were sampled (at 0.7)
+    assert follow_ups >= 1
     synthesize(target, tmp_path / "resumed.jsonl", 13, **kwargs)
     assert synthesize(target, tmp_path / "resumed.jsonl", 30, **kwargs) == conversations
 

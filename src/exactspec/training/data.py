@@ -13,7 +13,8 @@ of training on the target's own responses (Li et al. 2024, arXiv 2401.15077, sec
    to write a request of that kind (about a *topic*, a word of its own vocabulary, or
    about a *passage*), sampled at ``question_temperature``; or, for the passage tasks
    (:data:`PASSAGE_TASKS`: summarise, rewrite, extract, translate), a fixed instruction
-   over a passage. Passages are paragraphs of the docstrings in Python's standard library
+   over a passage; or, for ``follow-up``, a second turn the target writes after its own
+   (greedy) answer to a first question, the prompt then holding both turns. Passages are paragraphs of the docstrings in Python's standard library
    (:func:`stdlib_passages`: text every machine that runs exactspec has, read from the
    sources without importing them);
 2. the target's *answer*, in its chat format, at one of ``answer_temperatures`` (greedy
@@ -54,7 +55,8 @@ from exactspec.generator import SpeculativeGenerator
 from exactspec.progress import LoggedProgress
 from exactspec.proposers.suffix import SuffixProposer
 from exactspec.sampling import SamplingParams
-from exactspec.training.tasks import PASSAGE_TASKS, REQUESTS, TASKS
+from exactspec.training.tasks import (FOLLOW_UP_REQUEST, PASSAGE_TASKS, REQUESTS, TASKS,
+                                      TOPIC_TASKS)
 
 LOOP_SPAN = 16
 """An answer is cut where a span of this many tokens first repeats an earlier one."""
@@ -196,7 +198,7 @@ def synthesize(target: Backend, path: str | Path, num_conversations: int, *, see
     if not answer_temperatures:
         raise ValueError("answer_temperatures is empty: give at least one (0: greedy)")
     tasks = list(tasks)
-    with_topic = [task for task in tasks if "{topic}" in REQUESTS.get(task, "")]
+    with_topic = [task for task in tasks if task in TOPIC_TASKS]
     topics = list(topics) if topics is not None else (
         topic_words(target.tokenizer) if with_topic else [])
     if with_topic and not topics:
@@ -229,27 +231,46 @@ def synthesize(target: Backend, path: str | Path, num_conversations: int, *, see
         for start in range(len(done), num_conversations, batch_size):
             indices = list(range(start, min(start + batch_size, num_conversations)))
             drawn = [_draw(seed, i, tasks, topics, passages) for i in indices]
-            written = [i for i, (task, _, _) in zip(indices, drawn) if task in REQUESTS]
-            requests = [REQUESTS[task].format(topic=topic, passage=passage)
-                        for task, topic, passage in drawn if task in REQUESTS]
-            turns = dict(zip(written, batched.generate(
+            written = [i for i, (task, _, _) in zip(indices, drawn) if task not in PASSAGE_TASKS]
+            requests = [REQUESTS.get(task, REQUESTS["question"]).format(topic=topic,
+                                                                         passage=passage)
+                        for task, topic, passage in drawn if task not in PASSAGE_TASKS]
+            turns = {i: result.text.strip() for i, result in zip(written, batched.generate(
                 requests, [SamplingParams(temperature=question_temperature,
                                           max_new_tokens=question_tokens,
                                           seed=_seed(seed, i, 0)) for i in written],
-                chat=True))) if written else {}
+                chat=True))} if written else {}
+            follow = [i for i, (task, _, _) in zip(indices, drawn) if task == "follow-up"]
+            if follow:  # the first answer, then the user's next turn, both by the target
+                first = [cut_at_repetition(result.token_ids)[0] for result in batched.generate(
+                    [turns[i] or "Hello" for i in follow],
+                    SamplingParams(max_new_tokens=answer_tokens // 2), chat=True)]
+                first = [target.tokenizer.decode(ids).strip() for ids in first]
+                nexts = batched.generate(
+                    [FOLLOW_UP_REQUEST.format(question=turns[i], answer=answer)
+                     for i, answer in zip(follow, first)],
+                    [SamplingParams(temperature=question_temperature,
+                                    max_new_tokens=question_tokens, seed=_seed(seed, i, 2))
+                     for i in follow], chat=True)
+                history = {i: [{"role": "user", "content": turns[i] or "Hello"},
+                               {"role": "assistant", "content": answer},
+                               {"role": "user", "content": result.text.strip() or "Go on."}]
+                           for i, answer, result in zip(follow, first, nexts)}
             users = []
             for i, (task, topic, passage) in zip(indices, drawn):
                 if task in PASSAGE_TASKS:
                     sentence = passage.split(". ")[0].rstrip(".") + "."
-                    users.append(PASSAGE_TASKS[task].format(passage=passage, sentence=sentence))
+                    user = PASSAGE_TASKS[task].format(passage=passage, sentence=sentence)
+                elif task == "follow-up":
+                    user = history[i]
                 else:
-                    question = turns[i].text.strip() or topic or passage
-                    users.append(f"{passage}\n\n{question}" if task == "passage-question"
-                                 else question)
+                    question = turns[i] or topic or passage
+                    user = f"{passage}\n\n{question}" if task == "passage-question" else question
+                users.append(target.tokenizer.apply_chat_template(user))
             answers = batched.generate(users, [
                 SamplingParams(temperature=answer_temperatures[i % len(answer_temperatures)],
                                max_new_tokens=answer_tokens, seed=_seed(seed, i, 1))
-                for i in indices], chat=True)
+                for i in indices])
             for i, (task, topic, _), answer in zip(indices, drawn, answers):
                 answer_ids, looped = cut_at_repetition(answer.token_ids)
                 conversation = Conversation(
@@ -268,7 +289,7 @@ def _draw(seed: int, index: int, tasks: Sequence[str], topics: Sequence[str],
     else ``passage N``."""
     rng = random.Random(f"{seed}:{index}")
     task = rng.choice(tasks)
-    if "{topic}" in REQUESTS.get(task, ""):
+    if task in TOPIC_TASKS:
         return task, rng.choice(topics), ""
     number = rng.randrange(len(passages))
     return task, f"passage {number}", passages[number]
@@ -294,8 +315,9 @@ def read_conversations(path: str | Path) -> list[Conversation]:
 
 
 def _seed(seed: int, index: int, step: int) -> int:
-    """The sampling seed of conversation ``index``'s user turn (step 0) or answer (step 1)."""
-    return (seed * 1_000_003 + index) * 2 + step
+    """The sampling seed of conversation ``index``'s user turn (step 0), answer (step 1) or
+    follow-up user turn (step 2; steps 0 and 1 as in the first version of the format)."""
+    return (seed * 1_000_003 + index) * 2 + min(step, 1) + (step > 1) * 2**40
 
 
 def _encode(conversation: Conversation, seed: int) -> dict:

@@ -29,5 +29,15 @@ PASSAGE_TASKS = {
 }
 """The tasks whose user turn is a fixed instruction over a passage (``{sentence}``: its
 first sentence)."""
-TASKS = (*REQUESTS, *PASSAGE_TASKS)
+FOLLOW_UP_REQUEST = ("Here is a conversation between a user and an AI assistant.\n\nUser: "
+                     "{question}\n\nAssistant: {answer}\n\nWrite the user's next message: "
+                     "one follow-up question or request about the same subject. Reply with "
+                     "the message only.")
+"""The ``follow-up`` task's second user turn, which the target writes after its own first
+answer (to a ``question`` about a topic); the answer trained on is to the second turn,
+with the whole conversation as its prompt."""
+TASKS = (*REQUESTS, *PASSAGE_TASKS, "follow-up")
 """Every task, the default mix (drawn uniformly per conversation)."""
+TOPIC_TASKS = tuple(task for task in TASKS
+                    if "{topic}" in REQUESTS.get(task, "") or task == "follow-up")
+"""The tasks about a topic word (the others are about a passage)."""
