@@ -4,14 +4,14 @@ are extra work, not counted), and one follow-up conversation's prompt tail.
 
     .venv/bin/python results/draft-head-first-cycle-2026-12-04/synthesis_rate.py native 48 8
 """
-import time, sys, collections
+import collections, sys, tempfile, time
 from exactspec.models import load_model
 from exactspec.training.data import synthesize, stdlib_passages
 backend, n, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 t = load_model(backend=backend)
 stdlib_passages()  # read once, outside the timing
 start = time.perf_counter()
-conv = synthesize(t, f"synthesis-{backend}-{batch}.jsonl", n, batch_size=batch, show_progress=False)
+conv = synthesize(t, f"{tempfile.mkdtemp()}/conversations.jsonl", n, batch_size=batch, show_progress=False)
 s = time.perf_counter() - start
 tok = sum(len(c.answer_ids) for c in conv)
 print(backend, f"batch {batch}", len(conv), "conversations, answer tokens", tok, f"{s:.1f} s", f"{tok/s:.0f} answer tok/s",
