@@ -14,9 +14,11 @@ of training on the target's own responses (Li et al. 2024, arXiv 2401.15077, sec
    about a *passage*), sampled at ``question_temperature``; or, for the passage tasks
    (:data:`PASSAGE_TASKS`: summarise, rewrite, extract, translate), a fixed instruction
    over a passage; or, for ``follow-up``, a second turn the target writes after its own
-   (greedy) answer to a first question, the prompt then holding both turns. Passages are paragraphs of the docstrings in Python's standard library
-   (:func:`stdlib_passages`: text every machine that runs exactspec has, read from the
-   sources without importing them);
+   (greedy) answer to a first question, the prompt then holding both turns. Passages are
+   paragraphs of the docstrings in Python's standard library (:func:`stdlib_passages`:
+   text every machine that runs exactspec has, read from the sources without importing
+   them; another Python version has other passages, so a file is extended with the
+   Python it was begun with);
 2. the target's *answer*, in its chat format, at one of ``answer_temperatures`` (greedy
    and 0.7 by default, alternating: the head serves both), cut at the start of its first
    repeated span of :data:`LOOP_SPAN` tokens (a loop kept to the length cap would teach the
@@ -71,7 +73,8 @@ class Conversation:
     Attributes:
         index: its position in the file (0-based); its randomness depends on it only.
         topic: the word the request is about, or ``passage N`` (:func:`stdlib_passages`).
-        prompt_ids: ``[prompt_len]`` the answer's prompt: the question in the chat template.
+        prompt_ids: ``[prompt_len]`` the answer's prompt: the user turn(s) (and, for a
+            follow-up, the first answer) in the chat template.
         answer_ids: ``[answer_len]`` the target's answer.
         finish_reason: ``"stop"``, ``"length"`` (``answer_tokens`` reached) or ``"loop"``
             (cut at its first repetition, :func:`cut_at_repetition`).
@@ -103,8 +106,8 @@ def topic_words(tokenizer: Tokenizer, min_letters: int = 6) -> list[str]:
 def stdlib_passages(min_chars: int = 300, max_chars: int = 1200) -> list[str]:
     """Paragraph runs of the module and class docstrings in Python's standard library
     (read from its sources with :mod:`ast`, nothing imported), each of ``min_chars`` ..
-    ``max_chars`` characters, in a fixed order: the passages the passage tasks are over
-    (read once per process, a few seconds)."""
+    ``max_chars`` characters, in a fixed order for a given Python (test suites left out):
+    the passages the passage tasks are over (read once per process, a few seconds)."""
     return list(_stdlib_passages(min_chars, max_chars))
 
 
@@ -231,42 +234,8 @@ def synthesize(target: Backend, path: str | Path, num_conversations: int, *, see
         for start in range(len(done), num_conversations, batch_size):
             indices = list(range(start, min(start + batch_size, num_conversations)))
             drawn = [_draw(seed, i, tasks, topics, passages) for i in indices]
-            written = [i for i, (task, _, _) in zip(indices, drawn) if task not in PASSAGE_TASKS]
-            requests = [REQUESTS.get(task, REQUESTS["question"]).format(topic=topic,
-                                                                         passage=passage)
-                        for task, topic, passage in drawn if task not in PASSAGE_TASKS]
-            turns = {i: result.text.strip() for i, result in zip(written, batched.generate(
-                requests, [SamplingParams(temperature=question_temperature,
-                                          max_new_tokens=question_tokens,
-                                          seed=_seed(seed, i, 0)) for i in written],
-                chat=True))} if written else {}
-            follow = [i for i, (task, _, _) in zip(indices, drawn) if task == "follow-up"]
-            if follow:  # the first answer, then the user's next turn, both by the target
-                first = [cut_at_repetition(result.token_ids)[0] for result in batched.generate(
-                    [turns[i] or "Hello" for i in follow],
-                    SamplingParams(max_new_tokens=answer_tokens // 2), chat=True)]
-                first = [target.tokenizer.decode(ids).strip() for ids in first]
-                nexts = batched.generate(
-                    [FOLLOW_UP_REQUEST.format(question=turns[i], answer=answer)
-                     for i, answer in zip(follow, first)],
-                    [SamplingParams(temperature=question_temperature,
-                                    max_new_tokens=question_tokens, seed=_seed(seed, i, 2))
-                     for i in follow], chat=True)
-                history = {i: [{"role": "user", "content": turns[i] or "Hello"},
-                               {"role": "assistant", "content": answer},
-                               {"role": "user", "content": result.text.strip() or "Go on."}]
-                           for i, answer, result in zip(follow, first, nexts)}
-            users = []
-            for i, (task, topic, passage) in zip(indices, drawn):
-                if task in PASSAGE_TASKS:
-                    sentence = passage.split(". ")[0].rstrip(".") + "."
-                    user = PASSAGE_TASKS[task].format(passage=passage, sentence=sentence)
-                elif task == "follow-up":
-                    user = history[i]
-                else:
-                    question = turns[i] or topic or passage
-                    user = f"{passage}\n\n{question}" if task == "passage-question" else question
-                users.append(target.tokenizer.apply_chat_template(user))
+            users = _user_turns(batched, seed, indices, drawn, question_tokens,
+                                question_temperature, answer_tokens)
             answers = batched.generate(users, [
                 SamplingParams(temperature=answer_temperatures[i % len(answer_temperatures)],
                                max_new_tokens=answer_tokens, seed=_seed(seed, i, 1))
@@ -281,6 +250,51 @@ def synthesize(target: Backend, path: str | Path, num_conversations: int, *, see
                 done.append(conversation)
                 progress.advance(task_bar)
     return done
+
+
+def _user_turns(batched: BatchedGenerator, seed: int, indices: Sequence[int],
+                drawn: Sequence[tuple[str, str, str]], question_tokens: int,
+                question_temperature: float, answer_tokens: int) -> list[list[int]]:
+    """The answers' prompts (token ids) of conversations ``indices`` with their drawn
+    (task, topic, passage): the user turns the target writes, decoded together; for a
+    follow-up, its greedy first answer (at most ``answer_tokens // 2`` tokens, cut at a
+    repetition) and the second turn it writes after it."""
+    tokenizer = batched.target.tokenizer
+    written = [i for i, (task, _, _) in zip(indices, drawn) if task not in PASSAGE_TASKS]
+    requests = [REQUESTS.get(task, REQUESTS["question"]).format(topic=topic, passage=passage)
+                for task, topic, passage in drawn if task not in PASSAGE_TASKS]
+    turns = {i: result.text.strip() for i, result in zip(written, batched.generate(
+        requests, [SamplingParams(temperature=question_temperature,
+                                  max_new_tokens=question_tokens, seed=_seed(seed, i, 0))
+                   for i in written], chat=True))} if written else {}
+    follow = [i for i, (task, _, _) in zip(indices, drawn) if task == "follow-up"]
+    history = {}
+    if follow:
+        first = [tokenizer.decode(cut_at_repetition(result.token_ids)[0]).strip()
+                 for result in batched.generate([turns[i] or "Hello" for i in follow],
+                                                SamplingParams(max_new_tokens=answer_tokens // 2),
+                                                chat=True)]
+        nexts = batched.generate(
+            [FOLLOW_UP_REQUEST.format(question=turns[i], answer=answer)
+             for i, answer in zip(follow, first)],
+            [SamplingParams(temperature=question_temperature, max_new_tokens=question_tokens,
+                            seed=_seed(seed, i, 2)) for i in follow], chat=True)
+        history = {i: [{"role": "user", "content": turns[i] or "Hello"},
+                       {"role": "assistant", "content": answer},
+                       {"role": "user", "content": result.text.strip() or "Go on."}]
+                   for i, answer, result in zip(follow, first, nexts)}
+    users = []
+    for i, (task, topic, passage) in zip(indices, drawn):
+        if task in PASSAGE_TASKS:
+            sentence = passage.split(". ")[0].rstrip(".") + "."
+            user = PASSAGE_TASKS[task].format(passage=passage, sentence=sentence)
+        elif task == "follow-up":
+            user = history[i]
+        else:
+            question = turns[i] or topic or passage
+            user = f"{passage}\n\n{question}" if task == "passage-question" else question
+        users.append(tokenizer.apply_chat_template(user))
+    return users
 
 
 def _draw(seed: int, index: int, tasks: Sequence[str], topics: Sequence[str],
