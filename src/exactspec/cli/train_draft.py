@@ -94,6 +94,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      "backend (its hidden features)")
     if args.minutes is not None and args.minutes <= 0:
         parser.error(f"--minutes {args.minutes} is invalid: it must be > 0")
+    if args.tasks is not None and args.synthesize is None:
+        parser.error("--tasks chooses what --synthesize writes: add --synthesize N")
     if args.synthesize is None and not args.data.is_file():
         parser.error(f"--data {args.data}: no such file (add --synthesize N to write it)")
     args.backend = "transformers"
