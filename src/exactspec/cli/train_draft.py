@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from exactspec.cli.common import (EXIT_STATUSES, add_model_options, load_from_args,
+from exactspec.cli.common import (EXIT_STATUSES, add_model_options, model_spec,
                                   positive_int, print_error, seed)
 from exactspec.model_files import ModelNotFoundError
 from exactspec.training.config import TrainingConfig
@@ -39,7 +39,8 @@ def add_parser(commands) -> None:
     data.add_argument("--synthesize", type=positive_int, default=None, metavar="N",
                       help="first extend --data to N conversations written by the target "
                            "(user turns of the --tasks, answers greedy and at 0.7 in turn, "
-                           "loops cut; resumable)")
+                           "loops cut; resumable), on --backend (auto: the fastest, native "
+                           "for a GGUF file; training then loads transformers)")
     data.add_argument("--tasks", type=_tasks, default=None, metavar="T,T,...",
                       help="the kinds of user turns --synthesize draws from, comma-separated "
                            f"(default all: {', '.join(TASKS)}; the passages are Python's "
@@ -98,25 +99,32 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--tasks chooses what --synthesize writes: add --synthesize N")
     if args.synthesize is None and not args.data.is_file():
         parser.error(f"--data {args.data}: no such file (add --synthesize N to write it)")
-    args.backend = "transformers"
     config = dataclasses.replace(
         DEFAULTS, total_updates=args.updates, batch_tokens=args.batch_tokens,
         learning_rate=args.learning_rate, draft_vocab_size=args.draft_vocab_size,
         num_steps=args.unroll, eval_every=args.eval_every, seed=args.seed)
+    spec = model_spec(args)  # --backend auto or transformers
+    target = None
     try:
-        with console.status(f"Loading {args.model} …"):
-            target = load_from_args(args)
-        if args.synthesize:
+        if args.synthesize:  # on --backend's choice: auto takes the fastest (native for GGUF)
+            with console.status(f"Loading {args.model} …"):
+                writer = spec.load()
             before = read_conversations(args.data)
             start = time.perf_counter()
-            conversations = synthesize(target, args.data, args.synthesize, seed=args.seed,
+            conversations = synthesize(writer, args.data, args.synthesize, seed=args.seed,
                                        tasks=args.tasks or TASKS)
+            seconds = time.perf_counter() - start
             written = sum(len(c.answer_ids) for c in conversations[len(before):])
-            console.print(f"synthesized {len(conversations) - len(before)} conversations, "
-                          f"{written} answer tokens in {time.perf_counter() - start:.0f} s "
-                          f"({written / (time.perf_counter() - start):.0f} tokens/s)")
+            console.print(f"synthesized {len(conversations) - len(before)} conversations on "
+                          f"the {writer.name} backend, {written} answer tokens in "
+                          f"{seconds:.0f} s ({written / seconds:.0f} tokens/s)")
+            target = writer if writer.name == "transformers" else None
+            del writer
         else:
             conversations = read_conversations(args.data)
+        if target is None:  # the features are the transformers backend's
+            with console.status(f"Loading {args.model} …"):
+                target = dataclasses.replace(spec, backend="transformers").load()
         unique = deduplicated(conversations)
         if len(unique) < len(conversations):
             console.print(f"{len(conversations) - len(unique)} conversations repeat an earlier "
