@@ -69,14 +69,19 @@ agreement = collections.Counter()
 with torch.no_grad():
     for example, cycles in zip(examples, calls):
         batch = make_batch([example], 2)
-        forced = [head.draft_token_ids[head.logits(out[0]).argmax(-1)].tolist()
-                  for out in head.unrolled(batch.features, batch.token_ids, 2)]
+        logits = [head.logits(out[0]) for out in head.unrolled(batch.features,
+                                                                batch.token_ids, 2)]
+        forced = [head.draft_token_ids[step.argmax(-1)].tolist() for step in logits]
         full, start = example.tokens.tolist(), example.prompt_length
         for at, drafts in cycles:  # drafts tokens at, at + 1 (from row at - 2)
             cycle = "first cycle" if at == start else "later cycles"
             if drafts and at < len(full):
                 compared[cycle, 1] += 1
                 compared[cycle, 1, "equal"] += drafts[0] == forced[0][at - 2]
+                if drafts[0] != forced[0][at - 2]:  # how near a tie teacher forcing had
+                    top = logits[0][at - 2].topk(2).values.tolist()
+                    print(f"  a depth-1 difference ({cycle}): the teacher-forced top two "
+                          f"logits {top[0]:.4f} and {top[1]:.4f}")
             if len(drafts) > 1 and at + 1 < len(full) and drafts[0] == full[at]:
                 compared[cycle, 2] += 1
                 compared[cycle, 2, "equal"] += drafts[1] == forced[1][at - 2]
