@@ -122,9 +122,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             del writer
         else:
             conversations = read_conversations(args.data)
-        if target is None:  # the features are the transformers backend's
+        if target is None:  # the features are the transformers backend's (float32 inputs)
             with console.status(f"Loading {args.model} …"):
-                target = dataclasses.replace(spec, backend="transformers").load()
+                target = dataclasses.replace(spec, backend="transformers",
+                                             activations=None).load()
         unique = deduplicated(conversations)
         if len(unique) < len(conversations):
             console.print(f"{len(conversations) - len(unique)} conversations repeat an earlier "
