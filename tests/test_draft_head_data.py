@@ -42,12 +42,14 @@ def test_conversations_are_the_targets_answers_and_a_resumed_file_equals_one_run
     target = chat_backend()
     kwargs = dict(seed=7, tasks=("question",), topics=TOPICS, batch_size=3, question_tokens=8,
                   answer_tokens=12, answer_temperatures=(0.0,), show_progress=False)
-    whole = synthesize(target, tmp_path / "whole.jsonl", 5, **kwargs)
+    whole = synthesize(target, tmp_path / "whole.jsonl", 5, **kwargs)  # one chunk, 3 rows
     assert [c.index for c in whole] == list(range(5))
-    synthesize(target, tmp_path / "resumed.jsonl", 2, **kwargs)
+    # resumed, in chunks of 2 on 2 rows: conversation i depends only on the seed and i
+    synthesize(target, tmp_path / "resumed.jsonl", 2, **kwargs | {"chunk_size": 2})
     with open(tmp_path / "resumed.jsonl", "a") as file:
         file.write('{"index": 2, "topic": "ca')  # an interrupted line
-    resumed = synthesize(target, tmp_path / "resumed.jsonl", 5, **kwargs)
+    resumed = synthesize(target, tmp_path / "resumed.jsonl", 5,
+                         **kwargs | {"chunk_size": 2, "batch_size": 2})
     assert resumed == whole == read_conversations(tmp_path / "resumed.jsonl")
     plain = SpeculativeGenerator(target, None)
     for conversation in whole:
@@ -143,6 +145,8 @@ def test_synthesis_refusals(tmp_path):
                                          "context \\(512 tokens\\) with the answer"):
         synthesize(target, tmp_path / "x.jsonl", 2, tasks=("rewrite",), passages=["ab " * 200],
                    show_progress=False)
+    with pytest.raises(ValueError, match="chunk_size = 0 is invalid: it must be ≥ 1"):
+        synthesize(target, tmp_path / "x.jsonl", 2, chunk_size=0, show_progress=False)
     with pytest.raises(ValueError, match="answer_temperatures is empty"):
         synthesize(target, tmp_path / "x.jsonl", 2, topics=TOPICS, passages=PASSAGES,
                    answer_temperatures=(), show_progress=False)

@@ -164,6 +164,7 @@ def deduplicated(conversations: Sequence[Conversation]) -> list[Conversation]:
 def synthesize(target: Backend, path: str | Path, num_conversations: int, *, seed: int = 0,
                tasks: Sequence[str] = TASKS, topics: Sequence[str] | None = None,
                passages: Sequence[str] | None = None, batch_size: int = 8,
+               chunk_size: int = 64,
                question_tokens: int = 64, question_temperature: float = 0.8,
                answer_tokens: int = 256, answer_temperatures: Sequence[float] = (0.0, 0.7),
                show_progress: bool = True) -> list[Conversation]:
@@ -181,19 +182,24 @@ def synthesize(target: Backend, path: str | Path, num_conversations: int, *, see
         passages: the passages of the passage tasks (default: :func:`stdlib_passages`).
         batch_size: conversations decoded together (rows of a
             :class:`~exactspec.batching.BatchedGenerator`; suffix drafting, exact).
+        chunk_size: conversations submitted together, written when all are done: a row
+            that finishes takes the next waiting conversation (continuous batching), so
+            a chunk of many batches keeps the rows busy while one long answer finishes.
         question_tokens, answer_tokens: most tokens of a written user turn and of an answer.
         question_temperature: the written user turns' sampling temperature.
         answer_temperatures: conversation i's answer is sampled at entry i % len (0: greedy).
     Returns:
         every conversation in the file, ``[num_conversations]`` (or more if it held more).
     Raises:
-        ValueError: for ``num_conversations`` < 1, an unknown task, no topics or passages
+        ValueError: for ``num_conversations`` or ``chunk_size`` < 1, an unknown task, no topics or passages
             where the tasks need them, a file of another seed, or a target without a chat
             template.
     """
     if not isinstance(num_conversations, int) or num_conversations < 1:
         raise ValueError(f"num_conversations = {num_conversations!r} is invalid: it must be an "
                          "integer ≥ 1")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size = {chunk_size!r} is invalid: it must be ≥ 1")
     unknown = [task for task in tasks if task not in TASKS]
     if unknown or not tasks:
         raise ValueError(f"tasks {unknown or list(tasks)} are invalid: choose from "
@@ -231,8 +237,8 @@ def synthesize(target: Backend, path: str | Path, num_conversations: int, *, see
     with (LoggedProgress(disable=not show_progress) as progress, open(path, "a") as file):
         task_bar = progress.add_task("synthesizing conversations", total=num_conversations,
                                      completed=len(done))
-        for start in range(len(done), num_conversations, batch_size):
-            indices = list(range(start, min(start + batch_size, num_conversations)))
+        for start in range(len(done), num_conversations, chunk_size):
+            indices = list(range(start, min(start + chunk_size, num_conversations)))
             drawn = [_draw(seed, i, tasks, topics, passages) for i in indices]
             users = _user_turns(batched, seed, indices, drawn, question_tokens,
                                 question_temperature, answer_tokens)
