@@ -156,7 +156,7 @@ def test_a_resumed_run_trains_the_same_head_as_an_uninterrupted_one(target, tmp_
           show_progress=False)  # stops after its first update
     assert json.loads((halves / "history.json").read_text())["updates"] == [1]
     resumed = train(target.model, _conversations(), halves, None, show_progress=False)
-    one, other = load_head(whole, target.model), load_head(resumed, target.model)
+    one, other = load_head(whole, target.target_tensors()), load_head(resumed, target.target_tensors())
     for (name, a), (_, b) in zip(one.state_dict().items(), other.state_dict().items()):
         assert torch.equal(a, b), name
     history = json.loads((halves / "history.json").read_text())
@@ -169,7 +169,7 @@ def test_a_resumed_run_trains_the_same_head_as_an_uninterrupted_one(target, tmp_
 def test_a_head_file_holds_bf16_weights_loaded_exactly(target, tmp_path):
     head = new_head(target.model, torch.arange(50).flip(0), "tiny", (0, 1), seed=5)
     save_head(head, tmp_path / "h.safetensors", {"note": "test"})
-    loaded = load_head(tmp_path / "h.safetensors", target.model)
+    loaded = load_head(tmp_path / "h.safetensors", target.target_tensors())
     for name, parameter in head.named_parameters():
         assert torch.equal(dict(loaded.named_parameters())[name],
                            parameter.detach().bfloat16().float()), name
@@ -178,12 +178,12 @@ def test_a_head_file_holds_bf16_weights_loaded_exactly(target, tmp_path):
     other = tiny_backend(0, model=None, vocab=64)
     other.model.config.num_hidden_layers = 3
     with pytest.raises(ValueError, match="trained for a target of 2 layers"):
-        load_head(tmp_path / "h.safetensors", other.model)
+        load_head(tmp_path / "h.safetensors", other.target_tensors())
     (tmp_path / "bad.safetensors").write_bytes(b"not a head")
     with pytest.raises(ValueError, match="is not a draft head file"):
-        load_head(tmp_path / "bad.safetensors", target.model)
+        load_head(tmp_path / "bad.safetensors", target.target_tensors())
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_head(tmp_path / "missing.safetensors", target.model)
+        load_head(tmp_path / "missing.safetensors", target.target_tensors())
 
 
 def test_refusals(target):
@@ -191,10 +191,11 @@ def test_refusals(target):
         name = "llama_cpp"
         provides_hidden_features = False
 
-    with pytest.raises(UnsupportedModelError, match="--backend transformers"):
+    with pytest.raises(UnsupportedModelError, match="the llama_cpp backend cannot give; use "
+                                                    "the native \\(a GGUF file\\) or transformers"):
         HeadProposer(NoFeatures())
     with pytest.raises(UnsupportedModelError, match="no draft head is shipped for this target"):
-        shipped_head(target.model)
+        shipped_head(target.target_tensors())
     spec = parse_proposer("head:/some/where.safetensors")
     assert (spec.kind, spec.head) == ("head", "/some/where.safetensors")
     assert parse_proposer("head").head is None

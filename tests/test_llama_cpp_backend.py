@@ -82,14 +82,21 @@ def test_choose_backend(monkeypatch, tmp_path):
     assert choose_backend(folder, device="cpu") == "transformers"
     assert choose_backend(gguf, device="cpu", dtype="float32") == "transformers"
     assert choose_backend(gguf, "transformers", device="cpu") == "transformers"
-    # a proposer drafting from the target's layers or features takes it to transformers
+    # a proposer drafting from the target's layers or features runs where they are given
     assert choose_backend(gguf, device="cpu", proposer=parse_proposer("suffix")) == expected
     assert choose_backend(gguf, device="cpu", proposer=parse_proposer("early-exit:1")) \
         == "transformers"
-    with pytest.raises(ValueError, match="the proposer head drafts from the target's hidden "
-                                         "features, which needs the transformers backend, "
+    assert choose_backend(gguf, device="cpu", proposer=parse_proposer("head")) == (
+        "native" if expected == "native" else "transformers")
+    assert choose_backend(other, device="cpu", proposer=parse_proposer("head")) == "transformers"
+    with pytest.raises(ValueError, match="the proposer early-exit:1 drafts with the target's "
+                                         "own layers, which needs the transformers backend, "
                                          "not native: choose transformers"):
-        choose_backend(gguf, "native", proposer=parse_proposer("head"))
+        choose_backend(gguf, "native", proposer=parse_proposer("early-exit:1"))
+    with pytest.raises(ValueError, match="the proposer head drafts from the target's hidden "
+                                         "features, which needs the native or transformers "
+                                         "backend, not llama_cpp: choose native or transformers"):
+        choose_backend(gguf, "llama_cpp", proposer=parse_proposer("head"))
     monkeypatch.setattr(native, "load", lambda: None)  # no C compiler
     assert choose_backend(gguf, device="cpu") == "llama_cpp"
     monkeypatch.setattr(module, "llama_cpp_available", lambda: False)

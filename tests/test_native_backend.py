@@ -277,6 +277,46 @@ def test_hidden_features_are_the_layer_outputs_of_the_cached_positions(tiny_gguf
         backend.record_hidden_features([1])
 
 
+def test_a_draft_head_drafts_on_the_native_backend(tiny_head_file, tmp_path):
+    """The head trained on the transformers backend's features of tiny_model(0) reads the
+    native backend's: the target's tensors are the same values (so the same shipped head
+    is found), and chain and tree drafts are verified exactly (greedy: plain decoding's
+    tokens), accepted at the first and second positions as often as on transformers (the
+    F32 file's features agree to rounding)."""
+    from tiny_gguf import write_tiny_gguf
+
+    from exactspec.draft_head.model import target_fingerprint
+    from exactspec.generator import SpeculativeGenerator
+    from exactspec.proposers.head import HeadProposer
+    from exactspec.sampling import SamplingParams
+
+    target, reference = (native_backend(write_tiny_gguf(tiny_model(0), tmp_path / "t.gguf")),
+                         tiny_backend(0))
+    ours, theirs = target.target_tensors(), reference.target_tensors()
+    for got, expected in zip(ours, theirs):
+        assert torch.equal(torch.as_tensor(got), torch.as_tensor(expected))
+    assert target_fingerprint(ours.lm_head_weight) == target_fingerprint(theirs.lm_head_weight)
+    greedy = SamplingParams(max_new_tokens=40)
+    for tree in (None, 16):
+        accepted = {}
+        for backend in (target, reference):
+            generator = SpeculativeGenerator(
+                backend, HeadProposer(backend, tiny_head_file, tree_nodes=tree), 3, "constant")
+            counts = []
+            for prompt in ([5, 9, 3, 7, 5, 9, 3], [9, 9, 8], [1, 2, 3, 4, 5]):
+                result = generator.generate(prompt, greedy)
+                if backend is target:
+                    plain = SpeculativeGenerator(target, None).generate(prompt, greedy)
+                    assert result.token_ids == plain.token_ids, tree
+                sampled = generator.generate(prompt, SamplingParams(temperature=1.0, seed=3,
+                                                                    max_new_tokens=40))
+                counts += [result.stats.accepted_per_position,
+                           sampled.stats.accepted_per_position]
+            accepted[backend.name] = [sum(column) for column in zip(*counts)]
+        assert accepted["native"] == accepted["transformers"], (tree, accepted)
+        assert accepted["native"][0] > 0 and accepted["native"][1] > 0, (tree, accepted)
+
+
 def test_other_architectures_and_types_are_refused_by_name(tmp_path):
     from exactspec.backends.native_backend import GGUFModel
 

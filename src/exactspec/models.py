@@ -17,7 +17,7 @@ from exactspec.backends.transformers_backend import TransformersBackend, resolve
 from exactspec.load_options import BACKENDS
 from exactspec.model_files import (DEFAULT_MODEL, check_model_path, converted_gguf,
                                    gguf_architecture)
-from exactspec.proposers.spec import TRANSFORMERS_ONLY, ProposerSpec
+from exactspec.proposers.spec import BACKENDS_NEEDED, ProposerSpec
 
 
 def choose_backend(path: Path, backend: str = "auto", *, device: str = "auto",
@@ -25,14 +25,16 @@ def choose_backend(path: Path, backend: str = "auto", *, device: str = "auto",
                    proposer: ProposerSpec | None = None) -> str:
     """The runtime for the model at ``path``: ``backend`` itself unless it is ``auto``.
 
-    A ``proposer`` that drafts from the target's own layers or hidden features (early exit,
-    a draft head: :data:`~exactspec.proposers.spec.TRANSFORMERS_ONLY`) needs transformers:
-    ``auto`` picks it, another backend is refused. Otherwise ``auto`` picks the native backend for a ``.gguf`` file of an architecture it runs on a
+    ``auto`` picks the native backend for a ``.gguf`` file of an architecture it runs on a
     CPU-only machine where exactspec's kernels build and neither a torch dtype nor torch
     kernels were asked for: it decodes fastest there and verifies almost for free
     (docs/backends.md). A GGUF file it cannot run goes to llama.cpp where llama-cpp-python
     is installed. Everything else (model folders, a GPU, an explicit dtype) gets
-    transformers.
+    transformers. A ``proposer`` that drafts from the target's own layers or hidden
+    features runs on some backends only (:data:`~exactspec.proposers.spec.BACKENDS_NEEDED`:
+    early exit on transformers, a draft head on native or transformers): ``auto`` then
+    falls back to transformers where its choice is not one of them, and another backend is
+    refused.
 
     Raises:
         ValueError: for an unknown backend, or a combination llama.cpp or the native
@@ -41,18 +43,19 @@ def choose_backend(path: Path, backend: str = "auto", *, device: str = "auto",
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is invalid: choose one of {', '.join(BACKENDS)}")
-    needs = proposer is not None and TRANSFORMERS_ONLY.get(proposer.kind)
-    if needs and backend not in ("auto", "transformers"):
-        raise ValueError(f"the proposer {proposer.spec} {needs}, which needs the "
-                         f"transformers backend, not {backend}: choose transformers (or auto)")
-    if needs:
-        return "transformers"
+    allowed, why = BACKENDS_NEEDED.get(proposer.kind if proposer else None, (BACKENDS, ""))
+    if backend not in ("auto", *allowed):
+        raise ValueError(f"the proposer {proposer.spec} {why}, which needs the "
+                         f"{' or '.join(allowed)} backend, not {backend}: choose "
+                         f"{' or '.join(allowed)} (or auto)")
     if backend == "auto":
         cpu_only = device == "cpu" or (device == "auto" and resolve_device("auto").type == "cpu")
         fits = path.suffix == ".gguf" and cpu_only and dtype is None and kernels is None
         if fits and _native_runs(path):
-            return "native"
-        return "llama_cpp" if fits and llama_cpp_available() else "transformers"
+            backend = "native"
+        else:
+            backend = "llama_cpp" if fits and llama_cpp_available() else "transformers"
+        return backend if backend in allowed else "transformers"
     if backend in ("llama_cpp", "native"):
         if dtype is not None:
             raise ValueError(f"dtype {dtype!r} applies to the transformers backend only: "

@@ -85,6 +85,19 @@ def new_sequence_id() -> int:
     return next(_sequence_ids)
 
 
+class TargetTensors(NamedTuple):
+    """The target's tensors a draft head reads (:class:`~exactspec.draft_head.model.DraftHead`),
+    float32 on the CPU, as the backend computes with them (a quantised file's weights
+    dequantised). ``embedding`` ``[vocab, h]`` (the input embedding), ``final_norm_weight``
+    ``[h]`` (the final RMSNorm's weight), ``lm_head_weight`` ``[vocab, h]`` (the output
+    projection; the embedding itself where they are tied), ``num_layers`` (decoder layers)."""
+
+    embedding: torch.Tensor
+    final_norm_weight: torch.Tensor
+    lm_head_weight: torch.Tensor
+    num_layers: int
+
+
 @runtime_checkable
 class Backend(Protocol):
     """One model with the KV caches of the sequences it holds, by id.
@@ -113,9 +126,9 @@ class Backend(Protocol):
             bit-identical logits to scoring it alone, as measured on the loaded model by
             :func:`check_sequence_invariance` the first time it is read (after a
             :meth:`reserve` that changed the caches, again).
-        provides_hidden_features: whether :meth:`record_hidden_features` and
-            :meth:`hidden_features` work (a draft head needs them); False: they raise
-            :class:`UnsupportedModelError`.
+        provides_hidden_features: whether :meth:`record_hidden_features`,
+            :meth:`hidden_features` and :meth:`target_tensors` work (a draft head needs
+            them); False: they raise :class:`UnsupportedModelError`.
         scores_trees: whether :meth:`forward_tree` and :meth:`retain` take token trees
             (tree drafting needs them); False: they raise :class:`UnsupportedModelError`.
     """
@@ -252,6 +265,15 @@ class Backend(Protocol):
             UnsupportedModelError: if the backend cannot (``provides_hidden_features``).
             ValueError: if the sequence is not held, was cached before recording started,
                 or ``start`` is outside [0, num_cached_tokens].
+        """
+        ...
+
+    def target_tensors(self) -> TargetTensors:
+        """The embedding, final norm and LM head a draft head reads, as this backend
+        computes with them (:class:`TargetTensors`; made on first call, then kept).
+
+        Raises:
+            UnsupportedModelError: if the backend cannot (``provides_hidden_features``).
         """
         ...
 

@@ -42,8 +42,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, chat_messages,
-                                     check_batch_invariance, check_context, check_retain,
+from exactspec.backends.base import (PREFILL_CHUNK_SIZE, TargetTensors, UnsupportedModelError,
+                                     chat_messages, check_batch_invariance, check_context, check_retain,
                                      check_rows, check_sequence_invariance)
 from exactspec.load_options import default_threads
 from exactspec.model_files import converted_gguf, gguf_architecture_value
@@ -197,6 +197,9 @@ class LlamaCppBackend:
         raise UnsupportedModelError(HIDDEN_FEATURES_REFUSAL)
 
     def hidden_features(self, sequence_id: int, start: int) -> torch.Tensor:
+        raise UnsupportedModelError(HIDDEN_FEATURES_REFUSAL)
+
+    def target_tensors(self) -> TargetTensors:
         raise UnsupportedModelError(HIDDEN_FEATURES_REFUSAL)
 
     scores_trees = False

@@ -29,7 +29,7 @@ import torch
 
 from exactspec.backends import native
 from exactspec.load_options import ACTIVATIONS
-from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError,
+from exactspec.backends.base import (PREFILL_CHUNK_SIZE, TargetTensors, UnsupportedModelError,
                                      check_batch_invariance, check_context, check_reserve,
                                      check_retain, check_rows, check_sequence_invariance,
                                      check_tree)
@@ -149,6 +149,20 @@ class GGUFModel:
             output=self._matrix(output, self.n_vocab, self.n_embd), layers=layers)
         self._keep.append(layers)
         self.n_ff = n_ff
+        self._output_tensors = (embeddings, self._tensor(tensors, "output_norm.weight"), output)
+
+    @functools.cached_property
+    def target_tensors(self) -> TargetTensors:
+        """The embedding, final norm and LM head dequantised to float32 (gguf's
+        ``dequantize``, as transformers loads a GGUF file: the same values), for a draft
+        head; the embedding's tensor once where the LM head is tied to it."""
+        arrays = {id(tensor): torch.from_numpy(np.array(  # a copy: the map is read-only
+            gguf.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+            for tensor in self._output_tensors}
+        embedding, norm, output = (arrays[id(tensor)] for tensor in self._output_tensors)
+        return TargetTensors(embedding.reshape(self.n_vocab, self.n_embd),
+                             norm.reshape(self.n_embd),
+                             output.reshape(self.n_vocab, self.n_embd), self.n_layer)
 
     def _tensor(self, tensors: dict, name: str):
         if name not in tensors:
@@ -400,6 +414,9 @@ class NativeBackend:
             raise ValueError(f"start = {start} is invalid: the sequence holds "
                              f"{sequence.length} positions")
         return sequence.features[start:sequence.length].clone()
+
+    def target_tensors(self) -> TargetTensors:
+        return self.model.target_tensors
 
     @property
     def _features_width(self) -> int:

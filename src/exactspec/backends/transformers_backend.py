@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from exactspec.backends import native
-from exactspec.backends.base import (PREFILL_CHUNK_SIZE, UnsupportedModelError, chat_messages,
-                                     check_batch_invariance, check_context, check_reserve,
+from exactspec.backends.base import (PREFILL_CHUNK_SIZE, TargetTensors, UnsupportedModelError,
+                                     chat_messages, check_batch_invariance, check_context, check_reserve,
                                      check_retain, check_rows, check_sequence_invariance,
                                      check_tree)
 from exactspec.backends.batch_invariant import (PackedSequences, kernel_mode,
@@ -327,6 +327,9 @@ class TransformersBackend:
     def hidden_features(self, sequence_id: int, start: int) -> torch.Tensor:
         return self._features.read(sequence_id, start, self.num_cached_tokens(sequence_id))
 
+    def target_tensors(self) -> TargetTensors:
+        return module_tensors(self.model)
+
     def num_cached_tokens(self, sequence_id: int) -> int:
         return self._cache(sequence_id).get_seq_length()
 
@@ -454,3 +457,19 @@ def _check_rollback(model, cache) -> None:
             f"{type(model).__name__} uses cache layers {sorted(odd)} (e.g. sliding-window "
             "attention) that cannot be rolled back exactly after a rejected draft; only "
             "full-attention models are supported by the transformers backend for now")
+
+
+def module_tensors(model: torch.nn.Module) -> TargetTensors:
+    """The :class:`~exactspec.backends.base.TargetTensors` of a transformers causal LM: its
+    own parameters (shared, not copied; float32 when loaded so).
+
+    Raises:
+        UnsupportedModelError: for a model without a final norm (``base_model.norm``).
+    """
+    norm = getattr(model.base_model, "norm", None)
+    if norm is None or not hasattr(norm, "weight"):
+        raise UnsupportedModelError(f"{type(model).__name__} has no final norm "
+                                    "(base_model.norm): a draft head is not supported for it")
+    return TargetTensors(model.get_input_embeddings().weight.detach(), norm.weight.detach(),
+                         model.get_output_embeddings().weight.detach(),
+                         int(model.config.get_text_config(decoder=True).num_hidden_layers))

@@ -30,7 +30,7 @@ def add_parser(commands) -> None:
                     "recomputes their features by prefill and trains. Progress, checkpoints "
                     "and plots go to --output; run the same command again to resume. The head "
                     "never changes what is generated, only how fast: use it with "
-                    "--proposer head:OUTPUT/head.safetensors (transformers backend).",
+                    "--proposer head:OUTPUT/head.safetensors (native or transformers backend).",
         epilog=EXIT_STATUSES)
     add_model_options(train)
     data = train.add_argument_group("data")

@@ -38,7 +38,8 @@ from torch.nn import functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from exactspec.backends.base import UnsupportedModelError
+from exactspec.backends.base import TargetTensors, UnsupportedModelError
+from exactspec.backends.transformers_backend import module_tensors
 
 FORMAT = "exactspec-draft-head/1"
 """The ``format`` field of a head file's metadata."""
@@ -106,7 +107,8 @@ class HeadConfig:
                    rope_theta=float(getattr(config, "rope_theta", None) or 10000.0),
                    feature_layers=layers, vocab_size=vocab_size,
                    draft_vocab_size=int(draft_vocab_size), num_target_layers=num_layers,
-                   target=target, target_fingerprint=target_fingerprint(model))
+                   target=target, target_fingerprint=target_fingerprint(
+                       model.get_output_embeddings().weight))
 
     @property
     def feature_size(self) -> int:
@@ -338,22 +340,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
-def target_fingerprint(model: nn.Module) -> str:
+def target_fingerprint(lm_head_weight: torch.Tensor) -> str:
     """16 hex digits identifying a target's weights: a hash of its first 64 LM head rows
-    rounded to bfloat16 (the same for the same weights loaded in float32 or bfloat16)."""
-    rows = model.get_output_embeddings().weight[:64].detach().to(torch.bfloat16).cpu()
+    (``lm_head_weight`` ``[vocab, h]``) rounded to bfloat16 (the same for the same weights
+    in float32 or bfloat16, on any backend that dequantises them alike)."""
+    rows = lm_head_weight[:64].detach().to(torch.bfloat16).cpu()
     return hashlib.sha256(rows.view(torch.int16).numpy().tobytes()).hexdigest()[:16]
-
-
-def target_tensors(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(embedding ``[vocab, h]``, final norm weight ``[h]``, LM head ``[vocab, h]``) of a
-    transformers causal LM (shared, not copied)."""
-    norm = getattr(model.base_model, "norm", None)
-    if norm is None or not hasattr(norm, "weight"):
-        raise ValueError(f"{type(model).__name__} has no final norm (base_model.norm): a "
-                         "draft head is not supported for it")
-    return (model.get_input_embeddings().weight, norm.weight,
-            model.get_output_embeddings().weight)
 
 
 def new_head(model: nn.Module, draft_token_ids: torch.Tensor, target: str = "",
@@ -364,7 +356,7 @@ def new_head(model: nn.Module, draft_token_ids: torch.Tensor, target: str = "",
     config = HeadConfig.for_target(model, len(draft_token_ids), target, feature_layers)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        head = DraftHead(config, *target_tensors(model), draft_token_ids)
+        head = DraftHead(config, *module_tensors(model)[:3], draft_token_ids)
     with torch.no_grad():
         eye = torch.eye(config.hidden_size) / len(config.feature_layers)
         head.fc.weight.copy_(eye.repeat(1, len(config.feature_layers)))
@@ -384,9 +376,10 @@ def save_head(head: DraftHead, path: str | Path, metadata: dict | None = None) -
         "training": json.dumps(metadata or {})})
 
 
-def load_head(path: str | Path, model: nn.Module) -> DraftHead:
-    """The head in ``path`` (written by :func:`save_head`) on the target ``model``, in
-    float32 (the stored bfloat16 values, converted exactly; :meth:`DraftHead.to_dtype`).
+def load_head(path: str | Path, target: TargetTensors) -> DraftHead:
+    """The head in ``path`` (written by :func:`save_head`) on the target's tensors
+    (``Backend.target_tensors``), in float32 (the stored bfloat16 values, converted
+    exactly; :meth:`DraftHead.to_dtype`).
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
@@ -405,11 +398,10 @@ def load_head(path: str | Path, model: nn.Module) -> DraftHead:
         raise ValueError(f"{path} is not a draft head file (format {metadata.get('format')!r}, "
                          f"expected {FORMAT!r})")
     config = head_config(path)
-    num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    if num_layers != config.num_target_layers:
+    if target.num_layers != config.num_target_layers:
         raise ValueError(f"{path} was trained for a target of {config.num_target_layers} layers "
-                         f"({config.target or 'unnamed'}); this one has {num_layers}")
-    head = DraftHead(config, *target_tensors(model), tensors.pop("draft_token_ids"))
+                         f"({config.target or 'unnamed'}); this one has {target.num_layers}")
+    head = DraftHead(config, *target[:3], tensors.pop("draft_token_ids"))
     head.load_state_dict({name: value.float() for name, value in tensors.items()}
                          | {"draft_token_ids": head.draft_token_ids})
     return head.eval().requires_grad_(False)
@@ -426,13 +418,13 @@ def head_config(path: str | Path) -> HeadConfig:
     return HeadConfig(**(fields | {"feature_layers": tuple(fields["feature_layers"])}))
 
 
-def shipped_head(model: nn.Module) -> Path:
-    """The shipped head trained on this target's weights.
+def shipped_head(target: TargetTensors) -> Path:
+    """The shipped head trained on this target's weights (``Backend.target_tensors``).
 
     Raises:
         UnsupportedModelError: if none was (naming the targets that have one).
     """
-    fingerprint = target_fingerprint(model)
+    fingerprint = target_fingerprint(target.lm_head_weight)
     heads = sorted(SHIPPED_HEADS.glob("*.safetensors"))
     for path in heads:
         if head_config(path).target_fingerprint == fingerprint:

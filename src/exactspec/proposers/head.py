@@ -51,7 +51,8 @@ class HeadProposer(Proposer):
     """Drafts with a trained draft head (see module docstring).
 
     Args:
-        target: the target's backend; it must provide hidden features (transformers).
+        target: the target's backend; it must provide hidden features (transformers,
+            native).
         head: a :class:`DraftHead`, a head file, or None for the head shipped for this
             target (:func:`~exactspec.draft_head.model.shipped_head`).
         dtype: what the head computes in (default bfloat16: a head file's bf16 weights as
@@ -63,7 +64,7 @@ class HeadProposer(Proposer):
             chain.
     Raises:
         UnsupportedModelError: on a backend without hidden features (llama.cpp), naming the
-            transformers backend, or when no head is shipped for this target.
+            backends that have them, or when no head is shipped for this target.
         FileNotFoundError: for a missing file.
         ValueError: for a head of another target's shape, or ``tree_nodes`` not an integer
             ≥ 1.
@@ -87,9 +88,10 @@ class HeadProposer(Proposer):
         if not target.provides_hidden_features:
             raise UnsupportedModelError(
                 f"a draft head reads the target's hidden features, which the {target.name} "
-                "backend cannot give; use the transformers backend (--backend transformers)")
+                "backend cannot give; use the native (a GGUF file) or transformers backend")
         if not isinstance(head, DraftHead):
-            head = load_head(shipped_head(target.model) if head is None else head, target.model)
+            tensors = target.target_tensors()
+            head = load_head(shipped_head(tensors) if head is None else head, tensors)
         head.to_dtype(dtype)
         if head.config.vocab_size != target.vocab_size:
             raise ValueError(f"the draft head drafts over a vocabulary of "

@@ -65,9 +65,10 @@ FORMS = ("plain, forced, prompt-lookup[:ngram=MIN-MAX], "
          "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL, "
          "head[:PATH][:tree=N]")
 """The allowed forms, for messages."""
-TRANSFORMERS_ONLY = {"early-exit": "drafts with the target's own layers",
-                     "head": "drafts from the target's hidden features"}
-"""Kinds that need the transformers backend, and why (for messages)."""
+BACKENDS_NEEDED = {"early-exit": (("transformers",), "drafts with the target's own layers"),
+                   "head": (("native", "transformers"),
+                            "drafts from the target's hidden features")}
+"""Kinds that run on some backends only: kind → (those backends, why, for messages)."""
 OPTION_VALUES = {"k": "N", "policy": "P"}
 
 
