@@ -102,6 +102,38 @@ def test_training_time_test_forward_equals_drafting(target, root):
             torch.testing.assert_close(hidden[0], unrolled[step][0, root], atol=1e-5, rtol=1e-5)
 
 
+def test_the_native_head_computes_the_heads_layer(target, tiny_head_file):
+    """NativeHead (the native kernels' BF16 products and attention) against DraftHead in
+    float32 over the same bfloat16 values (its LM head rows rounded as NativeHead stores
+    them): a prefill of 7 rows, a chain step and a tree level with its mask, up to rounding."""
+    from exactspec.backends import native
+    from exactspec.draft_head.kernels import NativeHead
+
+    kernels = native.load()
+    if kernels is None:
+        pytest.skip("the native kernels do not build here")
+    head = load_head(tiny_head_file, target.target_tensors())
+    head.lm_head = head.lm_head.bfloat16().float()
+    fast = NativeHead(head, kernels, threads=2)
+    features = torch.randn(7, head.config.feature_size, generator=torch.Generator().manual_seed(0))
+    tokens = torch.tensor([3, 9, 4, 1, 5, 9, 2])
+    caches, outputs = (HeadCache(), HeadCache()), []
+    with torch.inference_mode():
+        for layer, cache in zip((head, fast), caches):
+            rows = layer.extend(cache, layer.fc(features), tokens)
+            step = layer.extend(cache, rows[-1:], torch.tensor([6]))
+            mask = torch.zeros(2, 10, dtype=torch.bool)
+            mask[:, :7] = True
+            mask[0, 8] = mask[1, 9] = True  # two children of the prefill's last row
+            tree = layer.extend(cache, rows[-1:].expand(2, -1), torch.tensor([6, 7]),
+                                torch.tensor([7, 7]), mask)
+            outputs.append([rows, step, tree, layer.logits(torch.cat([rows, step, tree]))])
+    for got, expected in zip(outputs[1], outputs[0]):
+        torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(caches[1].keys, caches[0].keys, atol=2e-4, rtol=2e-4)
+    assert outputs[1][2][0].sub(outputs[1][1][0]).abs().max() < 1e-5  # node 0's path = the step
+
+
 PROMPTS = [[1, 2, 3, 4, 5], [9, 9, 8], [30, 31, 2, 2, 40, 41, 7, 1]]
 
 

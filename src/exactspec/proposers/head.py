@@ -25,7 +25,9 @@ from pathlib import Path
 
 import torch
 
+from exactspec.backends import native
 from exactspec.backends.base import Backend, UnsupportedModelError
+from exactspec.draft_head.kernels import NativeHead
 from exactspec.draft_head.model import DraftHead, HeadCache, load_head, shipped_head
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer, draw_draft_token
@@ -55,9 +57,12 @@ class HeadProposer(Proposer):
             native).
         head: a :class:`DraftHead`, a head file, or None for the head shipped for this
             target (:func:`~exactspec.draft_head.model.shipped_head`).
-        dtype: what the head computes in (default bfloat16: a head file's bf16 weights as
-            stored, the half of the memory traffic of float32); q is whatever it computes,
-            so the choice changes acceptance and speed, never exactness.
+        dtype: the head's weights: bfloat16 (the default: a head file's values as stored,
+            half the memory traffic of float32), on exactspec's native kernels where they
+            build (:class:`~exactspec.draft_head.kernels.NativeHead`: float32 arithmetic
+            over the bf16 weights, the fastest), else in PyTorch's bfloat16; or float32
+            (PyTorch, training's arithmetic). q is whatever the head computes, so the
+            choice changes acceptance and speed, never exactness.
         threads: PyTorch threads while drafting (default: PyTorch's count at construction).
         tree_nodes: draft a token tree of at most this many nodes and depth at most k each
             cycle (EAGLE-2's dynamic tree, see :meth:`propose`) instead of a chain; None: a
@@ -98,10 +103,12 @@ class HeadProposer(Proposer):
                              f"{head.config.vocab_size} tokens; the target has "
                              f"{target.vocab_size}")
         target.record_hidden_features(head.config.feature_layers)
-        self.target, self.head = target, head
+        self.threads = threads or torch.get_num_threads()
+        kernels = native.load() if dtype == torch.bfloat16 else None
+        self.target = target
+        self.head = head if kernels is None else NativeHead(head, kernels, self.threads)
         self.tree_nodes = tree_nodes
         self.drafts_trees = tree_nodes is not None
-        self.threads = threads or torch.get_num_threads()
         self.sequence_id: int | None = None
         self._state = _SequenceState()
 
