@@ -58,10 +58,14 @@ def add_parser(commands) -> None:
                           help=f"tokens per step (default {DEFAULTS.batch_tokens})")
     training.add_argument("--learning-rate", type=float, default=DEFAULTS.learning_rate,
                           help=f"peak AdamW learning rate (default {DEFAULTS.learning_rate})")
-    training.add_argument("--draft-vocab-size", type=positive_int,
-                          default=DEFAULTS.draft_vocab_size, metavar="V",
+    training.add_argument("--draft-vocab-size", type=positive_int, default=None, metavar="V",
                           help="tokens the head drafts from, most frequent in the answers first "
-                               f"(FR-Spec; default {DEFAULTS.draft_vocab_size})")
+                               f"(FR-Spec; default {DEFAULTS.draft_vocab_size}, or the "
+                               "--initial-head's)")
+    training.add_argument("--initial-head", type=Path, default=None, metavar="FILE",
+                          help="start from this head file's weights and draft vocabulary "
+                               "(e.g. the shipped head, to train it further on new data) "
+                               "instead of a fresh head")
     training.add_argument("--unroll", type=positive_int, default=DEFAULTS.num_steps,
                           metavar="S",
                           help="drafting steps trained at every position, each on the head's "
@@ -85,7 +89,7 @@ def _tasks(text: str) -> tuple[str, ...]:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # PyTorch and the training tool, imported here so that --help starts at once
-    from exactspec.draft_head.model import head_metadata
+    from exactspec.draft_head.model import head_config, head_metadata
     from exactspec.training.data import deduplicated, read_conversations, synthesize
     from exactspec.training.train import train
 
@@ -99,9 +103,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--tasks chooses what --synthesize writes: add --synthesize N")
     if args.synthesize is None and not args.data.is_file():
         parser.error(f"--data {args.data}: no such file (add --synthesize N to write it)")
+    if args.initial_head is not None and not args.initial_head.is_file():
+        parser.error(f"--initial-head {args.initial_head}: no such file")
+    try:
+        vocab_size = args.draft_vocab_size or (
+            head_config(args.initial_head).draft_vocab_size if args.initial_head
+            else DEFAULTS.draft_vocab_size)
+    except Exception as error:  # safetensors raises its own error types
+        parser.error(f"--initial-head {args.initial_head} is not a draft head file ({error})")
     config = dataclasses.replace(
         DEFAULTS, total_updates=args.updates, batch_tokens=args.batch_tokens,
-        learning_rate=args.learning_rate, draft_vocab_size=args.draft_vocab_size,
+        learning_rate=args.learning_rate, draft_vocab_size=vocab_size,
+        initial_head=None if args.initial_head is None else str(args.initial_head),
         num_steps=args.unroll, eval_every=args.eval_every, seed=args.seed)
     spec = model_spec(args)  # --backend auto or transformers
     target = None

@@ -25,6 +25,9 @@ class TrainingConfig:
         seed: the run's seed (initialisation, batch order).
         feature_layers: the target's layers fused (None: EAGLE-3's choice).
         bfloat16: compute under bfloat16 autocast (weights and optimizer in float32).
+        initial_head: a head file (``exactspec train-draft``'s) to start from instead of a
+            fresh head: its weights and its draft vocabulary (``draft_vocab_size`` must be
+            its size); None: a fresh head.
     """
 
     draft_vocab_size: int = 16384
@@ -41,3 +44,4 @@ class TrainingConfig:
     seed: int = 0
     feature_layers: tuple[int, ...] | None = None
     bfloat16: bool = True
+    initial_head: str | None = None

@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from exactspec.backends.batch_invariant import kernel_mode
-from exactspec.draft_head.model import DraftHead, HeadConfig, new_head, save_head
+from exactspec.backends.transformers_backend import module_tensors
+from exactspec.draft_head.model import DraftHead, HeadConfig, load_head, new_head, save_head
 from exactspec.extras import require
 from exactspec.progress import LoggedProgress
 from exactspec.training.config import TrainingConfig
@@ -292,10 +293,20 @@ def train(model, conversations: Sequence[Conversation], folder: str | Path,
     if not training:
         raise ValueError(f"all {len(examples)} conversations are held out "
                          f"(held_out_every = {config.held_out_every})")
+    initial = load_head(config.initial_head, module_tensors(model)) if config.initial_head else None
+    if initial is not None and (initial.config.feature_layers != tuple(layers)
+                                or initial.config.draft_vocab_size != config.draft_vocab_size):
+        raise ValueError(f"initial_head {config.initial_head} fuses layers "
+                         f"{list(initial.config.feature_layers)} and drafts from "
+                         f"{initial.config.draft_vocab_size} tokens; this run: layers "
+                         f"{list(layers)}, draft_vocab_size {config.draft_vocab_size}")
     vocab = (checkpoint["draft_token_ids"] if checkpoint else
+             initial.draft_token_ids if initial is not None else
              draft_vocabulary(training, int(model.get_output_embeddings().weight.shape[0]),
                               config.draft_vocab_size))
     head = new_head(model, vocab, target_name, layers, seed=config.seed)
+    if initial is not None and not checkpoint:
+        head.load_state_dict(initial.state_dict())
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad],
                                   lr=config.learning_rate, weight_decay=config.weight_decay)
     history, update = History(), 0
