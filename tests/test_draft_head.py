@@ -150,8 +150,11 @@ def test_greedy_output_equals_plain_decoding(target, tiny_head_file, k):
         assert all(n > 0 for n in result.stats.drafted_per_position[:k])
 
 
-def test_batched_rows_each_keep_their_own_head_cache(target, tiny_head_file):
-    generator = SpeculativeGenerator(target, HeadProposer(target, tiny_head_file), 3, "constant")
+@pytest.mark.parametrize("tree", [None, 6])
+def test_batched_rows_each_keep_their_own_head_cache(target, tiny_head_file, tree):
+    """Chains, and token trees (each row its own, Backend.forward_trees)."""
+    generator = SpeculativeGenerator(target, HeadProposer(target, tiny_head_file,
+                                                          tree_nodes=tree), 3, "constant")
     plain = SpeculativeGenerator(target, None, 0)
     params = [SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=20),
               SamplingParams(temperature=0.9, seed=4, max_new_tokens=25)]

@@ -260,6 +260,26 @@ def test_trees_score_each_node_as_its_path(tiny_gguf):
     assert torch.equal(forward_one(backend, 1, [11]), forward_one(backend, 2, [11]))
 
 
+def test_packed_trees_score_each_row_as_alone(tiny_gguf):
+    """forward_trees: a chain and two trees of three sequences in one forward, each row's
+    logits and cache the same bits as its own forward or forward_tree."""
+    packed, alone = native_backend(tiny_gguf), native_backend(tiny_gguf)
+    rows = [(1, [7, 8, 9, 10], [-1, 0, 0, 2]), (2, [3, 4], None), (3, [5, 6, 7], [-1, 0, 0])]
+    for backend in (packed, alone):
+        for sequence_id, _, _ in rows:
+            backend.prefill(sequence_id, [1, 2, sequence_id])
+    together = packed.forward_trees(rows)
+    for (sequence_id, token_ids, parents), logits in zip(rows, together):
+        expected = (forward_one(alone, sequence_id, token_ids) if parents is None
+                    else alone.forward_tree(sequence_id, token_ids, parents))
+        assert torch.equal(logits, expected), sequence_id
+    packed.retain(1, 4, [0, 2, 3])
+    alone.retain(1, 4, [0, 2, 3])
+    assert torch.equal(forward_one(packed, 1, [11]), forward_one(alone, 1, [11]))
+    with pytest.raises(ValueError, match="at most once"):
+        packed.forward_trees([(2, [1], None), (2, [1, 2], [-1, 0])])
+
+
 def test_hidden_features_are_the_layer_outputs_of_the_cached_positions(tiny_gguf):
     """As the transformers backend records them (the decoder layers' outputs), up to
     rounding, after a prefill, a block and a rollback."""

@@ -13,7 +13,6 @@ from exactspec import SamplingParams, SpeculativeGenerator
 from exactspec.audit.broken import accept_every_draft, resample_without_residual
 from exactspec.backends import native
 from exactspec.backends.base import UnsupportedModelError, forward_one, new_sequence_id
-from exactspec.batching import BatchedGenerator
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.proposers.base import Proposal, Proposer
 from exactspec.proposers.head import TREE_BRANCH, HeadProposer
@@ -215,12 +214,9 @@ def test_refusals(tiny_target, tiny_head_file):
     class NoTrees:  # what the engine reads of a backend that scores no trees
         batch_invariant, scores_trees, description = True, False, "llama.cpp"
 
-    with pytest.raises(UnsupportedModelError, match="--backend transformers"):
+    with pytest.raises(UnsupportedModelError, match="does not score; use the native \\(a GGUF "
+                                                    "file\\) or transformers backend"):
         SpeculativeGenerator(NoTrees(), TreeDrafter(), 2, "constant")
-    generator = SpeculativeGenerator(tiny_target, HeadProposer(tiny_target, tiny_head_file,
-                                                               tree_nodes=4), 2, "constant")
-    with pytest.raises(ValueError, match="batched decoding packs chains"):
-        BatchedGenerator(generator, 1).generate([PROMPTS[0]], SamplingParams())
     with pytest.raises(ValueError, match="tree = 0 is invalid"):
         HeadProposer(tiny_target, tiny_head_file, tree_nodes=0)
     assert parse_proposer("head:tree=6").tree == 6

@@ -256,12 +256,13 @@ class BatchedGenerator:
                     finished[row.sequence_id] = row.results
             except Exception as error:
                 finished[row.sequence_id] = error
-        drafted, inputs = [], []  # rows that drafted, (sequence id, [last, drafts…]) each
+        drafted, inputs = [], []  # rows that drafted, (sequence id, [last, drafts…], parents)
         for (row, room), choice in zip(live, self._choose(live, finished)):
             if row.sequence_id in finished:
                 continue
             try:
-                inputs.append((row.sequence_id, row.sample.draft(choice, room)))
+                block = row.sample.draft(choice, room)
+                inputs.append((row.sequence_id, block, row.sample.tree_parents()))
                 drafted.append(row)
             except Exception as error:
                 finished[row.sequence_id] = error
@@ -269,12 +270,15 @@ class BatchedGenerator:
             return finished
         t0 = time.perf_counter()
         try:
-            all_logits = self.target.forward(inputs)
+            if any(parents is not None for _, _, parents in inputs):  # a row drafted a tree
+                all_logits = self.target.forward_trees(inputs)
+            else:
+                all_logits = self.target.forward([(i, block) for i, block, _ in inputs])
         except Exception as error:
             finished.update((row.sequence_id, error) for row in drafted)
             return finished
         forward_seconds = time.perf_counter() - t0
-        self.costs.observe(sum(len(ids) for _, ids in inputs), forward_seconds)
+        self.costs.observe(sum(len(ids) for _, ids, _ in inputs), forward_seconds)
         for row, logits in zip(drafted, all_logits):
             if row.sequence_id in self._cancelled:
                 continue
@@ -293,10 +297,6 @@ class BatchedGenerator:
         if generator.target is not self.target:
             raise ValueError("a request's generator must run on the batch's target")
         proposer = generator.proposer
-        if proposer is not None and proposer.drafts_trees:
-            raise ValueError(f"{type(proposer).__name__} drafts token trees, which are scored "
-                             "one sequence per forward pass; batched decoding packs chains: "
-                             "draft a chain (a head without tree=) here")
         if proposer is not None and not proposer.batchable and self.max_batch_size > 1:
             raise ValueError(f"{type(proposer).__name__} keeps a model cache of its own and "
                              f"drafts for one sequence at a time: use max_batch_size = 1 with "

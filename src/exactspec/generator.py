@@ -443,8 +443,8 @@ class SpeculativeGenerator:
         if proposer is not None and proposer.drafts_trees and not target.scores_trees:
             raise UnsupportedModelError(
                 f"{type(proposer).__name__} drafts token trees, which this backend "
-                f"({target.description}) does not score; use the transformers backend "
-                "(--backend transformers), or draft a chain")
+                f"({target.description}) does not score; use the native (a GGUF file) or "
+                "transformers backend, or draft a chain")
         self.target = target
         self._sequence = new_sequence_id()  # the target's sequence this engine decodes in
         self.proposer = proposer

@@ -210,6 +210,21 @@ class Backend(Protocol):
         """
         ...
 
+    def forward_trees(self, rows: Sequence[tuple[int, Sequence[int], Sequence[int] | None]]
+                      ) -> list[torch.Tensor]:
+        """:meth:`forward` of rows some of which are token trees (batched tree drafting):
+        each ``(sequence_id, token_ids, parents)``, ``parents`` None for a chain or a tree's
+        parents as :meth:`forward_tree` takes them. The native backend scores them all in
+        one packed forward; the others may take one forward per tree (:func:`forward_trees_apart`).
+
+        Returns:
+            one ``[len(token_ids), vocab_size]`` float logits tensor per row, in order.
+        Raises:
+            UnsupportedModelError: for a tree if the backend cannot (``scores_trees``).
+            ValueError: as :meth:`forward` and :meth:`forward_tree`.
+        """
+        ...
+
     def retain(self, sequence_id: int, num_rows: int, keep: Sequence[int]) -> None:
         """Of the last ``num_rows`` cached positions (a tree's nodes), keep the rows
         ``keep`` (ascending: an accepted path) as the sequence's last positions, in order,
@@ -276,6 +291,23 @@ class Backend(Protocol):
             UnsupportedModelError: if the backend cannot (``provides_hidden_features``).
         """
         ...
+
+
+def forward_trees_apart(backend: Backend,
+                        rows: Sequence[tuple[int, Sequence[int], Sequence[int] | None]]
+                        ) -> list[torch.Tensor]:
+    """``Backend.forward_trees`` by one :meth:`~Backend.forward` of the chains and one
+    :meth:`~Backend.forward_tree` per tree (for backends that do not pack trees)."""
+    chains = [i for i, (_, _, parents) in enumerate(rows) if parents is None]
+    logits: list[torch.Tensor | None] = [None] * len(rows)
+    if chains:
+        scored = backend.forward([(rows[i][0], rows[i][1]) for i in chains])
+        for i, row_logits in zip(chains, scored):
+            logits[i] = row_logits
+    for i, (sequence_id, token_ids, parents) in enumerate(rows):
+        if parents is not None:
+            logits[i] = backend.forward_tree(sequence_id, token_ids, parents)
+    return logits
 
 
 def check_rows(rows: Sequence[tuple[int, Sequence[int]]], num_logits: int | None) -> None:

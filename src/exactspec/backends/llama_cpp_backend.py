@@ -43,8 +43,9 @@ import numpy as np
 import torch
 
 from exactspec.backends.base import (PREFILL_CHUNK_SIZE, TargetTensors, UnsupportedModelError,
-                                     chat_messages, check_batch_invariance, check_context, check_retain,
-                                     check_rows, check_sequence_invariance)
+                                     chat_messages, check_batch_invariance, check_context,
+                                     check_retain, check_rows, check_sequence_invariance,
+                                     forward_trees_apart)
 from exactspec.load_options import default_threads
 from exactspec.model_files import converted_gguf, gguf_architecture_value
 
@@ -60,10 +61,10 @@ AMX_WARNING = ("this llama-cpp-python build uses AMX (AMX_INT8 = 1 in its system
 HIDDEN_FEATURES_REFUSAL = (
     "the llama.cpp backend cannot give the target's hidden features that a draft head reads "
     "(llama-cpp-python returns only final embeddings, from a context made for embeddings); "
-    "use the transformers backend (--backend transformers) for --proposer head")
+    "use the native (a GGUF file) or transformers backend for --proposer head")
 TREE_REFUSAL = (
     "the llama.cpp backend does not score token trees (tree drafting: a head's tree=N); use "
-    "the transformers backend (--backend transformers), or draft a chain")
+    "the native (a GGUF file) or transformers backend, or draft a chain")
 DEFAULT_CONTEXT_LENGTH = 8192
 """KV cache size (tokens) when the caller gives none, capped by the model's own context."""
 
@@ -209,6 +210,12 @@ class LlamaCppBackend:
     def forward_tree(self, sequence_id: int, token_ids: Sequence[int],
                      parents: Sequence[int]) -> torch.Tensor:
         raise UnsupportedModelError(TREE_REFUSAL)
+
+    def forward_trees(self, rows: Sequence[tuple[int, Sequence[int], Sequence[int] | None]]
+                      ) -> list[torch.Tensor]:
+        """See ``Backend.forward_trees``: the chains packed in one forward, each tree in its
+        own (:func:`~exactspec.backends.base.forward_trees_apart`)."""
+        return forward_trees_apart(self, rows)
 
     def retain(self, sequence_id: int, num_rows: int, keep: Sequence[int]) -> None:
         keep = check_retain(num_rows, keep, self.num_cached_tokens(sequence_id))

@@ -362,6 +362,22 @@ class NativeBackend:
         return self._run([(sequence, token_ids, None)
                           for sequence, (_, token_ids) in zip(sequences, rows)], num_logits)
 
+    def forward_trees(self, rows: Sequence[tuple[int, Sequence[int], Sequence[int] | None]]
+                      ) -> list[torch.Tensor]:
+        """See ``Backend.forward_trees``: chains and trees in one packed forward (each
+        tree's nodes attend to their own paths, as in :meth:`forward_tree`)."""
+        check_rows([(sequence_id, token_ids) for sequence_id, token_ids, _ in rows], None)
+        parts = []
+        for sequence_id, token_ids, parents in rows:
+            sequence = self._sequence(sequence_id)
+            tree = None if parents is None else check_tree(token_ids, parents)
+            check_context(self, sequence.length,
+                          len(token_ids) if tree is None else max(tree.depths) + 1)
+            parts.append((sequence, token_ids, tree))
+        if len({id(sequence) for sequence, _, _ in parts}) != len(parts):
+            raise ValueError("forward_trees takes each sequence at most once")
+        return self._run(parts, None)
+
     def forward_tree(self, sequence_id: int, token_ids: Sequence[int],
                      parents: Sequence[int]) -> torch.Tensor:
         tree = check_tree(token_ids, parents)

@@ -20,9 +20,9 @@ import torch
 
 from exactspec.backends import native
 from exactspec.backends.base import (PREFILL_CHUNK_SIZE, TargetTensors, UnsupportedModelError,
-                                     chat_messages, check_batch_invariance, check_context, check_reserve,
-                                     check_retain, check_rows, check_sequence_invariance,
-                                     check_tree)
+                                     chat_messages, check_batch_invariance, check_context,
+                                     check_reserve, check_retain, check_rows,
+                                     check_sequence_invariance, check_tree, forward_trees_apart)
 from exactspec.backends.batch_invariant import (PackedSequences, kernel_mode,
                                                  native_kernels_apply, packed_sequences,
                                                  token_tree, use_exactspec_kernels)
@@ -289,6 +289,12 @@ class TransformersBackend:
             return self.model(input_ids=self._tensor(token_ids),
                               position_ids=self._tensor(positions), attention_mask=mask,
                               cache=cache, use_cache=True, logits_to_keep=n).logits[0]
+
+    def forward_trees(self, rows: Sequence[tuple[int, Sequence[int], Sequence[int] | None]]
+                      ) -> list[torch.Tensor]:
+        """See ``Backend.forward_trees``: the chains packed in one forward, each tree in its
+        own (:func:`~exactspec.backends.base.forward_trees_apart`)."""
+        return forward_trees_apart(self, rows)
 
     def retain(self, sequence_id: int, num_rows: int, keep: Sequence[int]) -> None:
         cache = self._cache(sequence_id)
