@@ -1,5 +1,7 @@
 """The draft head's training data: the target's own answers, resumable, reproducible."""
 
+import gzip
+
 import pytest
 
 from exactspec import SamplingParams, SpeculativeGenerator
@@ -51,6 +53,11 @@ def test_conversations_are_the_targets_answers_and_a_resumed_file_equals_one_run
     resumed = synthesize(target, tmp_path / "resumed.jsonl", 5,
                          **kwargs | {"chunk_size": 2, "batch_size": 2})
     assert resumed == whole == read_conversations(tmp_path / "resumed.jsonl")
+    packed = tmp_path / "whole.jsonl.gz"  # the form a finished file is committed in
+    packed.write_bytes(gzip.compress((tmp_path / "whole.jsonl").read_bytes()))
+    assert read_conversations(packed) == whole
+    with pytest.raises(ValueError, match="is compressed: synthesis appends to a plain"):
+        synthesize(target, packed, 6, **kwargs)
     plain = SpeculativeGenerator(target, None)
     for conversation in whole:
         assert conversation.topic in TOPICS and conversation.prompt_ids

@@ -35,7 +35,8 @@ def add_parser(commands) -> None:
     add_model_options(train)
     data = train.add_argument_group("data")
     data.add_argument("--data", type=Path, required=True, metavar="FILE.jsonl",
-                      help="the target's conversations (exactspec.training.data's format)")
+                      help="the target's conversations (exactspec.training.data's format; a "
+                           ".jsonl.gz file is read, not extended)")
     data.add_argument("--synthesize", type=positive_int, default=None, metavar="N",
                       help="first extend --data to N conversations written by the target "
                            "(user turns of the --tasks, answers greedy and at 0.7 in turn, "

@@ -42,6 +42,7 @@ import ast
 import base64
 import dataclasses
 import functools
+import gzip
 import json
 import random
 import sysconfig
@@ -191,9 +192,9 @@ def synthesize(target: Backend, path: str | Path, num_conversations: int, *, see
     Returns:
         every conversation in the file, ``[num_conversations]`` (or more if it held more).
     Raises:
-        ValueError: for ``num_conversations`` or ``chunk_size`` < 1, an unknown task, no topics or passages
-            where the tasks need them, a file of another seed, or a target without a chat
-            template.
+        ValueError: for ``num_conversations`` or ``chunk_size`` < 1, an unknown task, no
+            topics or passages where the tasks need them, a file of another seed or a
+            compressed one (``.gz``), or a target without a chat template.
     """
     if not isinstance(num_conversations, int) or num_conversations < 1:
         raise ValueError(f"num_conversations = {num_conversations!r} is invalid: it must be an "
@@ -226,6 +227,9 @@ def synthesize(target: Backend, path: str | Path, num_conversations: int, *, see
                          + (f" fit the context ({limit} tokens) with the answer" if limit
                             else "") + ": pass passages=")
     path = Path(path)
+    if path.suffix == ".gz":
+        raise ValueError(f"{path} is compressed: synthesis appends to a plain .jsonl file "
+                         "(gunzip it to extend it)")
     path.parent.mkdir(parents=True, exist_ok=True)
     done = read_conversations(path)
     if done and _file_seed(path) != seed:
@@ -316,13 +320,15 @@ def _draw(seed: int, index: int, tasks: Sequence[str], topics: Sequence[str],
 
 
 def read_conversations(path: str | Path) -> list[Conversation]:
-    """The complete conversations in ``path`` (none if it does not exist); a last line cut
-    short by an interruption is ignored."""
+    """The complete conversations in ``path`` (none if it does not exist; a ``.gz`` file is
+    read through gzip); a last line cut short by an interruption is ignored."""
     path = Path(path)
     if not path.exists():
         return []
     conversations = []
-    for line in path.read_text().splitlines():
+    text = (gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz"
+            else path.read_text())
+    for line in text.splitlines():
         try:
             record = json.loads(line)
         except ValueError:
