@@ -1,36 +1,55 @@
 """The draft head's inference on exactspec's native kernels.
 
 :class:`NativeHead` computes what :meth:`DraftHead.fc`, :meth:`DraftHead.extend` and
-:meth:`DraftHead.logits` compute, with the head's bfloat16 weights read in place by the
-native kernels' BF16 products (``es_linear_typed``: float32 arithmetic over the stored
-bfloat16 values) and, for a chain, their attention (``es_attention``). A drafting step is
-a handful of one-row products: PyTorch's bfloat16 products for one row run far below the
-memory's speed on a CPU, and were most of the head's cost beside the native backend's
-5–7 ms step (issue 43, item 5). The q/k/v and gate/up products are fused into one each.
+:meth:`DraftHead.logits` compute, on the native kernels' products and, for a chain, their
+attention (``es_attention``), with the q/k/v and gate/up products fused into one each. A
+drafting step is a handful of one-row products whose cost is reading the weights (the
+target's forward between two cycles evicts them from the caches): 17.6 MB a drafted token
+for the embedded model's head in bfloat16, most of it the LM head's draft-vocabulary rows.
+So the weights are, by default, quantised once to Q8_0 (int8 in blocks of 32 with a scale,
+9.4 MB) and multiplied with int8 activations (``es_linear_q8``, as the native backend's own
+products); ``weights="bf16"`` reads the stored bfloat16 values with float32 arithmetic
+(``es_linear_typed``). PyTorch's one-row bfloat16 products run far below the memory's speed
+on a CPU (issue 43, item 5).
 
-What it changes: the head's arithmetic (float32 activations instead of PyTorch's bfloat16
-ones), so its drafts may differ from the PyTorch path's at near-ties; never exactness,
-since verification uses the q the head actually drafted from (a chain) or point masses (a
-tree).
+What it changes: the head's arithmetic (its weights' and activations' rounding), so its
+drafts may differ from the PyTorch path's at near-ties and its acceptance by a little;
+never exactness, since verification uses the q the head actually drafted from (a chain) or
+point masses (a tree).
 """
 
 from __future__ import annotations
 
-import numpy as np
+import gguf
 import torch
 from torch.nn import functional as F
 
 from exactspec.backends import native
 from exactspec.draft_head.model import DraftHead, HeadCache, _rms_norm, _rotate
 
-BF16 = native.WEIGHT_TYPES["BF16"]
+BF16, Q8_0 = native.WEIGHT_TYPES["BF16"], native.WEIGHT_TYPES["Q8_0"]
+WEIGHTS = ("q8_0", "bf16")
+"""How :class:`NativeHead` holds the head's weights (see the module docstring)."""
 
 
-def _bf16_rows(*weights: torch.Tensor) -> np.ndarray:
-    """The weights stacked by rows, rounded to bfloat16, as the int16 array the kernels
-    read (one contiguous ``[N, K]`` matrix)."""
-    stacked = torch.cat([w.detach().float() for w in weights]).to(torch.bfloat16).contiguous()
-    return stacked.view(torch.int16).numpy()
+class _Matrix:
+    """One ``[n, K]`` product's weights as the kernels take them."""
+
+    def __init__(self, kernels: native.NativeKernels, weights: str, *rows: torch.Tensor) -> None:
+        stacked = torch.cat([w.detach().float() for w in rows]).to(torch.bfloat16)
+        self.n, self.k = stacked.shape
+        if weights == "bf16":
+            self.data, self.packed = stacked.contiguous().view(torch.int16).numpy(), None
+        else:
+            blocks = gguf.quants.quantize(stacked.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+            self.data, self.packed = None, kernels.repack(blocks, Q8_0, self.n, self.k)
+
+    def __call__(self, kernels: native.NativeKernels, x: torch.Tensor,
+                 threads: int) -> torch.Tensor:
+        x = x.contiguous()
+        if self.packed is None:
+            return kernels.linear_typed(x, self.data, BF16, self.n, threads)
+        return kernels.linear_int8(x, self.packed, Q8_0, self.n, threads)
 
 
 class NativeHead:
@@ -43,6 +62,9 @@ class NativeHead:
         kernels: the loaded native kernels (:func:`exactspec.backends.native.load`).
         threads: threads of each product (output columns are split; the results do not
             depend on it).
+        weights: ``q8_0`` (the default) or ``bf16`` (see the module docstring).
+    Raises:
+        ValueError: for other ``weights``.
     Attributes:
         config, draft_token_ids: the head's.
         dtype: ``torch.float32``, what ``fc``, ``extend`` and ``logits`` take and return.
@@ -50,16 +72,21 @@ class NativeHead:
 
     dtype = torch.float32
 
-    def __init__(self, head: DraftHead, kernels: native.NativeKernels, threads: int) -> None:
+    def __init__(self, head: DraftHead, kernels: native.NativeKernels, threads: int,
+                 weights: str = "q8_0") -> None:
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights = {weights!r} is invalid: choose one of "
+                             f"{', '.join(WEIGHTS)}")
         c = head.config
         self.config, self.draft_token_ids = c, head.draft_token_ids
         self._kernels, self._threads = kernels, threads
-        self._fc = _bf16_rows(head.fc.weight)
-        self._qkv = _bf16_rows(head.q_proj.weight, head.k_proj.weight, head.v_proj.weight)
-        self._o = _bf16_rows(head.o_proj.weight)
-        self._gate_up = _bf16_rows(head.gate_proj.weight, head.up_proj.weight)
-        self._down = _bf16_rows(head.down_proj.weight)
-        self._lm_head = _bf16_rows(head.lm_head)
+        matrix = lambda *rows: _Matrix(kernels, weights, *rows)
+        self._fc = matrix(head.fc.weight)
+        self._qkv = matrix(head.q_proj.weight, head.k_proj.weight, head.v_proj.weight)
+        self._o = matrix(head.o_proj.weight)
+        self._gate_up = matrix(head.gate_proj.weight, head.up_proj.weight)
+        self._down = matrix(head.down_proj.weight)
+        self._lm_head = matrix(head.lm_head)
         self._norms = [norm.weight.detach().float() for norm in (
             head.input_norm, head.hidden_norm, head.post_attention_norm)]
         self._final_norm = head.final_norm_weight.float()
@@ -69,9 +96,8 @@ class NativeHead:
         self._kv_width = c.num_key_value_heads * c.head_dim
         self._scale = c.head_dim ** -0.5
 
-    def _linear(self, x: torch.Tensor, weight: np.ndarray) -> torch.Tensor:
-        return self._kernels.linear_typed(x.contiguous(), weight, BF16, weight.shape[0],
-                                          self._threads)
+    def _linear(self, x: torch.Tensor, weight: _Matrix) -> torch.Tensor:
+        return weight(self._kernels, x, self._threads)
 
     def fc(self, features: torch.Tensor) -> torch.Tensor:
         """``[n, h]`` the fused features ``[n, F]`` (float32) projected to the hidden size."""
