@@ -30,7 +30,7 @@ from exactspec.backends.base import Backend, UnsupportedModelError
 from exactspec.draft_head.kernels import NativeHead
 from exactspec.draft_head.model import DraftHead, HeadCache, load_head, shipped_head
 from exactspec.logits_pipeline import LogitsPipeline
-from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer, draw_draft_token
+from exactspec.proposers.base import EMPTY_PROPOSAL, Draw, Proposal, Proposer, draw_draft_token
 from exactspec.threads import torch_threads
 
 
@@ -47,6 +47,18 @@ class _SequenceState:
         self.cache = HeadCache()
         self.row_tokens: list[int] = []  # row s's input token (the context's token s + 1)
         self.last_output: torch.Tensor | None = None  # [1, h], the last row's output
+
+
+def _greedy_draw(draft_logits: torch.Tensor, ids: torch.Tensor,
+                 min_confidence: float) -> Draw | None:
+    """:func:`~exactspec.proposers.base.draw_draft_token` of a greedy request without
+    logits processors, over the draft vocabulary alone (``draft_logits [V']``, token ids
+    ``ids [V']``; the target-vocabulary logits are −inf elsewhere, so the argmax and its
+    probability are the same; a tie goes to the earlier draft-vocabulary entry, as in
+    training)."""
+    best = int(draft_logits.argmax())
+    confidence = float(draft_logits.softmax(-1)[best]) if min_confidence else 1.0
+    return None if confidence < min_confidence else Draw(int(ids[best]), None, confidence)
 
 
 class HeadProposer(Proposer):
@@ -136,12 +148,17 @@ class HeadProposer(Proposer):
             probs: list[torch.Tensor] = []
             ids = head.draft_token_ids
             confidence = 1.0  # the product of the drafted tokens' top probabilities
+            # greedy without processors: the draft vocabulary's logits are the whole q
+            plain_greedy = pipeline.is_identity and pipeline.params.greedy
             for step in range(k):
                 draft_logits = head.logits(hidden)  # [1, V']
-                logits = draft_logits.new_full((1, self.target.vocab_size), float("-inf"))
-                logits[0, ids] = draft_logits[0]
-                draw = draw_draft_token(logits, [*token_ids, *drafted], pipeline, rng,
-                                        min_confidence / confidence)
+                if plain_greedy:
+                    draw = _greedy_draw(draft_logits[0], ids, min_confidence / confidence)
+                else:
+                    logits = draft_logits.new_full((1, self.target.vocab_size), float("-inf"))
+                    logits[0, ids] = draft_logits[0]
+                    draw = draw_draft_token(logits, [*token_ids, *drafted], pipeline, rng,
+                                            min_confidence / confidence)
                 if draw is None:
                     break
                 confidence *= draw.confidence
