@@ -188,28 +188,30 @@ def _conversations(count: int = 40) -> list[Conversation]:
 
 
 def test_a_run_starts_from_an_initial_head(target, tiny_head_file, tmp_path):
-    """initial_head: its weights and draft vocabulary, not a fresh head's (one update at a
-    learning rate of 1e-12 leaves them as they were); a head of another shape is refused."""
+    """initial_head: its weights, not a fresh head's (one update at a learning rate of
+    1e-12 leaves them as they were), with this data's draft vocabulary; a head fusing
+    other layers is refused."""
     initial = load_head(tiny_head_file, target.target_tensors())
-    config = TrainingConfig(draft_vocab_size=48, total_updates=1, batch_tokens=256,
+    config = TrainingConfig(draft_vocab_size=40, total_updates=1, batch_tokens=256,
                             learning_rate=1e-12, eval_every=1, eval_conversations=4,
-                            held_out_every=5, feature_layers=(0, 1),
-                            initial_head=tiny_head_file)
+                            held_out_every=5, feature_layers=(0, 1))
     heads = {}
     for name, initial_head in (("continued", tiny_head_file), ("fresh", None)):
         path = train(target.model, _conversations(), tmp_path / name,
                      dataclasses.replace(config, initial_head=initial_head),
                      show_progress=False)
         heads[name] = load_head(path, target.target_tensors())
-    assert torch.equal(heads["continued"].draft_token_ids, initial.draft_token_ids)
+    assert torch.equal(heads["continued"].draft_token_ids, heads["fresh"].draft_token_ids)
+    assert len(heads["continued"].draft_token_ids) == 40 != len(initial.draft_token_ids)
     for name, value in initial.named_parameters():
         assert torch.equal(dict(heads["continued"].named_parameters())[name], value), name
         assert not torch.allclose(dict(heads["fresh"].named_parameters())[name], value,
                                   atol=1e-2, rtol=1e-2), name
-    with pytest.raises(ValueError, match="drafts from 48 tokens; this run: layers \\[0, 1\\], "
-                                         "draft_vocab_size 40"):
+    with pytest.raises(ValueError, match="fuses the target's layers \\[0, 1\\]; this run "
+                                         "fuses \\[1\\]"):
         train(target.model, _conversations(), tmp_path / "other",
-              dataclasses.replace(config, draft_vocab_size=40), show_progress=False)
+              dataclasses.replace(config, feature_layers=(1,), initial_head=tiny_head_file),
+              show_progress=False)
 
 
 def test_a_resumed_run_trains_the_same_head_as_an_uninterrupted_one(target, tmp_path):

@@ -64,9 +64,9 @@ def add_parser(commands) -> None:
                                f"(FR-Spec; default {DEFAULTS.draft_vocab_size}, or the "
                                "--initial-head's)")
     training.add_argument("--initial-head", type=Path, default=None, metavar="FILE",
-                          help="start from this head file's weights and draft vocabulary "
-                               "(e.g. the shipped head, to train it further on new data) "
-                               "instead of a fresh head")
+                          help="start from this head file's weights instead of a fresh "
+                               "head's (e.g. the shipped head, to train it further on new "
+                               "data; the draft vocabulary is still the data's)")
     training.add_argument("--unroll", type=positive_int, default=DEFAULTS.num_steps,
                           metavar="S",
                           help="drafting steps trained at every position, each on the head's "

@@ -25,9 +25,10 @@ class TrainingConfig:
         seed: the run's seed (initialisation, batch order).
         feature_layers: the target's layers fused (None: EAGLE-3's choice).
         bfloat16: compute under bfloat16 autocast (weights and optimizer in float32).
-        initial_head: a head file (``exactspec train-draft``'s) to start from instead of a
-            fresh head: its weights and its draft vocabulary (``draft_vocab_size`` must be
-            its size); None: a fresh head.
+        initial_head: a head file (``exactspec train-draft``'s) whose weights the run starts
+            from instead of a fresh head's (the draft vocabulary is still this data's most
+            frequent ``draft_vocab_size`` tokens: the weights do not depend on it); None: a
+            fresh head.
     """
 
     draft_vocab_size: int = 16384

@@ -294,19 +294,15 @@ def train(model, conversations: Sequence[Conversation], folder: str | Path,
         raise ValueError(f"all {len(examples)} conversations are held out "
                          f"(held_out_every = {config.held_out_every})")
     initial = load_head(config.initial_head, module_tensors(model)) if config.initial_head else None
-    if initial is not None and (initial.config.feature_layers != tuple(layers)
-                                or initial.config.draft_vocab_size != config.draft_vocab_size):
-        raise ValueError(f"initial_head {config.initial_head} fuses layers "
-                         f"{list(initial.config.feature_layers)} and drafts from "
-                         f"{initial.config.draft_vocab_size} tokens; this run: layers "
-                         f"{list(layers)}, draft_vocab_size {config.draft_vocab_size}")
+    if initial is not None and initial.config.feature_layers != tuple(layers):
+        raise ValueError(f"initial_head {config.initial_head} fuses the target's layers "
+                         f"{list(initial.config.feature_layers)}; this run fuses {list(layers)}")
     vocab = (checkpoint["draft_token_ids"] if checkpoint else
-             initial.draft_token_ids if initial is not None else
              draft_vocabulary(training, int(model.get_output_embeddings().weight.shape[0]),
                               config.draft_vocab_size))
     head = new_head(model, vocab, target_name, layers, seed=config.seed)
-    if initial is not None and not checkpoint:
-        head.load_state_dict(initial.state_dict())
+    if initial is not None and not checkpoint:  # its weights; the vocabulary is this data's
+        head.load_state_dict(initial.state_dict() | {"draft_token_ids": vocab})
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad],
                                   lr=config.learning_rate, weight_decay=config.weight_decay)
     history, update = History(), 0
