@@ -69,10 +69,10 @@ class HeadProposer(Proposer):
             native).
         head: a :class:`DraftHead`, a head file, or None for the head shipped for this
             target (:func:`~exactspec.draft_head.model.shipped_head`).
-        dtype: the head's weights: bfloat16 (the default: a head file's values as stored,
-            half the memory traffic of float32), on exactspec's native kernels where they
-            build (:class:`~exactspec.draft_head.kernels.NativeHead`: float32 arithmetic
-            over the bf16 weights, the fastest), else in PyTorch's bfloat16; or float32
+        dtype: bfloat16 (the default: a head file's values as stored), computed on
+            exactspec's native kernels where they build
+            (:class:`~exactspec.draft_head.kernels.NativeHead`: the weights quantised once
+            to Q8_0, int8 activations; the fastest), else in PyTorch's bfloat16; or float32
             (PyTorch, training's arithmetic). q is whatever the head computes, so the
             choice changes acceptance and speed, never exactness.
         threads: PyTorch threads while drafting (default: PyTorch's count at construction).
