@@ -100,12 +100,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      "backend (its hidden features)")
     if args.minutes is not None and args.minutes <= 0:
         parser.error(f"--minutes {args.minutes} is invalid: it must be > 0")
+    if args.initial_head is not None and not args.initial_head.is_file():
+        parser.error(f"--initial-head {args.initial_head}: no such file")
     if args.tasks is not None and args.synthesize is None:
         parser.error("--tasks chooses what --synthesize writes: add --synthesize N")
     if args.synthesize is None and not args.data.is_file():
         parser.error(f"--data {args.data}: no such file (add --synthesize N to write it)")
-    if args.initial_head is not None and not args.initial_head.is_file():
-        parser.error(f"--initial-head {args.initial_head}: no such file")
     try:
         vocab_size = args.draft_vocab_size or (
             head_config(args.initial_head).draft_vocab_size if args.initial_head
