@@ -1,0 +1,10 @@
+#!/bin/sh
+# The second head's benches (issue 43), from the repository root with nothing else running.
+set -e
+Q=../shared/data/spec_bench/question.jsonl
+OUT=results/draft-head-v2-2026-12-04
+V2=training/smollm2-135m-instruct/run-v2/head.safetensors
+exactspec bench --backend native --threads 2 --questions $Q --per-category 5 \
+    --max-new-tokens 128 --repetitions 2 --method plain \
+    --method prompt-lookup:k=4:policy=auto --method head:k=4:policy=auto \
+    --method head:$V2:k=4:policy=auto --output $OUT/bench-greedy
