@@ -3,7 +3,7 @@
 set -e
 Q=../shared/data/spec_bench/question.jsonl
 OUT=results/draft-head-v2-2026-12-04
-V2=training/smollm2-135m-instruct/run-v2/head.safetensors
+V2=training/smollm2-135m-instruct/heads/head-v2.safetensors
 exactspec bench --backend native --threads 2 --questions $Q --per-category 5 \
     --max-new-tokens 128 --repetitions 2 --method plain \
     --method prompt-lookup:k=4:policy=auto --method head:k=4:policy=auto \

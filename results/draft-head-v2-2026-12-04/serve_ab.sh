@@ -4,7 +4,7 @@
 set -e
 Q=../shared/data/spec_bench/question.jsonl
 OUT=results/draft-head-v2-2026-12-04/serve
-V2=${V2:-training/smollm2-135m-instruct/run-v2/head.safetensors}
+V2=${V2:-training/smollm2-135m-instruct/heads/head-v2.safetensors}
 for round in 1 2; do
   for method in suffix "head:$V2:tree=6"; do
     name=$(echo "$method" | cut -d: -f1)-$round
