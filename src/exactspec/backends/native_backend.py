@@ -354,19 +354,20 @@ class NativeBackend:
     def forward(self, rows: Sequence[tuple[int, Sequence[int]]],
                 num_logits: int | None = None) -> list[torch.Tensor]:
         check_rows(rows, num_logits)
-        sequences = [self._sequence(sequence_id) for sequence_id, _ in rows]
-        if len(set(map(id, sequences))) != len(sequences):
-            raise ValueError("forward takes each sequence at most once")
-        for sequence, (_, token_ids) in zip(sequences, rows):
-            check_context(self, sequence.length, len(token_ids))
-        return self._run([(sequence, token_ids, None)
-                          for sequence, (_, token_ids) in zip(sequences, rows)], num_logits)
+        return self._run(self._parts([(i, token_ids, None) for i, token_ids in rows]),
+                         num_logits)
 
     def forward_trees(self, rows: Sequence[tuple[int, Sequence[int], Sequence[int] | None]]
                       ) -> list[torch.Tensor]:
         """See ``Backend.forward_trees``: chains and trees in one packed forward (each
         tree's nodes attend to their own paths, as in :meth:`forward_tree`)."""
         check_rows([(sequence_id, token_ids) for sequence_id, token_ids, _ in rows], None)
+        return self._run(self._parts(rows), None)
+
+    def _parts(self, rows: Sequence[tuple[int, Sequence[int], Sequence[int] | None]]
+               ) -> list[tuple[_Sequence, Sequence[int], TreePaths | None]]:
+        """``_run``'s parts of checked rows (each sequence held and at most once, its
+        chain or tree within the context)."""
         parts = []
         for sequence_id, token_ids, parents in rows:
             sequence = self._sequence(sequence_id)
@@ -375,8 +376,8 @@ class NativeBackend:
                           len(token_ids) if tree is None else max(tree.depths) + 1)
             parts.append((sequence, token_ids, tree))
         if len({id(sequence) for sequence, _, _ in parts}) != len(parts):
-            raise ValueError("forward_trees takes each sequence at most once")
-        return self._run(parts, None)
+            raise ValueError("forward takes each sequence at most once")
+        return parts
 
     def forward_tree(self, sequence_id: int, token_ids: Sequence[int],
                      parents: Sequence[int]) -> torch.Tensor:

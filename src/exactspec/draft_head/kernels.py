@@ -25,7 +25,7 @@ import torch
 from torch.nn import functional as F
 
 from exactspec.backends import native
-from exactspec.draft_head.model import DraftHead, HeadCache, _rms_norm, _rotate
+from exactspec.draft_head.model import DraftHead, HeadCache, _rms_norm, attend, rotate
 
 BF16, Q8_0 = native.WEIGHT_TYPES["BF16"], native.WEIGHT_TYPES["Q8_0"]
 WEIGHTS = ("q8_0", "bf16")
@@ -126,10 +126,7 @@ class NativeHead:
         k = qkv[:, self._q_width:self._q_width + self._kv_width].view(
             n, c.num_key_value_heads, c.head_dim)
         v = qkv[:, self._q_width + self._kv_width:].view(n, c.num_key_value_heads, c.head_dim)
-        angles = positions.float()[:, None] * self._inv_freq
-        cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None]
-        sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, k, positions, self._inv_freq)
         cache.append(k, v)
         if mask is None:  # a chain: each row sees the rows up to its own
             attention = torch.empty(n, c.num_attention_heads, c.head_dim)
@@ -137,10 +134,7 @@ class NativeHead:
                                     cache.values.transpose(0, 1), self._scale, attention,
                                     threads=self._threads)
         else:
-            attention = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], cache.keys.transpose(0, 1)[None],
-                cache.values.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)[0]
-            attention = attention.transpose(0, 1)
+            attention = attend(q, cache, mask)
         hidden = hidden + self._linear(attention.reshape(n, self._q_width), self._o)
         gate, up = self._linear(_rms_norm(hidden, post_norm, eps),
                                 self._gate_up).split(c.intermediate_size, -1)

@@ -240,10 +240,7 @@ class DraftHead(nn.Module):
         q = self.q_proj(x).view(*shape, c.num_attention_heads, c.head_dim)
         k = self.k_proj(x).view(*shape, c.num_key_value_heads, c.head_dim)
         v = self.v_proj(x).view(*shape, c.num_key_value_heads, c.head_dim)
-        angles = positions.float()[:, None] * self.inv_freq  # [T, D/2]
-        cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None].to(q.dtype)  # [T, 1, D]
-        sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None].to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+        return rotate(q, k, positions, self.inv_freq) + (v,)
 
     def finish(self, hidden: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         """The layer's output ``[..., T, h]`` from its input hidden state and the attention
@@ -329,10 +326,26 @@ class DraftHead(nn.Module):
         n, total = hidden.shape[0], len(cache)
         if mask is None and n > 1:
             mask = torch.arange(total)[None, :] <= torch.arange(start, total)[:, None]
-        attention = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], cache.keys.transpose(0, 1)[None],
-            cache.values.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
-        return self.finish(hidden, attention[0].transpose(0, 1))
+        return self.finish(hidden, attend(q, cache, mask))
+
+
+def rotate(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+           inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's rotary position embedding (halves rotated) of queries and keys
+    ``[..., T, heads, D]`` at ``positions [T]`` (frequencies ``inv_freq [D/2]``)."""
+    angles = positions.float()[:, None] * inv_freq  # [T, D/2]
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None].to(q.dtype)  # [T, 1, D]
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None].to(q.dtype)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def attend(q: torch.Tensor, cache: HeadCache, mask: torch.Tensor | None) -> torch.Tensor:
+    """``[n, heads, D]`` attention of the queries ``q [n, heads, D]`` over the cache's rows
+    (``mask [n, len]`` bool, or None: all of them), grouped-query heads sharing theirs."""
+    attention = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], cache.keys.transpose(0, 1)[None],
+        cache.values.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
+    return attention[0].transpose(0, 1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
