@@ -15,7 +15,9 @@ verification rule is untouched, so every policy keeps the target's distribution 
                 it is refused there.
     auto        a cost model (the default). Online, per generator: the cost of a target
                 forward over n = 1..num_speculative_tokens + 1 tokens and the draft's time
-                per drafted token (each the lower median of its last measurements, :class:`ForwardCost`), and per
+                per drafted token in a cycle after a drafting one (each the lower median of
+                its last measurements, :class:`ForwardCost`,
+                :attr:`AutoPolicy.draft_seconds_per_token`), and per
                 position i the acceptance α_i = P(draft i accepted | drafts < i accepted),
                 from decaying counts (a position not tested yet takes the estimate of the
                 position before it as its prior). Each cycle picks the k in
@@ -258,6 +260,8 @@ class AutoPolicy(SpeculationLengthPolicy):
         self.plain_run = 0  # plain steps in a row since the last cycle that drafted
         self.probe_interval = PROBE_INTERVALS[0]
         self.probing = 0  # the cycle under way is the n-th probe in a row (0: not a probe)
+        self.drafted_before = False  # the cycle before the one under way drafted
+        self.drafting = False  # the cycle under way drafts (k > 0)
         self.follow_ups = 0  # probes in a row so far, when the next choice is to probe again
         self.tested = [0.0] * self.num_speculative_tokens  # decayed count: position i was verified
         self.accepted = [0.0] * self.num_speculative_tokens  # decayed count: position i was accepted
@@ -288,8 +292,13 @@ class AutoPolicy(SpeculationLengthPolicy):
     @property
     def draft_seconds_per_token(self) -> float | None:
         """Seconds the proposer takes per drafted token: the lower median of the last
-        :data:`COST_WINDOW` drafting cycles (one draft slowed by a pause, e.g. a garbage
-        collection, moves nothing once two others are measured); None before any."""
+        :data:`COST_WINDOW` drafting cycles that followed a drafting cycle (one draft slowed
+        by a pause, e.g. a garbage collection, moves nothing once two others are measured);
+        None before any. A draft after plain steps, or the first of a generation, is not
+        measured: a proposer with state of its own (a draft head, a draft model) first
+        catches up on every token committed since its last call (the whole prompt, a run of
+        plain steps), work that grows with that run, not with k, and that would otherwise
+        make drafting look dearer the longer auto has not drafted."""
         return statistics.median_low(self._draft_costs) if self._draft_costs else None
 
     @property
@@ -358,7 +367,7 @@ class AutoPolicy(SpeculationLengthPolicy):
     def _observe_costs(self, num_drafted: int, draft_seconds: float,
                        verify_seconds: float) -> None:
         self.costs.observe(num_drafted + 1, verify_seconds)
-        if num_drafted:
+        if num_drafted and self.drafted_before:  # a steady draft (draft_seconds_per_token)
             self._draft_costs.append(draft_seconds / num_drafted)
 
     def choice(self, k: int) -> Choice:
@@ -377,6 +386,7 @@ class AutoPolicy(SpeculationLengthPolicy):
             self.plain_run, probing = 0, True
             k = self.probe_length()
         self.probing = follow_up + 1 if probing else 0
+        self.drafted_before, self.drafting = self.drafting, k > 0
         if self.break_even:
             self.min_confidence = self.break_even_confidence(k)
         if k:
