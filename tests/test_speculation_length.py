@@ -72,8 +72,28 @@ def test_auto_does_not_charge_a_drafter_s_catch_up_to_its_drafted_tokens():
         pending = (0 if k else pending) + accepted + 1
         policy.observe(k, accepted, draft_seconds, forward(k + 1))
     # steady drafting cycles catch up on accepted + 1 tokens: ≈ 0.006 s per drafted token
-    assert policy.draft_seconds_per_token < 0.01
+    assert policy.draft_cost(4) < 0.04
     assert chosen[-20:].count(0) <= 2
+
+
+def test_auto_models_a_draft_as_a_fixed_part_and_a_part_per_drafted_token():
+    policy = AutoPolicy(4)
+    assert policy.draft_cost(3) == 0.0  # nothing measured: drafting assumed free
+    policy.choice(1)
+    policy.observe(1, 0, 0.5, 0.1)  # the first draft (a catch-up): not measured
+    assert policy.draft_cost(1) == 0.0
+    for k in (2, 3, 4, 1, 2, 3, 4):
+        policy.choice(k)
+        policy.observe(k, 0, 0.03 + 0.002 * k, 0.1)
+    for k in range(1, 5):
+        assert policy.draft_cost(k) == pytest.approx(0.03 + 0.002 * k)
+    assert policy.draft_cost(0) == 0.0
+    policy.draft_costs = type(policy.draft_costs)(4, prior=float)
+    policy.choice(2)
+    policy.observe(2, 0, 0.01, 0.1)  # one k measured: the others in proportion
+    assert policy.draft_cost(4) == pytest.approx(0.02)
+    policy.reset(timed=False)
+    assert policy.draft_cost(4) == 0.0  # seeded sampling: no wall time
 
 
 def test_auto_retries_drafting_after_a_run_of_plain_steps():
@@ -254,7 +274,7 @@ def test_auto_sets_the_break_even_confidence_of_a_draft_that_estimates_its_accep
     k = policy.choose().k
     assert k > 0 and min(chosen[-10:]) > 0
     expected = (policy.forward_cost(k + 1) - policy.forward_cost(k)
-                + policy.draft_seconds_per_token) * policy.expected_rates()[k]
+                + policy.draft_cost(k) - policy.draft_cost(k - 1)) * policy.expected_rates()[k]
     assert policy.min_confidence == pytest.approx(expected)
     assert 0.05 < policy.min_confidence < 0.5
     costly = AutoPolicy(5, break_even=True)
@@ -349,7 +369,7 @@ def test_one_slow_draft_does_not_make_drafting_look_dear():
     policy.observe(1, 0, 0.180, forward(2))  # the slow draft (one token, rejected)
     chosen = run_trace(policy, 20, alpha=0.5, forward_seconds=forward,
                        draft_seconds_per_token=5e-5)
-    assert min(chosen) >= 1 and policy.draft_seconds_per_token < 1e-4
+    assert min(chosen) >= 1 and policy.draft_cost(1) < 1e-4
 
 
 def test_a_reused_generator_drafts_again_after_a_disturbed_request(monkeypatch):

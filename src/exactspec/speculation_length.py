@@ -14,15 +14,15 @@ verification rule is untouched, so every policy keeps the target's distribution 
                 of its drafted tokens' probabilities). Prompt lookup has no probabilities:
                 it is refused there.
     auto        a cost model (the default). Online, per generator: the cost of a target
-                forward over n = 1..num_speculative_tokens + 1 tokens and the draft's time
-                per drafted token in a cycle after a drafting one (each the lower median of
-                its last measurements, :class:`ForwardCost`,
-                :attr:`AutoPolicy.draft_seconds_per_token`), and per
+                forward over n = 1..num_speculative_tokens + 1 tokens and of a draft of
+                k = 1..num_speculative_tokens tokens in a cycle after a drafting one (each
+                the lower median of its last measurements, :class:`ForwardCost`;
+                :meth:`AutoPolicy.draft_cost`), and per
                 position i the acceptance α_i = P(draft i accepted | drafts < i accepted),
                 from decaying counts (a position not tested yet takes the estimate of the
                 position before it as its prior). Each cycle picks the k in
                 0..num_speculative_tokens maximising expected committed tokens per second,
-                    E(k) / (T(k+1) + k·t_draft),  E(k) = 1 + Σ_{j≤k} Π_{i≤j} α_i,
+                    E(k) / (T(k+1) + D(k)),  E(k) = 1 + Σ_{j≤k} Π_{i≤j} α_i,
                 Leviathan et al. 2022 (arXiv 2211.17192) §3.1, (1−α^(k+1))/(1−α) generalised
                 to per-position α. A forward cost not measured yet comes from a straight
                 line T(n) = a + b·n (b ≥ 0) fitted to the measured ones, or, while only one
@@ -247,7 +247,7 @@ class AutoPolicy(SpeculationLengthPolicy):
         self.peek, self.probe, self.break_even = peek, probe, break_even
         self.decay, self.prior_acceptance, self.prior_weight = decay, prior_acceptance, prior_weight
         self.costs = ForwardCost(num_speculative_tokens + 1)
-        self._draft_costs: deque[float] = deque(maxlen=COST_WINDOW)  # seconds per drafted token
+        self.draft_costs = ForwardCost(num_speculative_tokens, prior=float)  # D(k) (draft_cost)
         self.reset(timed=True)
 
     def reset(self, timed: bool) -> None:
@@ -282,24 +282,25 @@ class AutoPolicy(SpeculationLengthPolicy):
         k = 0..num_speculative_tokens drafts (per unit of the prior cost model while nothing
         is measured)."""
         rates, expected = [], 1.0
-        draft_cost = (self.draft_seconds_per_token or 0.0) if self.timed else 0.0
         for k, survive in enumerate([0.0, *survival(self.acceptance())]):
             expected += survive
-            cost = self.forward_cost(k + 1) + k * draft_cost
-            rates.append(expected / cost)
+            rates.append(expected / (self.forward_cost(k + 1) + self.draft_cost(k)))
         return rates
 
-    @property
-    def draft_seconds_per_token(self) -> float | None:
-        """Seconds the proposer takes per drafted token: the lower median of the last
-        :data:`COST_WINDOW` drafting cycles that followed a drafting cycle (one draft slowed
-        by a pause, e.g. a garbage collection, moves nothing once two others are measured);
-        None before any. A draft after plain steps, or the first of a generation, is not
-        measured: a proposer with state of its own (a draft head, a draft model) first
-        catches up on every token committed since its last call (the whole prompt, a run of
-        plain steps), work that grows with that run, not with k, and that would otherwise
-        make drafting look dearer the longer auto has not drafted."""
-        return statistics.median_low(self._draft_costs) if self._draft_costs else None
+    def draft_cost(self, k: int) -> float:
+        """D(k), seconds the proposer takes to draft ``k`` tokens (:class:`ForwardCost` over
+        the drafting cycles that followed a drafting cycle: its lower median per k, a line
+        a + b·k through the measured ks, proportional to k while one k is measured); 0 for
+        k = 0, before any measurement and in an untimed generation. A draft after plain
+        steps, or the first of a generation, is not measured: a proposer with state of its
+        own (a draft head, a draft model) first catches up on every token committed since
+        its last call (the whole prompt, a run of plain steps), work that grows with that
+        run, not with k, and that would otherwise make drafting look dearer the longer auto
+        has not drafted. The line's intercept is the part of a draft that does not grow with
+        k (a draft head's pass over the last cycle's committed tokens)."""
+        if not k or not self.timed or not self.draft_costs.fresh():
+            return 0.0
+        return self.draft_costs(k)
 
     @property
     def forward_seconds(self) -> list[float | None]:
@@ -334,13 +335,13 @@ class AutoPolicy(SpeculationLengthPolicy):
 
     def break_even_confidence(self, k: int) -> float:
         """The probability at which one more drafted token pays, at ``k`` drafts: its
-        marginal cost in seconds (``forward_cost(k + 1) − forward_cost(k)`` and the draft's
-        time per token) times the expected committed tokens per second at k; 0 for k = 0,
-        at most 0.99."""
+        marginal cost in seconds (``forward_cost(k + 1) − forward_cost(k)`` and
+        ``draft_cost(k) − draft_cost(k − 1)``) times the expected committed tokens per second
+        at k; 0 for k = 0, at most 0.99."""
         if not k:
             return 0.0
-        draft_cost = (self.draft_seconds_per_token or 0.0) if self.timed else 0.0
-        marginal = max(self.forward_cost(k + 1) - self.forward_cost(k), 0.0) + draft_cost
+        marginal = (max(self.forward_cost(k + 1) - self.forward_cost(k), 0.0)
+                    + max(self.draft_cost(k) - self.draft_cost(k - 1), 0.0))
         return min(0.99, marginal * self.expected_rates()[k])
 
     def observe(self, num_drafted: int, num_accepted: int, draft_seconds: float | None,
@@ -367,8 +368,8 @@ class AutoPolicy(SpeculationLengthPolicy):
     def _observe_costs(self, num_drafted: int, draft_seconds: float,
                        verify_seconds: float) -> None:
         self.costs.observe(num_drafted + 1, verify_seconds)
-        if num_drafted and self.drafted_before:  # a steady draft (draft_seconds_per_token)
-            self._draft_costs.append(draft_seconds / num_drafted)
+        if num_drafted and self.drafted_before:  # a steady draft (draft_cost)
+            self.draft_costs.observe(num_drafted, draft_seconds)
 
     def choice(self, k: int) -> Choice:
         """The :class:`Choice` for ``k`` (from :meth:`choose`, or chosen elsewhere: batched
@@ -403,23 +404,27 @@ def prior_cost(n: int) -> float:
 
 
 class ForwardCost:
-    """Seconds of a target forward over n tokens, learnt online and robust to noise: per n,
+    """Seconds of a target forward over n tokens (or of any work over n tokens: auto's
+    drafts), learnt online and robust to noise: per n,
     the lower median of its last :data:`COST_WINDOW` measurements (one forward that took 3×
     its neighbours moves nothing once two others are measured), forgotten once
     :data:`COST_MAX_AGE` forwards have passed without measuring that n (so that no
     measurement, however disturbed, fixes a belief for the rest of the process). For an n
     without a fresh measurement: the least-squares line through the fresh ones (slope ≥ 0)
-    when two or more are, the one fresh cost scaled by :func:`prior_cost` when one is, else
-    the prior itself.
+    when two or more are, the one fresh cost scaled by ``prior`` when one is, else the
+    prior itself.
 
     Args:
         max_tokens: the largest n expected (a larger one is still measured).
         window: measurements kept per n.
         max_age: forwards after which an n's measurements are forgotten.
+        prior: the cost of n tokens relative to other ns (default :func:`prior_cost`).
     """
 
     def __init__(self, max_tokens: int, window: int | None = None,
-                 max_age: int | None = None) -> None:
+                 max_age: int | None = None,
+                 prior: Callable[[int], float] | None = None) -> None:
+        self.prior = prior_cost if prior is None else prior
         self.window = COST_WINDOW if window is None else window
         self.max_age = COST_MAX_AGE if max_age is None else max_age
         self.seconds: list[float | None] = [None] * (max_tokens + 1)  # index n = tokens scored
@@ -447,6 +452,10 @@ class ForwardCost:
             return None
         return self.seconds[n]
 
+    def fresh(self) -> list[tuple[int, float]]:
+        """``(n, seconds)`` for every n with a fresh estimate (:meth:`measured`)."""
+        return [(n, s) for n in range(len(self.seconds)) if (s := self.measured(n)) is not None]
+
     def _stale(self, n: int) -> bool:
         stamp = self._stamp.get(n)
         return stamp is not None and self.observations - stamp > self.max_age
@@ -454,12 +463,12 @@ class ForwardCost:
     def __call__(self, n: int) -> float:
         if (seconds := self.measured(n)) is not None:
             return seconds
-        known = [(m, s) for m in range(len(self.seconds)) if (s := self.measured(m)) is not None]
+        known = self.fresh()
         if not known:
-            return prior_cost(n)
+            return self.prior(n)
         if len(known) == 1:
             (m, seconds), = known
-            return seconds * prior_cost(n) / prior_cost(m)
+            return seconds * self.prior(n) / self.prior(m)
         mean_n = sum(m for m, _ in known) / len(known)
         mean_s = sum(s for _, s in known) / len(known)
         slope = max(0.0, sum((m - mean_n) * (s - mean_s) for m, s in known)
