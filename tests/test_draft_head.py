@@ -320,6 +320,10 @@ def test_train_draft_command_trains_a_head_that_generate_uses(model_folder, tmp_
     (["--data", "x.jsonl", "--initial-head", "/nowhere.safetensors"],
      "--initial-head /nowhere.safetensors: no such file"),
     (["--data", "x.jsonl", "--tasks", "math"], "--tasks chooses what --synthesize writes"),
+    (["--data", "x.jsonl", "--passages", "written"],
+     "--passages chooses what --synthesize writes"),
+    (["--data", "x.jsonl", "--synthesize", "2", "--passages", "wiki"],
+     "argument --passages: invalid choice: 'wiki'"),
     (["--data", "x.jsonl", "--synthesize", "2", "--tasks", "math,poems"],
      "argument --tasks: poems is not a task: choose from question, writing"),
 ])

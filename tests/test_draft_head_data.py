@@ -5,9 +5,10 @@ import gzip
 import pytest
 
 from exactspec import SamplingParams, SpeculativeGenerator
-from exactspec.training.data import (LOOP_SPAN, PASSAGE_TASKS, TASKS, cut_at_repetition,
-                                     deduplicated, read_conversations, stdlib_passages,
-                                     synthesize, topic_words)
+from exactspec.training.data import (LOOP_SPAN, PASSAGE_TASKS, TASKS,
+                                     cut_at_repetition, deduplicated, read_conversations,
+                                     stdlib_passages, synthesize, topic_words)
+from exactspec.training.tasks import DEFAULT_TASKS, GERMAN_TASKS, PASSAGE_KINDS, PASSAGE_REQUEST
 
 from conftest import ALPHABET, VOCAB, tiny_backend
 
@@ -92,7 +93,7 @@ def test_every_task_makes_its_user_turn_and_answers_alternate_greedy_and_sampled
     kwargs = dict(seed=3, topics=TOPICS, passages=PASSAGES, batch_size=4, question_tokens=6,
                   answer_tokens=10, show_progress=False)
     conversations = synthesize(target, tmp_path / "mix.jsonl", 30, **kwargs)
-    assert {c.task for c in conversations} == set(TASKS)
+    assert {c.task for c in conversations} == set(DEFAULT_TASKS)
     assert read_conversations(tmp_path / "mix.jsonl") == conversations
     tokenizer, sampled_differently, follow_ups = target.tokenizer, 0, 0
     for conversation in conversations:
@@ -117,6 +118,49 @@ def test_every_task_makes_its_user_turn_and_answers_alternate_greedy_and_sampled
     assert follow_ups >= 1
     synthesize(target, tmp_path / "resumed.jsonl", 13, **kwargs)
     assert synthesize(target, tmp_path / "resumed.jsonl", 30, **kwargs) == conversations
+
+
+def test_written_passages_are_the_targets_own_texts_and_a_resumed_file_equals_one_run(tmp_path):
+    """With passages="written", each passage task is over a text the target wrote (a kind of
+    PASSAGE_KINDS about a topic; greedy here, so that the test can write it again), and a
+    resumed file equals one run."""
+    target = chat_backend()
+    kwargs = dict(seed=5, tasks=("summarize", "passage-question", "question"), topics=TOPICS,
+                  passages="written", batch_size=3, question_tokens=6, answer_tokens=10,
+                  question_temperature=0.0, show_progress=False)
+    conversations = synthesize(target, tmp_path / "written.jsonl", 12, **kwargs)
+    tokenizer, passage_tasks = target.tokenizer, 0
+    for conversation in conversations:
+        if conversation.task == "question":
+            assert conversation.topic in TOPICS
+            continue
+        passage_tasks += 1
+        kind, topic = conversation.topic.split(" about ")
+        assert kind in PASSAGE_KINDS and topic in TOPICS
+        request = PASSAGE_REQUEST.format(kind=kind, topic=topic)
+        written = SpeculativeGenerator(target, None).generate(
+            tokenizer.apply_chat_template(request),
+            SamplingParams(max_new_tokens=10))
+        text = tokenizer.decode(cut_at_repetition(written.token_ids)[0]).strip()
+        kept = "".join(ch for ch in text.lower() if ch in ALPHABET[:VOCAB])
+        assert kept and kept in tokenizer.decode(conversation.prompt_ids), conversation
+    assert passage_tasks >= 4
+    synthesize(target, tmp_path / "resumed.jsonl", 5, **kwargs | {"chunk_size": 2})
+    assert synthesize(target, tmp_path / "resumed.jsonl", 12, **kwargs) == conversations
+
+
+def test_the_german_task_translates_a_given_sentence_and_needs_sentences(tmp_path):
+    target = chat_backend()
+    german = ["ein satz", "noch ein satz", "der dritte satz"]
+    conversations = synthesize(target, tmp_path / "de.jsonl", 6, tasks=("translate-from-german",),
+                               german=german, batch_size=2, answer_tokens=6, show_progress=False)
+    for conversation in conversations:
+        number = int(conversation.topic.split()[1])
+        expected = GERMAN_TASKS["translate-from-german"].format(passage=german[number])
+        assert conversation.prompt_ids == target.tokenizer.apply_chat_template(expected)
+    with pytest.raises(ValueError, match="no German sentences for the tasks"):
+        synthesize(target, tmp_path / "none.jsonl", 1, tasks=("translate-from-german",),
+                   german=[], show_progress=False)
 
 
 def test_answers_are_cut_at_their_first_repetition():

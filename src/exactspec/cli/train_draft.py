@@ -13,7 +13,7 @@ from exactspec.cli.common import (EXIT_STATUSES, add_model_options, model_spec,
                                   positive_int, print_error, seed)
 from exactspec.model_files import ModelNotFoundError
 from exactspec.training.config import TrainingConfig
-from exactspec.training.tasks import TASKS
+from exactspec.training.tasks import DEFAULT_TASKS, TASKS
 
 DEFAULTS = TrainingConfig()
 
@@ -44,8 +44,15 @@ def add_parser(commands) -> None:
                            "for a GGUF file; training then loads transformers)")
     data.add_argument("--tasks", type=_tasks, default=None, metavar="T,T,...",
                       help="the kinds of user turns --synthesize draws from, comma-separated "
-                           f"(default all: {', '.join(TASKS)}; the passages are Python's "
-                           "standard library docstrings)")
+                           f"(default: {', '.join(DEFAULT_TASKS)}; also "
+                           f"{', '.join(t for t in TASKS if t not in DEFAULT_TASKS)}, over German "
+                           "sentences of the machine's message catalogs)")
+    data.add_argument("--passages", choices=("stdlib", "written"), default=None,
+                      help="what the passage tasks (summarise, rewrite, extract, translate, "
+                           "questions about a passage) are over: stdlib, paragraphs of Python's "
+                           "standard library docstrings (the default; 600-odd, so they repeat "
+                           "in large files), or written, texts the target writes itself (news "
+                           "reports, stories, emails, ... about a word)")
     training = train.add_argument_group("training")
     training.add_argument("--output", type=Path, default=Path("draft-head"), metavar="DIR",
                           help="the run folder: features, checkpoint.pt, head.safetensors, "
@@ -104,6 +111,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--initial-head {args.initial_head}: no such file")
     if args.tasks is not None and args.synthesize is None:
         parser.error("--tasks chooses what --synthesize writes: add --synthesize N")
+    if args.passages is not None and args.synthesize is None:
+        parser.error("--passages chooses what --synthesize writes: add --synthesize N")
     if args.synthesize is None and not args.data.is_file():
         parser.error(f"--data {args.data}: no such file (add --synthesize N to write it)")
     try:
@@ -126,7 +135,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             before = read_conversations(args.data)
             start = time.perf_counter()
             conversations = synthesize(writer, args.data, args.synthesize, seed=args.seed,
-                                       tasks=args.tasks or TASKS)
+                                       tasks=args.tasks or DEFAULT_TASKS,
+                                       passages="written" if args.passages == "written" else None)
             seconds = time.perf_counter() - start
             written = sum(len(c.answer_ids) for c in conversations[len(before):])
             console.print(f"synthesized {len(conversations) - len(before)} conversations on "

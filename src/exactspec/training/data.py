@@ -18,7 +18,13 @@ of training on the target's own responses (Li et al. 2024, arXiv 2401.15077, sec
    paragraphs of the docstrings in Python's standard library (:func:`stdlib_passages`:
    text every machine that runs exactspec has, read from the sources without importing
    them; another Python version has other passages, so a file is extended with the
-   Python it was begun with);
+   Python it was begun with), or with ``passages="written"`` texts the target writes
+   itself at ``question_temperature`` (a news report, a story, an email, ... of
+   :data:`~exactspec.training.tasks.PASSAGE_KINDS` about a topic word: prose without
+   limit, where the standard library's 600-odd docstrings repeat); or, for
+   ``translate-from-german`` (:data:`~exactspec.training.tasks.GERMAN_TASKS`), a fixed
+   instruction over a German sentence of the machine's message catalogs
+   (:func:`german_sentences`);
 2. the target's *answer*, in its chat format, at one of ``answer_temperatures`` (greedy
    and 0.7 by default, alternating: the head serves both), cut at the start of its first
    repeated span of :data:`LOOP_SPAN` tokens (a loop kept to the length cap would teach the
@@ -42,13 +48,17 @@ import ast
 import base64
 import dataclasses
 import functools
+import gettext
+import glob
 import gzip
 import json
 import random
+import struct
 import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -58,7 +68,9 @@ from exactspec.generator import SpeculativeGenerator
 from exactspec.progress import LoggedProgress
 from exactspec.proposers.suffix import SuffixProposer
 from exactspec.sampling import SamplingParams
-from exactspec.training.tasks import (FOLLOW_UP_REQUEST, PASSAGE_TASKS, REQUESTS, TASKS,
+from exactspec.training.tasks import (DEFAULT_TASKS, FOLLOW_UP_REQUEST, GERMAN_TASKS,
+                                      PASSAGE_KINDS, PASSAGE_REQUEST, PASSAGE_TASKS, REQUESTS,
+                                      TASKS,
                                       TOPIC_TASKS)
 
 LOOP_SPAN = 16
@@ -138,6 +150,36 @@ def _stdlib_passages(min_chars: int, max_chars: int) -> tuple[str, ...]:
     return tuple(passages)
 
 
+def german_sentences(min_chars: int = 60, max_chars: int = 300) -> list[str]:
+    """German sentences of ``min_chars`` .. ``max_chars`` characters from the translations in
+    the gettext message catalogs of the machine's programs
+    (``/usr/share/locale/de/LC_MESSAGES/*.mo`` and ``/usr/share/*/lang/de/LC_MESSAGES/*.mo``
+    on Debian, read with :mod:`gettext`): messages of at least nine words without format
+    placeholders or line breaks, de-duplicated, in a fixed order for a given set of
+    installed packages (another machine may have others, so a file is extended on the
+    machine it was begun on). Empty where no German catalogs are installed."""
+    return list(_german_sentences(min_chars, max_chars))
+
+
+@functools.lru_cache(maxsize=4)
+def _german_sentences(min_chars: int, max_chars: int) -> tuple[str, ...]:
+    files = sorted(glob.glob("/usr/share/locale/de/LC_MESSAGES/*.mo")
+                   + glob.glob("/usr/share/*/lang/de/LC_MESSAGES/*.mo")
+                   + glob.glob("/usr/share/*/*/lang/de/LC_MESSAGES/*.mo"))
+    sentences: dict[str, None] = {}
+    for name in files:
+        try:
+            with open(name, "rb") as file:
+                catalog = gettext.GNUTranslations(file)._catalog
+        except (OSError, ValueError, struct.error):  # unreadable or not a catalog
+            continue
+        for text in catalog.values():
+            if (isinstance(text, str) and min_chars <= len(text) <= max_chars
+                    and text.count(" ") >= 8 and not any(c in text for c in "%{}$\n\t<>")):
+                sentences.setdefault(text.strip(), None)
+    return tuple(sentences)
+
+
 def cut_at_repetition(token_ids: Sequence[int], span: int = LOOP_SPAN) -> tuple[list[int], bool]:
     """``token_ids`` up to where a span of ``span`` tokens first repeats an earlier span
     (the repetition left out), and whether it was cut."""
@@ -162,9 +204,15 @@ def deduplicated(conversations: Sequence[Conversation]) -> list[Conversation]:
     return kept
 
 
+WRITTEN = "written"
+"""``synthesize(passages=WRITTEN)``: the target writes each passage (module docstring)."""
+
+
 def synthesize(target: Backend, path: str | Path, num_conversations: int, *, seed: int = 0,
-               tasks: Sequence[str] = TASKS, topics: Sequence[str] | None = None,
-               passages: Sequence[str] | None = None, batch_size: int = 8,
+               tasks: Sequence[str] = DEFAULT_TASKS, topics: Sequence[str] | None = None,
+               passages: Sequence[str] | Literal["written"] | None = None,
+               german: Sequence[str] | None = None,
+               batch_size: int = 8,
                chunk_size: int = 64,
                question_tokens: int = 64, question_temperature: float = 0.8,
                answer_tokens: int = 256, answer_temperatures: Sequence[float] = (0.0, 0.7),
@@ -178,9 +226,12 @@ def synthesize(target: Backend, path: str | Path, num_conversations: int, *, see
         num_conversations: how many the file should hold in the end (≥ 1).
         seed: the run's seed: conversation i's task, topic or passage, user turn and answer
             depend only on it, i and the options.
-        tasks: the tasks drawn from (each of :data:`TASKS`; default all).
+        tasks: the tasks drawn from (each of :data:`~exactspec.training.tasks.TASKS`;
+            default :data:`~exactspec.training.tasks.DEFAULT_TASKS`).
         topics: the words requests are about (default: :func:`topic_words` of the target).
-        passages: the passages of the passage tasks (default: :func:`stdlib_passages`).
+        passages: the passages of the passage tasks (default: :func:`stdlib_passages`), or
+            ``"written"``: each one written by the target (see the module docstring).
+        german: the German sentences of the German tasks (default: :func:`german_sentences`).
         batch_size: conversations decoded together (rows of a
             :class:`~exactspec.batching.BatchedGenerator`; suffix drafting, exact).
         chunk_size: conversations submitted together, written when all are done: a row
@@ -214,15 +265,25 @@ def synthesize(target: Backend, path: str | Path, num_conversations: int, *, see
     if with_topic and not topics:
         raise ValueError("no topics: the vocabulary has no whole words to ask about; pass "
                          "topics=")
-    with_passage = [task for task in tasks if task not in with_topic]
-    passages = list(passages) if passages is not None else (
+    with_german = [task for task in tasks if task in GERMAN_TASKS]
+    german = list(german) if german is not None else (
+        german_sentences() if with_german else [])
+    if with_german and not german:
+        raise ValueError(f"no German sentences for the tasks {with_german}: install German "
+                         "message catalogs (e.g. Debian's locales of coreutils, apt) or pass "
+                         "german=")
+    with_passage = [task for task in tasks if task not in with_topic and task not in with_german]
+    written = passages == WRITTEN
+    if written and not topics:
+        topics = topic_words(target.tokenizer)
+    passages = [] if written else list(passages) if passages is not None else (
         stdlib_passages() if with_passage else [])
     limit = target.max_context_length
-    if limit is not None:  # a passage's longest user turn must leave room for the answer
+    if limit is not None and not written:  # a passage's longest user turn must leave room
         passages = [p for p in passages if len(target.tokenizer.apply_chat_template(
             REQUESTS["passage-question"].format(passage=p))) + question_tokens
             + answer_tokens <= limit]
-    if with_passage and not passages:
+    if with_passage and not passages and not written:
         raise ValueError(f"no passages for the tasks {with_passage}"
                          + (f" fit the context ({limit} tokens) with the answer" if limit
                             else "") + ": pass passages=")
@@ -243,7 +304,10 @@ def synthesize(target: Backend, path: str | Path, num_conversations: int, *, see
                                      completed=len(done))
         for start in range(len(done), num_conversations, chunk_size):
             indices = list(range(start, min(start + chunk_size, num_conversations)))
-            drawn = [_draw(seed, i, tasks, topics, passages) for i in indices]
+            drawn = [_draw(seed, i, tasks, topics, passages, german) for i in indices]
+            if written:
+                drawn = _written_passages(batched, seed, indices, drawn, question_temperature,
+                                          answer_tokens)
             users = _user_turns(batched, seed, indices, drawn, question_tokens,
                                 question_temperature, answer_tokens)
             answers = batched.generate(users, [
@@ -270,9 +334,10 @@ def _user_turns(batched: BatchedGenerator, seed: int, indices: Sequence[int],
     follow-up, its greedy first answer (at most ``answer_tokens // 2`` tokens, cut at a
     repetition) and the second turn it writes after it."""
     tokenizer = batched.target.tokenizer
-    written = [i for i, (task, _, _) in zip(indices, drawn) if task not in PASSAGE_TASKS]
+    fixed = {**PASSAGE_TASKS, **GERMAN_TASKS}  # instructions over a passage: nothing to write
+    written = [i for i, (task, _, _) in zip(indices, drawn) if task not in fixed]
     requests = [REQUESTS.get(task, REQUESTS["question"]).format(topic=topic, passage=passage)
-                for task, topic, passage in drawn if task not in PASSAGE_TASKS]
+                for task, topic, passage in drawn if task not in fixed]
     turns = {i: result.text.strip() for i, result in zip(written, batched.generate(
         requests, [SamplingParams(temperature=question_temperature,
                                   max_new_tokens=question_tokens, seed=_seed(seed, i, 0))
@@ -298,6 +363,8 @@ def _user_turns(batched: BatchedGenerator, seed: int, indices: Sequence[int],
         if task in PASSAGE_TASKS:
             sentence = passage.split(". ")[0].rstrip(".") + "."
             user = PASSAGE_TASKS[task].format(passage=passage, sentence=sentence)
+        elif task in GERMAN_TASKS:
+            user = GERMAN_TASKS[task].format(passage=passage)
         elif task == "follow-up":
             user = history[i]
         else:
@@ -308,15 +375,43 @@ def _user_turns(batched: BatchedGenerator, seed: int, indices: Sequence[int],
 
 
 def _draw(seed: int, index: int, tasks: Sequence[str], topics: Sequence[str],
-          passages: Sequence[str]) -> tuple[str, str, str]:
+          passages: Sequence[str], german: Sequence[str] = ()) -> tuple[str, str, str]:
     """Conversation ``index``'s (task, topic, passage): the topic a word for a topic task,
-    else ``passage N``."""
+    ``german N`` for a German task, else ``passage N``, or without ``passages`` (written
+    ones) ``KIND about WORD`` and no passage yet (:func:`_written_passages`)."""
     rng = random.Random(f"{seed}:{index}")
     task = rng.choice(tasks)
     if task in TOPIC_TASKS:
         return task, rng.choice(topics), ""
+    if task in GERMAN_TASKS:
+        number = rng.randrange(len(german))
+        return task, f"german {number}", german[number]
+    if not passages:
+        return task, f"{rng.choice(PASSAGE_KINDS)} about {rng.choice(topics)}", ""
     number = rng.randrange(len(passages))
     return task, f"passage {number}", passages[number]
+
+
+def _written_passages(batched: BatchedGenerator, seed: int, indices: Sequence[int],
+                      drawn: Sequence[tuple[str, str, str]], temperature: float,
+                      max_tokens: int) -> list[tuple[str, str, str]]:
+    """``drawn`` with the passages of its passage tasks written by the target
+    (:data:`~exactspec.training.tasks.PASSAGE_REQUEST`, decoded together, cut at a
+    repetition)."""
+    wanted = [n for n, (task, _, _) in enumerate(drawn)
+              if task not in TOPIC_TASKS and task not in GERMAN_TASKS]
+    requests = []
+    for n in wanted:
+        kind, topic = drawn[n][1].split(" about ", 1)
+        requests.append(PASSAGE_REQUEST.format(kind=kind, topic=topic))
+    results = batched.generate(requests, [
+        SamplingParams(temperature=temperature, max_new_tokens=max_tokens,
+                       seed=_seed(seed, indices[n], 3)) for n in wanted], chat=True) if wanted else []
+    drawn = list(drawn)
+    for n, result in zip(wanted, results):
+        text = batched.target.tokenizer.decode(cut_at_repetition(result.token_ids)[0]).strip()
+        drawn[n] = (drawn[n][0], drawn[n][1], text or drawn[n][1])
+    return drawn
 
 
 def read_conversations(path: str | Path) -> list[Conversation]:
@@ -341,9 +436,10 @@ def read_conversations(path: str | Path) -> list[Conversation]:
 
 
 def _seed(seed: int, index: int, step: int) -> int:
-    """The sampling seed of conversation ``index``'s user turn (step 0), answer (step 1) or
-    follow-up user turn (step 2; steps 0 and 1 as in the first version of the format)."""
-    return (seed * 1_000_003 + index) * 2 + min(step, 1) + (step > 1) * 2**40
+    """The sampling seed of conversation ``index``'s user turn (step 0), answer (step 1),
+    follow-up user turn (step 2) or written passage (step 3; steps 0 and 1 as in the first
+    version of the format)."""
+    return (seed * 1_000_003 + index) * 2 + min(step, 1) + max(step - 1, 0) * 2**40
 
 
 def _encode(conversation: Conversation, seed: int) -> dict:

@@ -29,6 +29,17 @@ PASSAGE_TASKS = {
 }
 """The tasks whose user turn is a fixed instruction over a passage (``{sentence}``: its
 first sentence)."""
+PASSAGE_REQUEST = ("Write a {kind} of about 150 words about {topic}. Reply with the text "
+                   "only.")
+"""With written passages (``synthesize(passages="written")``), the user turn that asks the
+target for a passage of one of the :data:`PASSAGE_KINDS` about ``{topic}``, a vocabulary
+word; the passage tasks are then over what it wrote."""
+PASSAGE_KINDS = ("news report", "encyclopedia article", "short story", "email to a colleague",
+                 "blog post", "product review", "report on a scientific study",
+                 "speech", "history lesson", "letter to a newspaper", "travel guide entry",
+                 "biography")
+"""The kinds of text a written passage is (prose like what users paste: news, articles,
+stories, mail)."""
 FOLLOW_UP_REQUEST = ("Here is a conversation between a user and an AI assistant.\n\nUser: "
                      "{question}\n\nAssistant: {answer}\n\nWrite the user's next message: "
                      "one follow-up question or request about the same subject. Reply with "
@@ -36,8 +47,16 @@ FOLLOW_UP_REQUEST = ("Here is a conversation between a user and an AI assistant.
 """The ``follow-up`` task's second user turn, which the target writes after its own first
 answer (to a ``question`` about a topic); the answer trained on is to the second turn,
 with the whole conversation as its prompt."""
-TASKS = (*REQUESTS, *PASSAGE_TASKS, "follow-up")
-"""Every task, the default mix (drawn uniformly per conversation)."""
+GERMAN_TASKS = {
+    "translate-from-german": "Translate this German text into English.\n\n{passage}",
+}
+"""The tasks whose user turn is a fixed instruction over a German sentence
+(:func:`exactspec.training.data.german_sentences`)."""
+DEFAULT_TASKS = (*REQUESTS, *PASSAGE_TASKS, "follow-up")
+"""The default mix (drawn uniformly per conversation): every task that needs nothing
+beyond Python."""
+TASKS = (*DEFAULT_TASKS, *GERMAN_TASKS)
+"""Every task (the German ones need the machine's German message catalogs)."""
 TOPIC_TASKS = tuple(task for task in TASKS
                     if "{topic}" in REQUESTS.get(task, "") or task == "follow-up")
 """The tasks about a topic word (the others are about a passage)."""
