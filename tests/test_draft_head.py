@@ -6,6 +6,7 @@ audited with the other proposers in test_audit.py."""
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import random
 
@@ -312,11 +313,31 @@ def test_train_draft_command_trains_a_head_that_generate_uses(model_folder, tmp_
     assert outputs[0]["method"] == f"draft head {run / 'head.safetensors'}"
 
 
+def test_train_draft_reads_several_data_files_in_order(model_folder, tmp_path, capsys):
+    from exactspec import cli, load_model
+    from exactspec.training.data import synthesize
+
+    first, again = tmp_path / "first.jsonl", tmp_path / "again.jsonl.gz"
+    synthesize(load_model(str(model_folder), backend="transformers"), first, 6,
+               topics=["cats", "maps"], question_tokens=6, answer_tokens=16, show_progress=False)
+    again.write_bytes(gzip.compress(first.read_bytes()))  # the same conversations again
+    run = tmp_path / "run"
+    assert cli.main(["train-draft", "--model", str(model_folder), "--data", str(first),
+                     "--data", str(again), "--output", str(run), "--updates", "2",
+                     "--batch-tokens", "128", "--eval-every", "2",
+                     "--draft-vocab-size", "40"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "6 conversations repeat an earlier prompt: left out" in err
+    assert "(2 of 2 steps" in err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--data", "/nowhere.jsonl"], "--data /nowhere.jsonl: no such file (add --synthesize N"),
     (["--data", "x.jsonl", "--backend", "llama_cpp"], "a draft head is trained on the "
                                                       "transformers backend"),
     (["--data", "x.jsonl", "--minutes", "0"], "--minutes 0.0 is invalid"),
+    (["--data", "x.jsonl", "--data", "y.jsonl", "--synthesize", "2"],
+     "--synthesize extends one --data file: give one"),
     (["--data", "x.jsonl", "--initial-head", "/nowhere.safetensors"],
      "--initial-head /nowhere.safetensors: no such file"),
     (["--data", "x.jsonl", "--tasks", "math"], "--tasks chooses what --synthesize writes"),

@@ -34,9 +34,11 @@ def add_parser(commands) -> None:
         epilog=EXIT_STATUSES)
     add_model_options(train)
     data = train.add_argument_group("data")
-    data.add_argument("--data", type=Path, required=True, metavar="FILE.jsonl",
+    data.add_argument("--data", type=Path, required=True, action="append", metavar="FILE.jsonl",
                       help="the target's conversations (exactspec.training.data's format; a "
-                           ".jsonl.gz file is read, not extended)")
+                           ".jsonl.gz file is read, not extended); repeat it to train on "
+                           "several files, in order (a conversation whose prompt an earlier "
+                           "one had is left out)")
     data.add_argument("--synthesize", type=positive_int, default=None, metavar="N",
                       help="first extend --data to N conversations written by the target "
                            "(user turns of the --tasks, answers greedy and at 0.7 in turn, "
@@ -113,8 +115,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--tasks chooses what --synthesize writes: add --synthesize N")
     if args.passages is not None and args.synthesize is None:
         parser.error("--passages chooses what --synthesize writes: add --synthesize N")
-    if args.synthesize is None and not args.data.is_file():
-        parser.error(f"--data {args.data}: no such file (add --synthesize N to write it)")
+    if args.synthesize is not None and len(args.data) > 1:
+        parser.error("--synthesize extends one --data file: give one")
+    for path in args.data if args.synthesize is None else ():
+        if not path.is_file():
+            parser.error(f"--data {path}: no such file (add --synthesize N to write it)")
     try:
         vocab_size = args.draft_vocab_size or (
             head_config(args.initial_head).draft_vocab_size if args.initial_head
@@ -132,9 +137,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.synthesize:  # on --backend's choice: auto takes the fastest (native for GGUF)
             with console.status(f"Loading {args.model} …"):
                 writer = spec.load()
-            before = read_conversations(args.data)
+            before = read_conversations(args.data[0])
             start = time.perf_counter()
-            conversations = synthesize(writer, args.data, args.synthesize, seed=args.seed,
+            conversations = synthesize(writer, args.data[0], args.synthesize, seed=args.seed,
                                        tasks=args.tasks or DEFAULT_TASKS,
                                        passages="written" if args.passages == "written" else None)
             seconds = time.perf_counter() - start
@@ -145,7 +150,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             target = writer if writer.name == "transformers" else None
             del writer
         else:
-            conversations = read_conversations(args.data)
+            conversations = [c for path in args.data for c in read_conversations(path)]
         if target is None:  # the features are the transformers backend's (float32 inputs)
             with console.status(f"Loading {args.model} …"):
                 target = dataclasses.replace(spec, backend="transformers",
