@@ -5,7 +5,7 @@ import gzip
 import pytest
 
 from exactspec import SamplingParams, SpeculativeGenerator
-from exactspec.training.data import (LOOP_SPAN, PASSAGE_TASKS, TASKS,
+from exactspec.training.data import (LOOP_SPAN, PASSAGE_TASKS,
                                      cut_at_repetition, deduplicated, read_conversations,
                                      stdlib_passages, synthesize, topic_words)
 from exactspec.training.tasks import DEFAULT_TASKS, GERMAN_TASKS, PASSAGE_KINDS, PASSAGE_REQUEST
