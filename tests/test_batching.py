@@ -401,6 +401,13 @@ def test_batch_level_auto_gives_way_to_batching_as_the_batch_fills():
     # Rows chosen elsewhere count in the cost: with many fixed tokens, drafting stops.
     assert batch_speculation_lengths([[0.6] * 4], [4], steep, fixed_tokens=10,
                                      fixed_expected=10) == [0]
+    # A proposer's drafting seconds count: dear drafts (a draft head's, per row) draft less.
+    free = batch_speculation_lengths([[0.6] * 4] * 4, [4] * 4, cost)
+    dear = batch_speculation_lengths([[0.6] * 4] * 4, [4] * 4, cost,
+                                     draft_costs=[lambda k: 0.002 + 0.004 * k if k else 0.0] * 4)
+    assert sum(free) > 0 and sum(dear) < sum(free)
+    assert batch_speculation_lengths([[0.6] * 4] * 4, [4] * 4, cost,
+                                     draft_costs=[lambda k: 0.1 * k] * 4) == [0, 0, 0, 0]
     measured = ForwardCost(16)
     measured.observe(1, 0.03)
     measured.observe(8, 0.06)

@@ -407,7 +407,8 @@ class BatchedGenerator:
                 [live[i][0].policy.acceptance() for i in batch_chosen],
                 [min(live[i][0].sample.num_speculative_tokens, live[i][1] - 1)
                  for i in batch_chosen],
-                self.costs, fixed_tokens, fixed_expected)
+                self.costs, fixed_tokens, fixed_expected,
+                [live[i][0].policy.draft_cost for i in batch_chosen])
             for i, k in zip(batch_chosen, ks):
                 choices[i] = live[i][0].policy.choice(k)
         return choices

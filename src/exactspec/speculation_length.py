@@ -154,6 +154,11 @@ class SpeculationLengthPolicy(Protocol):
         :attr:`follows_batch`)."""
         raise NotImplementedError(f"the {self.name} policy chooses k on its own")
 
+    def draft_cost(self, k: int) -> float:
+        """Seconds the proposer is expected to take to draft ``k`` tokens (default 0: not
+        modelled); the batch weighs it when it chooses k (:func:`batch_speculation_lengths`)."""
+        return 0.0
+
 
 class ConstantPolicy(SpeculationLengthPolicy):
     """Always ``num_speculative_tokens``."""
@@ -478,18 +483,21 @@ class ForwardCost:
 
 def batch_speculation_lengths(acceptances: Sequence[Sequence[float]], caps: Sequence[int],
                               cost: Callable[[int], float], fixed_tokens: int = 0,
-                              fixed_expected: float = 0.0) -> list[int]:
+                              fixed_expected: float = 0.0,
+                              draft_costs: Sequence[Callable[[int], float]] | None = None
+                              ) -> list[int]:
     """The ``auto`` policy for a batch: each row's k maximising the batch's expected
     committed tokens per second when one forward scores every row.
 
     Row r drafting k_r tokens commits E_r(k_r) = 1 + Σ_{j≤k_r} Π_{i≤j} α_{r,i} tokens in
     expectation (:func:`survival`), and the forward scores
     N = Σ_r (k_r + 1) + ``fixed_tokens`` tokens, so the batch's rate is
-    (Σ_r E_r(k_r) + ``fixed_expected``) / cost(N). Each extra draft of row r adds the
-    survival probability of its next position, which falls along the row (α ≤ 1), so the
-    best allocation of m extra tokens takes the m largest of these gains over all rows; the
-    m with the best rate wins (ties: the smaller). As the batch fills, cost(N) grows and m
-    shrinks: speculation gives way to batching by itself.
+    (Σ_r E_r(k_r) + ``fixed_expected``) / (cost(N) + Σ_r D_r(k_r)), D_r the seconds row r's
+    proposer takes to draft k_r tokens (one after another: the rows draft in turn). Each
+    extra draft of row r adds the survival probability of its next position, which falls
+    along the row (α ≤ 1), so the best allocation of m extra tokens takes the m largest of
+    these gains over all rows; the m with the best rate wins (ties: the smaller). As the
+    batch fills, cost(N) grows and m shrinks: speculation gives way to batching by itself.
 
     Args:
         acceptances: per row, ``[≥ caps[r]]`` estimated α_i (:meth:`AutoPolicy.acceptance`).
@@ -497,23 +505,28 @@ def batch_speculation_lengths(acceptances: Sequence[Sequence[float]], caps: Sequ
         cost: seconds (or any unit) of a forward over N tokens (:class:`ForwardCost`).
         fixed_tokens, fixed_expected: tokens scored and committed (expected) by rows whose
             k is chosen elsewhere.
+        draft_costs: per row, D_r (:meth:`AutoPolicy.draft_cost`, in ``cost``'s unit);
+            None: drafting is free.
     Returns:
         ``[len(caps)]`` k per row.
     """
-    gains = []  # (gain, row) for every possible extra draft, each row's in falling order
+    gains = []  # (gain, row, its draft's seconds) per possible extra draft, in falling order
     for row, (alphas, cap) in enumerate(zip(acceptances, caps)):
-        gains += [(survive, row) for survive in survival(alphas[:cap])]
+        draft = draft_costs[row] if draft_costs is not None else (lambda k: 0.0)
+        gains += [(survive, row, draft(j + 1) - draft(j))
+                  for j, survive in enumerate(survival(alphas[:cap]))]
     gains.sort(key=lambda item: -item[0])  # stable: a row's gains stay in order
     base_tokens = len(caps) + fixed_tokens
-    expected = len(caps) + fixed_expected
+    expected, drafting = len(caps) + fixed_expected, 0.0
     best_rate, best_m = expected / cost(base_tokens), 0
-    for m, (gain, _) in enumerate(gains, start=1):
+    for m, (gain, _, seconds) in enumerate(gains, start=1):
         expected += gain
-        rate = expected / cost(base_tokens + m)
+        drafting += seconds
+        rate = expected / (cost(base_tokens + m) + drafting)
         if rate > best_rate:
             best_rate, best_m = rate, m
     ks = [0] * len(caps)
-    for _, row in gains[:best_m]:
+    for _, row, _ in gains[:best_m]:
         ks[row] += 1
     return ks
 
