@@ -5,7 +5,7 @@ backend) to N questions per group, their features by the training code's prefill
 (``evaluate``: top-1 agreement per drafted position, teacher-forced, and chained greedy
 acceptance) for each head. Measurement only: nothing here trains on Spec-Bench.
 
-    python results/draft-head-v3-2026-12-04/specbench_agreement.py N HEAD_FILE...
+    python results/draft-head-v3-2026-12-05/specbench_agreement.py N HEAD_FILE...
 """
 import sys, tempfile
 from pathlib import Path

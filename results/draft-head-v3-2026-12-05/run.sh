@@ -3,7 +3,7 @@
 # from the repository root with nothing else running.
 set -e
 Q=../shared/data/spec_bench/question.jsonl
-OUT=results/draft-head-v3-2026-12-04
+OUT=results/draft-head-v3-2026-12-05
 V2=training/smollm2-135m-instruct/heads/head-v2.safetensors
 V3=${V3:-training/smollm2-135m-instruct/heads/head-v3.safetensors}
 exactspec bench --backend native --threads 2 --questions $Q --per-category 5 \
