@@ -7,5 +7,5 @@ D=training/smollm2-135m-instruct
 exactspec train-draft --model smollm2-135m-instruct \
     --data $D/conversations-v3.jsonl.gz \
     --output $D/run-v3 --initial-head $D/heads/head-v2.safetensors \
-    --draft-vocab-size 8192 --updates ${UPDATES:-700} --learning-rate 3e-4 --eval-every 100 \
-    --minutes ${MINUTES:-32}
+    --draft-vocab-size 8192 --updates ${UPDATES:-400} --learning-rate 3e-4 --eval-every 100 \
+    --minutes ${MINUTES:-17}
