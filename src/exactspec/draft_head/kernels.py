@@ -87,14 +87,22 @@ class NativeHead:
         self._gate_up = matrix(head.gate_proj.weight, head.up_proj.weight)
         self._down = matrix(head.down_proj.weight)
         self._lm_head = matrix(head.lm_head)
-        self._norms = [norm.weight.detach().float() for norm in (
+        self._norms = [norm.weight.detach().float().contiguous() for norm in (
             head.input_norm, head.hidden_norm, head.post_attention_norm)]
-        self._final_norm = head.final_norm_weight.float()
-        self._embedding = head.embedding.float()
+        self._final_norm = head.final_norm_weight.float().contiguous()
+        self._embedding = head.embedding.float().contiguous()
         self._inv_freq = head.inv_freq
         self._q_width = c.num_attention_heads * c.head_dim
         self._kv_width = c.num_key_value_heads * c.head_dim
         self._scale = c.head_dim ** -0.5
+        self._inv_freq = self._inv_freq.float().contiguous()
+        self._c_head = None if weights != "q8_0" else native.Head(
+            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+            c.intermediate_size, len(self.draft_token_ids), c.rms_norm_eps,
+            *(tensor.data_ptr() for tensor in (self._embedding, *self._norms,
+                                               self._final_norm, self._inv_freq)),
+            *(matrix.packed.ctypes.data for matrix in (self._qkv, self._o, self._gate_up,
+                                                       self._down, self._lm_head)))
 
     def _linear(self, x: torch.Tensor, weight: _Matrix) -> torch.Tensor:
         return weight(self._kernels, x, self._threads)
@@ -108,12 +116,46 @@ class NativeHead:
         eps = self.config.rms_norm_eps
         return self._linear(_rms_norm(hidden, self._final_norm, eps), self._lm_head)
 
+    def draft_step(self, cache: HeadCache, hidden: torch.Tensor,
+                   token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`DraftHead.draft_step`: chain rows appended and their outputs ``[n, h]``,
+        with the last row's draft logits ``[1, V']``; with Q8_0 weights one call of
+        ``es_head_step``."""
+        if self._c_head is None:
+            outputs = self.extend(cache, hidden, token_ids)
+            return outputs, self.logits(outputs[-1:])
+        return self._native_step(cache, hidden, token_ids, logits=True)
+
+    def _native_step(self, cache: HeadCache, hidden: torch.Tensor, token_ids: torch.Tensor,
+                     logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``es_head_step`` over chain rows: their outputs ``[n, h]`` and, if ``logits``,
+        the last row's draft logits ``[1, V']`` (else None)."""
+        c, n, start = self.config, hidden.shape[0], len(cache)
+        tokens = token_ids.to(torch.int64).contiguous()
+        if n == 0 or tokens.shape != (n,):
+            raise ValueError(f"{n} rows need {n} token ids (at least one); got "
+                             f"{tuple(tokens.shape)}")
+        if not 0 <= int(tokens.min()) <= int(tokens.max()) < self._embedding.shape[0]:
+            raise ValueError(f"token ids must lie in [0, {self._embedding.shape[0]})")
+        hidden = hidden.float().contiguous()
+        cache.new_rows(n, (c.num_key_value_heads, c.head_dim), torch.float32)
+        out = torch.empty(n, c.hidden_size)
+        draft_logits = torch.empty(1, len(self.draft_token_ids)) if logits else None
+        self._kernels.head_step(self._c_head, cache.keys.data_ptr(), cache.values.data_ptr(),
+                                start, n, hidden.data_ptr(), tokens.data_ptr(), out.data_ptr(),
+                                None if draft_logits is None else draft_logits.data_ptr(),
+                                self._threads, native.ISAS.index(self._kernels.isa))
+        return out, draft_logits
+
     def extend(self, cache: HeadCache, hidden: torch.Tensor, token_ids: torch.Tensor,
                positions: torch.Tensor | None = None,
                mask: torch.Tensor | None = None) -> torch.Tensor:
         """As :meth:`DraftHead.extend`: append rows to ``cache`` and return their outputs
-        ``[n, h]``; a chain (``mask`` None) attends on the native kernels, a tree's mask
-        through PyTorch."""
+        ``[n, h]``; a chain (``positions`` and ``mask`` None) in one call of
+        ``es_head_step`` with Q8_0 weights, else on the native kernels' products with a
+        chain's attention on the native kernels and a tree's mask through PyTorch."""
+        if self._c_head is not None and positions is None and mask is None:
+            return self._native_step(cache, hidden, token_ids, logits=False)[0]
         c, eps = self.config, self.config.rms_norm_eps
         n, start = hidden.shape[0], len(cache)
         if positions is None:

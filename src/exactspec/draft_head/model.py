@@ -138,18 +138,27 @@ class HeadCache:
         return self._values[:self._length]
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        end = self._length + keys.shape[0]
+        """Append rows ``keys``, ``values`` ``[n, num_key_value_heads, head_dim]``."""
+        new_keys, new_values = self.new_rows(keys.shape[0], keys.shape[1:], keys.dtype,
+                                             keys.device)
+        new_keys.copy_(keys)
+        new_values.copy_(values)
+
+    def new_rows(self, n: int, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``n`` rows of ``shape`` (``[num_key_value_heads, head_dim]``), left for the
+        caller to write, and return them (views of the buffers, ``[n, *shape]``)."""
+        end = self._length + n
         if self._keys is None or end > self._keys.shape[0]:
             size = max(end, 2 * (0 if self._keys is None else self._keys.shape[0]), 64)
-            grown_keys = keys.new_empty((size, *keys.shape[1:]))
-            grown_values = values.new_empty((size, *values.shape[1:]))
+            grown_keys = torch.empty((size, *shape), dtype=dtype, device=device)
+            grown_values = torch.empty((size, *shape), dtype=dtype, device=device)
             if self._length:
                 grown_keys[:self._length] = self.keys
                 grown_values[:self._length] = self.values
             self._keys, self._values = grown_keys, grown_values
-        self._keys[self._length:end] = keys
-        self._values[self._length:end] = values
-        self._length = end
+        start, self._length = self._length, end
+        return self._keys[start:end], self._values[start:end]
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` rows."""
@@ -327,6 +336,13 @@ class DraftHead(nn.Module):
         if mask is None and n > 1:
             mask = torch.arange(total)[None, :] <= torch.arange(start, total)[:, None]
         return self.finish(hidden, attend(q, cache, mask))
+
+    def draft_step(self, cache: HeadCache, hidden: torch.Tensor,
+                   token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`extend` by chain rows (``hidden [n, h]``, ``token_ids [n]``), then the draft
+        logits of the last: returns the outputs ``[n, h]`` and ``[1, V']``."""
+        outputs = self.extend(cache, hidden, token_ids)
+        return outputs, self.logits(outputs[-1:])
 
 
 def rotate(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,

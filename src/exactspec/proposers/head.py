@@ -47,6 +47,7 @@ class _SequenceState:
         self.cache = HeadCache()
         self.row_tokens: list[int] = []  # row s's input token (the context's token s + 1)
         self.last_output: torch.Tensor | None = None  # [1, h], the last row's output
+        self.last_logits: torch.Tensor | None = None  # [1, V'], its draft logits
 
 
 def _greedy_draw(draft_logits: torch.Tensor, ids: torch.Tensor,
@@ -142,7 +143,7 @@ class HeadProposer(Proposer):
                 return self._propose_tree(token_ids, k, pipeline, min_confidence)
         head, state = self.head, self._state
         with torch.inference_mode(), torch_threads(self.threads):
-            hidden = self._sync(token_ids)
+            hidden, draft_logits = self._sync(token_ids)
             real_rows = len(state.cache)
             drafted: list[int] = []
             probs: list[torch.Tensor] = []
@@ -150,8 +151,7 @@ class HeadProposer(Proposer):
             confidence = 1.0  # the product of the drafted tokens' top probabilities
             # greedy without processors: the draft vocabulary's logits are the whole q
             plain_greedy = pipeline.is_identity and pipeline.params.greedy
-            for step in range(k):
-                draft_logits = head.logits(hidden)  # [1, V']
+            for step in range(k):  # draft_logits [1, V']: the head's for the next token
                 if plain_greedy:
                     draw = _greedy_draw(draft_logits[0], ids, min_confidence / confidence)
                 else:
@@ -166,7 +166,8 @@ class HeadProposer(Proposer):
                 if draw.q is not None:
                     probs.append(draw.q)
                 if step + 1 < k:
-                    hidden = head.extend(state.cache, hidden, torch.tensor([draw.token]))
+                    hidden, draft_logits = head.draft_step(state.cache, hidden,
+                                                           torch.tensor([draw.token]))
             state.cache.crop(real_rows)
         return Proposal(drafted, torch.stack(probs) if probs else None)
 
@@ -183,7 +184,7 @@ class HeadProposer(Proposer):
         context only, so each node is a point-mass draft (``Proposal.probs`` None) and
         :func:`~exactspec.verification.verify_tree` stays exact at any temperature."""
         head, state, budget = self.head, self._state, self.tree_nodes
-        hidden = self._sync(token_ids)  # [1, h]: drafts the first level
+        hidden = self._sync(token_ids)[0]  # [1, h]: drafts the first level
         real_rows = len(state.cache)
         values: list[float] = []  # each candidate node's log value
         nodes: list[tuple[int, int, int]] = []  # each candidate's (token, parent or −1, depth)
@@ -269,10 +270,11 @@ class HeadProposer(Proposer):
         node_outputs.update(zip(frontier, outputs))
         return outputs
 
-    def _sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def _sync(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Bring the head's rows to the context (rolled back to the common prefix, then the
         target's features of the new positions fed) and return the last row's output
-        ``[1, h]``, which drafts the token after ``token_ids``."""
+        ``[1, h]`` and its draft logits ``[1, V']``, which draft the token after
+        ``token_ids``."""
         state, head = self._state, self.head
         new_tokens = token_ids[1:]  # row s's input token is the context's token s + 1
         rows = len(state.row_tokens)
@@ -283,7 +285,7 @@ class HeadProposer(Proposer):
             while common < limit and state.row_tokens[common] == new_tokens[common]:
                 common += 1
         if common == len(new_tokens) == rows and common:
-            return state.last_output
+            return state.last_output, state.last_logits
         common = min(common, len(new_tokens) - 1)  # the last row is always fed again
         state.cache.crop(common)
         del state.row_tokens[common:]
@@ -292,8 +294,8 @@ class HeadProposer(Proposer):
             raise RuntimeError(f"the target holds {common + features.shape[0]} positions of "
                                f"this sequence, the context has {len(token_ids)} tokens: the "
                                "target's cache must hold all but the last")
-        output = head.extend(state.cache, head.fc(features.to(head.dtype)),
-                             torch.tensor(new_tokens[common:]))
+        output, state.last_logits = head.draft_step(state.cache, head.fc(features.to(head.dtype)),
+                                                    torch.tensor(new_tokens[common:]))
         state.row_tokens.extend(new_tokens[common:])
         state.last_output = output[-1:]
-        return state.last_output
+        return state.last_output, state.last_logits

@@ -97,6 +97,17 @@ class Segment(ctypes.Structure):
                 ("tree_offsets", ctypes.c_void_p)]
 
 
+class Head(ctypes.Structure):
+    """``es_head``: a draft head's shapes and tensors (``es_head_step``; the norms and
+    frequencies float32, the products' weights repacked Q8_0)."""
+    _fields_ = [(name, ctypes.c_int64) for name in
+                ("n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "n_draft_vocab")] + [
+                ("rms_eps", ctypes.c_double)] + [
+                (name, ctypes.c_void_p) for name in
+                ("embedding", "input_norm", "hidden_norm", "post_norm", "final_norm",
+                 "inv_freq", "qkv", "o", "gate_up", "down", "lm_head")]
+
+
 _lock = threading.Lock()
 _loaded: NativeKernels | None | bool = False  # False: not tried yet
 
@@ -141,6 +152,11 @@ class NativeKernels:
         library.es_linear_q8.argtypes = [QuantizedRows, i64, i64, ptr, ctypes.c_int, i64, ptr,
                                          i64, ctypes.c_int, ctypes.c_int]
         library.es_linear_q8.restype = None
+        library.es_head_step.argtypes = [ctypes.POINTER(Head), ptr, ptr, i64, i64, ptr, ptr, ptr,
+                                         ptr, ctypes.c_int, ctypes.c_int]
+        library.es_head_step.restype = None
+        self.head_step = library.es_head_step
+        """``es_head_step`` (the C source's header gives its arguments and arithmetic)."""
         self.row_bytes = library.es_row_bytes
         self.forward = library.es_forward
         """``es_forward`` (the C source's header gives its arguments and arithmetic)."""

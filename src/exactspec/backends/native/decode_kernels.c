@@ -1409,3 +1409,124 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
     free(seg_start); free(h); free(x); free(q); free(k); free(v); free(a); free(t1);
     free(g); free(u); free(cs); free(xl);
 }
+
+/* ---- a draft head's step (EAGLE-3's one decoder layer, exactspec.draft_head) ----
+ *
+ * es_head_step runs exactspec.draft_head.kernels.NativeHead.extend for a chain in one
+ * OpenMP parallel region (no Python between the products): for n new rows at positions
+ * n_past .. n_past + n - 1, row r with input token tokens[r] and input hidden[r]:
+ *
+ *     x  = [rms_norm(embedding[token], input_norm), rms_norm(hidden, hidden_norm)]  [2E]
+ *     q, k, v = x @ Wqkv^T                 the int8 product (es_linear_q8's arithmetic)
+ *     RoPE ("neox" halves) at the row's position: angle = (float)pos * inv_freq[i] in
+ *     float, cosf / sinf; k, v written to the cache row n_past + r
+ *     a  = attention over the cache rows 0 .. n_past + r (attend_kv_head, causal)
+ *     h  = hidden + a @ Wo^T
+ *     out = h + (silu(g) * u) @ Wdown^T    with g, u = rms_norm(h, post_attention_norm) @ Wgu^T
+ *
+ * and, when logits is not NULL, logits [Vd] = rms_norm(out[n - 1], final_norm) @ Wlm^T
+ * (the draft vocabulary's rows). rms_norm, silu and attention are es_forward's; all
+ * weights are repacked Q8_0 (es_repack). The head's K/V cache: row j, kv head c at
+ * k_cache[(j * Hkv + c) * d] (HeadCache's [rows, Hkv, d] buffers), capacity ≥ n_past + n. */
+typedef struct {
+    int64_t n_embd, n_head, n_head_kv, head_dim, n_ff, n_draft_vocab;
+    double rms_eps;
+    const float *embedding;   /* [vocab, n_embd] float32 */
+    const float *input_norm, *hidden_norm, *post_norm, *final_norm, *inv_freq;
+    const uint8_t *qkv, *o, *gate_up, *down, *lm_head; /* es_repack'd Q8_0 */
+} es_head;
+
+void es_head_step(const es_head *m, float *k_cache, float *v_cache, int64_t n_past,
+                  int64_t n, const float *hidden, const int64_t *tokens, float *out,
+                  float *logits, int threads, int isa) {
+    const int64_t E = m->n_embd, H = m->n_head, Hkv = m->n_head_kv, d = m->head_dim,
+                  F = m->n_ff, QD = H * d, KD = Hkv * d, QKV = QD + 2 * KD, L = n_past + n;
+    const int64_t widest = 2 * F > 2 * E ? 2 * F : 2 * E;
+    float *x = malloc(sizeof(float) * n * widest), *qkv = malloc(sizeof(float) * n * QKV),
+          *a = malloc(sizeof(float) * n * QD), *t1 = malloc(sizeof(float) * n * E),
+          *gu = malloc(sizeof(float) * n * 2 * F), *xl = malloc(sizeof(float) * E);
+    es_q8_rows q8 = {malloc(n * widest), malloc(sizeof(float) * n * (widest / 32 + 1)),
+                     malloc(sizeof(int32_t) * n * (widest / 32 + 1)),
+                     malloc(sizeof(float) * n * (widest / 32 + 1))};
+    const float scale = 1.0f / sqrtf((float)d);
+    if (threads < 1) threads = 1;
+    const int64_t split = Hkv % threads == 0 || Hkv >= 4 * threads ? 1 : H / Hkv; /* es_forward's */
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t r0 = n * t / nt, r1 = n * (t + 1) / nt;
+        float *e = malloc(sizeof(float) * attention_scratch(H, Hkv, L));
+#define HEAD_LINEAR(ROWS, Q, K, W, N, Y)                                                    \
+        do {                                                                              \
+            int64_t j0, j1;                                                               \
+            column_share(N, t, nt, &j0, &j1);                                             \
+            if (j0 < j1) columns_q8(isa, Q, ROWS, K, W, 8, N, Y, N, j0, j1);              \
+        } while (0)
+        for (int64_t r = r0; r < r1; r++) {
+            rms_norm(m->embedding + tokens[r] * E, m->input_norm, E, m->rms_eps, isa,
+                     x + r * 2 * E);
+            rms_norm(hidden + r * E, m->hidden_norm, E, m->rms_eps, isa, x + r * 2 * E + E);
+        }
+        es_quantize_rows(x, 2 * E, r0, r1, 2 * E, q8, isa);
+#pragma omp barrier
+        HEAD_LINEAR(n, q8, 2 * E, m->qkv, QKV, qkv);
+#pragma omp barrier
+        for (int64_t r = r0; r < r1; r++) {
+            float *q = qkv + r * QKV, *k = q + QD, *v = k + KD;
+            for (int64_t i = 0; i < d / 2; i++) {
+                float angle = (float)(n_past + r) * m->inv_freq[i];
+                float c = cosf(angle), s = sinf(angle);
+                for (int64_t h = 0; h < H + Hkv; h++) { /* the query's heads, then the key's */
+                    float *xh = h < H ? q + h * d : k + (h - H) * d;
+                    float a0 = xh[i], b0 = xh[i + d / 2];
+                    xh[i] = a0 * c - b0 * s;
+                    xh[i + d / 2] = a0 * s + b0 * c;
+                }
+            }
+            __builtin_memcpy(k_cache + (n_past + r) * KD, k, 4 * KD);
+            __builtin_memcpy(v_cache + (n_past + r) * KD, v, 4 * KD);
+        }
+#pragma omp barrier
+        for (int64_t item = t; item < Hkv * split; item += nt) {
+            int64_t g = item / split, part = item % split;
+            int64_t h0 = g * (H / Hkv) + part * (H / Hkv) / split,
+                    h1 = g * (H / Hkv) + (part + 1) * (H / Hkv) / split;
+            attend_kv_head(qkv, n, H, d, QKV, d, k_cache, v_cache, Hkv, L, d, KD, d, KD, scale,
+                           a, QD, d, e, isa, NULL, NULL, g, h0, h1);
+        }
+#pragma omp barrier
+        es_quantize_rows(a, QD, r0, r1, QD, q8, isa);
+#pragma omp barrier
+        HEAD_LINEAR(n, q8, QD, m->o, E, t1);
+#pragma omp barrier
+        for (int64_t r = r0; r < r1; r++) {
+            for (int64_t c = 0; c < E; c++) out[r * E + c] = hidden[r * E + c] + t1[r * E + c];
+            rms_norm(out + r * E, m->post_norm, E, m->rms_eps, isa, x + r * E);
+        }
+        es_quantize_rows(x, E, r0, r1, E, q8, isa);
+#pragma omp barrier
+        HEAD_LINEAR(n, q8, E, m->gate_up, 2 * F, gu);
+#pragma omp barrier
+        for (int64_t r = r0; r < r1; r++)
+            silu_mul(gu + r * 2 * F, gu + r * 2 * F + F, x + r * F, F, isa);
+        es_quantize_rows(x, F, r0, r1, F, q8, isa);
+#pragma omp barrier
+        HEAD_LINEAR(n, q8, F, m->down, E, t1);
+#pragma omp barrier
+        for (int64_t r = r0; r < r1; r++)
+            for (int64_t c = 0; c < E; c++) out[r * E + c] += t1[r * E + c];
+        if (logits) {
+#pragma omp barrier
+            if (t == 0) {
+                rms_norm(out + (n - 1) * E, m->final_norm, E, m->rms_eps, isa, xl);
+                es_quantize_rows(xl, E, 0, 1, E, q8, isa);
+            }
+#pragma omp barrier
+            HEAD_LINEAR(1, q8, E, m->lm_head, m->n_draft_vocab, logits);
+        }
+#undef HEAD_LINEAR
+        free(e);
+    }
+    free(q8.xq); free(q8.dx); free(q8.sx); free(q8.dxs);
+    free(x); free(qkv); free(a); free(t1); free(gu); free(xl);
+}
