@@ -1,0 +1,14 @@
+#!/bin/sh
+# Issue 43 item 5: the head's chain step in one C call (es_head_step). Spec-Bench, native
+# backend, greedy then temperature 0.7, from the repository root with nothing else running.
+set -e
+Q=../shared/data/spec_bench/question.jsonl
+OUT=results/draft-head-native-step-2026-12-06
+V3=training/smollm2-135m-instruct/heads/head-v3.safetensors
+for T in 0 0.7; do
+  .venv/bin/exactspec bench --backend native --threads 2 --questions $Q --per-category 5 \
+      --max-new-tokens 128 --repetitions 2 --temperature $T --method plain \
+      --method suffix:k=4:policy=auto --method prompt-lookup:k=4:policy=auto \
+      --method head:$V3:k=4:policy=auto --method head:$V3:tree=6:k=4:policy=auto \
+      --output $OUT/t$T
+done
