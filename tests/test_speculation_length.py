@@ -291,6 +291,29 @@ def test_auto_sets_the_break_even_confidence_of_a_draft_that_estimates_its_accep
     assert plain.min_confidence == 0.0
 
 
+def test_auto_counts_a_draft_its_gate_stopped_before_the_first_token_as_rejected():
+    """A draft head that drafts nothing in a cycle auto chose to draft (its confidence
+    below the break-even probability) paid for drafting and gained nothing: α_1 counts it as
+    a first draft tested and not accepted. Without the gate (prompt lookup finding no match:
+    no cost) and on plain steps nothing is counted."""
+    for break_even in (True, False):
+        policy = AutoPolicy(4, break_even=break_even, probe=False)
+        policy.choice(2)
+        policy.observe(2, 2, None, None)  # a cycle that drafted 2, both accepted
+        before = policy.acceptance()[0]
+        policy.choice(2)
+        policy.observe(0, 0, None, None)  # chose 2, drafted nothing
+        policy.choice(0)
+        policy.observe(0, 0, None, None)  # a plain step
+        tested = 0.97 ** 2 + (0.97 if break_even else 0.0)
+        assert policy.tested[0] == pytest.approx(tested)
+        assert policy.accepted[0] == pytest.approx(0.97 ** 2)
+        prior = policy.prior_acceptance * policy.prior_weight
+        assert policy.acceptance()[0] == pytest.approx(
+            (0.97 ** 2 + prior) / (tested + policy.prior_weight))
+        assert (policy.acceptance()[0] < 0.9 * before) == break_even
+
+
 # --- issue 40: auto never locks itself out of drafting -----------------------------------
 
 def noisy_then_true(policy, noisy_cycles, true_cycles, alpha, cost, noise=10.0):

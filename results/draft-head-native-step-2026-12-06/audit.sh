@@ -8,7 +8,7 @@ for spec in "head:$V3" "head:$V3:tree=6"; do
   name=$(echo "$spec" | sed 's/.*head-v3.safetensors/audit-v3/; s/:tree=6/-tree/')
   [ "$name" = audit-v3 ] && name=audit-v3-chain
   .venv/bin/exactspec audit --backend native --proposer "$spec" -k 4 --policy constant \
-      --temperature 0.8 --top-p 0.9 --samples 150 --tokens 6 --chat \
+      --temperature 0.8 --top-p 0.9 --samples 1500 --tokens 6 --chat \
       --prompt "Count from 1 to 20, separated by commas." \
       --prompt "List the days of the week in order." --output $OUT/$name
 done

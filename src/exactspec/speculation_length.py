@@ -238,7 +238,10 @@ class AutoPolicy(SpeculationLengthPolicy):
             of one more drafted token, its marginal seconds (drafting it, and the longer
             forward) times the committed tokens per second expected at the chosen k, so the
             draft stops where its own probabilities say one more token does not pay
-            (EAGLE-2's confidence-driven draft length, from measured costs).
+            (EAGLE-2's confidence-driven draft length, from measured costs). A cycle whose
+            draft stops before its first token counts as a first draft rejected: it paid
+            for drafting and gained nothing, and acceptance measured over the drafts the
+            gate let through alone would overstate what a drafting cycle gains.
     """
 
     name = "auto"
@@ -363,6 +366,12 @@ class AutoPolicy(SpeculationLengthPolicy):
         for i in range(min(num_accepted + 1, num_drafted)):  # positions that were verified
             self.tested[i] += 1
             self.accepted[i] += i < num_accepted
+        if self.break_even and self.drafting and not num_drafted and self.num_speculative_tokens:
+            # the draft stopped itself below the break-even probability before its first
+            # token: that cycle paid for the draft and committed no draft, so it counts as a
+            # first draft not accepted (α_1 is then per cycle that drafts, not per drafted
+            # token, which the draft's own gate would bias upwards)
+            self.tested[0] += 1
 
     def observe_peek(self, committed_the_draft: bool) -> None:
         """Evidence for α_1 from a plain step: whether it committed the token a free
