@@ -143,10 +143,11 @@ def test_the_native_head_computes_the_heads_layer(target, tiny_head_file, weight
 
 def test_the_native_heads_one_call_step_is_its_layer_and_lm_head(target, tiny_head_file):
     """``es_head_step`` (NativeHead.draft_step, one C call) against the same head's
-    product-by-product path (explicit positions take it): a prefill of 7 rows then two chain
-    steps, the outputs, the cached keys and values and the last row's draft logits equal up
-    to float32 rounding (the same int8 products; only the norms' and RoPE's order of
-    operations differs), and the drafted token is the same."""
+    product-by-product path (explicit positions take it), on each instruction-set path the
+    machine has: a prefill of 7 rows then two chain steps, the outputs, the cached keys and
+    values and the last row's draft logits equal up to float32 rounding (the same int8
+    products; only the norms' and RoPE's order of operations differs), and the drafted token
+    is the same."""
     from exactspec.backends import native
     from exactspec.draft_head.kernels import NativeHead
 
@@ -155,25 +156,34 @@ def test_the_native_heads_one_call_step_is_its_layer_and_lm_head(target, tiny_he
         pytest.skip("the native kernels do not build here")
     fast = NativeHead(load_head(tiny_head_file, target.target_tensors()), kernels, threads=2)
     features = torch.randn(7, fast.config.feature_size, generator=torch.Generator().manual_seed(1))
-    one_call, by_products = HeadCache(), HeadCache()
-    with torch.inference_mode():
-        rows, logits = fast.draft_step(one_call, fast.fc(features), torch.tensor([3, 9, 4, 1, 5, 9, 2]))
-        expected = fast.extend(by_products, fast.fc(features), torch.tensor([3, 9, 4, 1, 5, 9, 2]),
-                               torch.arange(7))
-        for position, token in ((7, 6), (8, int(logits.argmax()))):
-            torch.testing.assert_close(rows, expected, atol=1e-3 * float(expected.abs().max()), rtol=0)
-            expected_logits = fast.logits(expected[-1:])
-            torch.testing.assert_close(logits, expected_logits,
-                                       atol=1e-3 * float(expected_logits.abs().max()), rtol=0)
-            assert int(logits.argmax()) == int(expected_logits.argmax())
-            rows, logits = fast.draft_step(one_call, rows[-1:], torch.tensor([token]))
-            expected = fast.extend(by_products, expected[-1:], torch.tensor([token]),
-                                   torch.tensor([position]))
-    assert len(one_call) == len(by_products) == 9
-    for mine, theirs in ((one_call.keys, by_products.keys), (one_call.values, by_products.values)):
-        torch.testing.assert_close(mine, theirs, atol=1e-3 * float(theirs.abs().max()), rtol=0)
+    prompt = torch.tensor([3, 9, 4, 1, 5, 9, 2])
+    try:
+        for isa in native.ISAS[:native.ISAS.index(kernels.best_isa) + 1]:
+            kernels.isa = isa
+            one_call, by_products = HeadCache(), HeadCache()
+            with torch.inference_mode():
+                rows, logits = fast.draft_step(one_call, fast.fc(features), prompt)
+                expected = fast.extend(by_products, fast.fc(features), prompt, torch.arange(7))
+                for position, token in ((7, 6), (8, int(logits.argmax()))):
+                    close(rows, expected)
+                    expected_logits = fast.logits(expected[-1:])
+                    close(logits, expected_logits)
+                    assert int(logits.argmax()) == int(expected_logits.argmax())
+                    rows, logits = fast.draft_step(one_call, rows[-1:], torch.tensor([token]))
+                    expected = fast.extend(by_products, expected[-1:], torch.tensor([token]),
+                                           torch.tensor([position]))
+            assert len(one_call) == len(by_products) == 9
+            close(one_call.keys, by_products.keys)
+            close(one_call.values, by_products.values)
+    finally:
+        kernels.isa = kernels.best_isa
     with pytest.raises(ValueError, match="token ids must lie in"):
         fast.draft_step(HeadCache(), rows[-1:], torch.tensor([10 ** 6]))
+
+
+def close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal up to float32 rounding: 1e-3 of the largest magnitude."""
+    torch.testing.assert_close(got, expected, atol=1e-3 * float(expected.abs().max()), rtol=0)
 
 
 PROMPTS = [[1, 2, 3, 4, 5], [9, 9, 8], [30, 31, 2, 2, 40, 41, 7, 1]]
