@@ -247,6 +247,8 @@ async def run(args: argparse.Namespace, url: str, pid: int | None) -> dict:
         "head_of_line_probe": head_of_line,
         "long_prompts": len(long_records),
         "long_prompt_ttft_seconds": [round(r["ttft"], 2) for r in long_records],
+        "request_records": [{key: round(value, 3) if isinstance(value, float) else value
+                             for key, value in r.items()} for r in records],
     }
 
 

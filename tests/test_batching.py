@@ -176,6 +176,42 @@ def test_a_short_prompt_arriving_during_a_long_prefill_is_not_blocked_behind_it(
     assert outputs[long][0].token_ids == plain.generate(long_prompt, params).token_ids
 
 
+@pytest.mark.parametrize("max_wait", [None, float("inf")])
+def test_a_long_prompt_is_not_starved_by_short_ones_arriving_behind_it(make_backend,
+                                                                       monkeypatch, max_wait):
+    """Two rows decode; a long prompt (two chunks of 0.2 s each) joins, and short prompts
+    (0.05 s of prefill each) keep arriving behind it, one always waiting. Fewest tokens
+    first alone (the control: PREFILL_MAX_WAIT infinite) prefills every short one first and
+    the decoding rows' credit never reaches a long chunk's cost, so the long prompt never
+    starts within 12 s; with PREFILL_MAX_WAIT (2 s) it goes first once it has waited that
+    long and emits its first token within about a second after."""
+    import exactspec.batching
+
+    if max_wait is not None:
+        monkeypatch.setattr(exactspec.batching, "PREFILL_MAX_WAIT", max_wait)
+    target = make_backend(0, max_context=4096)
+    chunk = target.prefill_chunk_size
+    clock = FakeClock(monkeypatch, target, forward=0.010, per_token=0.2 / chunk)
+    batched = BatchedGenerator(SpeculativeGenerator(target, None), max_batch_size=4)
+    for prompt in PROMPTS[:2]:
+        batched.submit(prompt, SamplingParams(max_new_tokens=4000, ignore_eos=True))
+    batched.step()
+    first_long = []
+    batched.submit([(5 * i + 1) % 64 for i in range(chunk + 30)], SamplingParams(max_new_tokens=2),
+                   on_commit=lambda sample, tokens: first_long.append(clock.now))
+    short_prompt = [(3 * i + 2) % 64 for i in range(chunk // 4)]
+    shorts = 0
+    while not first_long and clock.now < 12.0:
+        if not batched.num_waiting:
+            batched.submit(short_prompt, SamplingParams(max_new_tokens=2))
+            shorts += 1
+        batched.step()
+    if max_wait is None:
+        assert first_long and first_long[0] < exactspec.batching.PREFILL_MAX_WAIT + 1.5
+    else:
+        assert not first_long and shorts > 50  # starved
+
+
 @pytest.mark.parametrize("policy", ["constant", "auto"])
 @pytest.mark.parametrize("proposer_name", ["plain", "prompt-lookup", "suffix"])
 def test_greedy_rows_equal_decoding_them_alone(proposer_name, policy, make_backend):

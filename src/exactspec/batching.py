@@ -40,6 +40,10 @@ from exactspec.threads import torch_threads
 PREFILL_SHARE = 0.8
 """While rows decode, prefill gets this many seconds per second of decoding (at most), so
 their time per token stays within about (1 + this)× its value without prefill."""
+PREFILL_MAX_WAIT = 2.0
+"""A joining prompt whose request started this many seconds ago is prefilled before those
+with fewer tokens left (the oldest such first): fewest-tokens-first alone starves a long
+prompt while shorter ones keep arriving (in a serve load test, 50 s to a first token)."""
 PREFILL_SECONDS_ALONE = 0.25
 """With no row decoding, prefill chunks run each cycle until this many seconds are spent
 (at least one chunk), so that a request arriving meanwhile waits at most about this."""
@@ -331,7 +335,8 @@ class BatchedGenerator:
     def _prefill(self, finished: dict[int, RequestOutput]) -> None:
         """Prefill the prompts of rows that joined, in chunks of ``prefill_chunk_size``
         tokens (chunked prefill: Agrawal et al. 2023, "Sarathi"), the prompts with the
-        fewest tokens left first, within a budget of *time*, not tokens (vLLM's
+        fewest tokens left first but those waiting :data:`PREFILL_MAX_WAIT` seconds or more
+        before them (oldest first), within a budget of *time*, not tokens (vLLM's
         ``max_num_batched_tokens`` plays this role): while other rows decode, each cycle
         adds :data:`PREFILL_SHARE` × the measured seconds of a decoding cycle to a credit,
         and a chunk runs when the credit covers its estimated seconds (the row's last chunk
@@ -361,15 +366,19 @@ class BatchedGenerator:
 
     def _prefill_rows(self, joining: list[SequenceState], budget: float, at_least_one: bool,
                       finished: dict[int, RequestOutput]) -> float:
-        """Prefill chunks of ``joining``'s prompts, fewest tokens left first, while their
+        """Prefill chunks of ``joining``'s prompts, those waiting :data:`PREFILL_MAX_WAIT`
+        seconds or more first (oldest first), then the fewest tokens left first, while their
         estimated seconds fit ``budget`` (``at_least_one``: the first chunk runs whatever
         it costs); returns the seconds spent. A row whose prompt is in starts its first
         sample; a row whose prefill fails gets its error in ``finished``."""
         chunk = self.target.prefill_chunk_size
         known = [row.prefill_seconds_per_token for row in self._active
                  if row.prefill_seconds_per_token is not None]
-        spent = 0.0
-        for row in sorted(joining, key=lambda row: row.num_tokens_to_prefill):
+        spent, now = 0.0, time.perf_counter()
+        overdue = lambda row: now - row.start >= PREFILL_MAX_WAIT  # noqa: E731
+        order = sorted(joining, key=lambda row: (0, row.start) if overdue(row)
+                       else (1, row.num_tokens_to_prefill))
+        for row in order:
             try:
                 while not row.prefilled:
                     size = min(chunk, row.num_tokens_to_prefill)
