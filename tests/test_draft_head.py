@@ -137,11 +137,13 @@ def test_the_native_head_computes_the_heads_layer(target, tiny_head_file, weight
         torch.testing.assert_close(got, expected, atol=tolerance, rtol=0)
         assert weights == "bf16" or not torch.equal(got, expected)
     assert outputs[1][2][0].sub(outputs[1][1][0]).abs().max() < 1e-5  # node 0's path = the step
-    with pytest.raises(ValueError, match="weights = 'q4' is invalid: choose one of q8_0, bf16"):
+    with pytest.raises(ValueError, match="weights = 'q4' is invalid: choose one of q8_0, q4_0, bf16"):
         NativeHead(head, kernels, threads=1, weights="q4")
 
 
-def test_the_native_heads_one_call_step_is_its_layer_and_lm_head(target, tiny_head_file):
+@pytest.mark.parametrize("weights", ["q8_0", "q4_0"])
+def test_the_native_heads_one_call_step_is_its_layer_and_lm_head(target, tiny_head_file,
+                                                                 weights):
     """``es_head_step`` (NativeHead.draft_step, one C call) against the same head's
     product-by-product path (explicit positions take it), on each instruction-set path the
     machine has: a prefill of 7 rows then two chain steps, the outputs, the cached keys and
@@ -154,7 +156,8 @@ def test_the_native_heads_one_call_step_is_its_layer_and_lm_head(target, tiny_he
     kernels = native.load()
     if kernels is None:
         pytest.skip("the native kernels do not build here")
-    fast = NativeHead(load_head(tiny_head_file, target.target_tensors()), kernels, threads=2)
+    fast = NativeHead(load_head(tiny_head_file, target.target_tensors()), kernels, threads=2,
+                      weights=weights)
     features = torch.randn(7, fast.config.feature_size, generator=torch.Generator().manual_seed(1))
     prompt = torch.tensor([3, 9, 4, 1, 5, 9, 2])
     try:

@@ -24,6 +24,9 @@ from conftest import tiny_backend
     ("draft:some/model", ProposerSpec("draft:some/model", "draft", model="some/model")),
     ("draft:C:/models/x.gguf", ProposerSpec("draft:C:/models/x.gguf", "draft",
                                            model="C:/models/x.gguf")),
+    ("head:h.safetensors:tree=6:weights=q4_0", ProposerSpec(
+        "head:h.safetensors:tree=6:weights=q4_0", "head", head="h.safetensors", tree=6,
+        weights="q4_0")),
 ])
 def test_proposer_specs_parse_without_a_model(spec, expected):
     assert parse_proposer(spec) == expected
@@ -54,11 +57,20 @@ def test_former_kind_names_are_refused_naming_the_one_name(spec, name):
     ("early-exit:0", "L = 0 must be ≥ 1"),
     ("prompt-lookup:ngram=3-1", "ngram '3-1' is invalid: need 1 ≤ MIN ≤ MAX"),
     ("prompt-lookup:ngram=x", "ngram 'x' is invalid: give MIN-MAX n-gram sizes, e.g. 1-3"),
+    ("head:weights=q2", "weights = 'q2' must be one of q8_0, q4_0, bf16"),
+    ("suffix:weights=q4_0", "use one of"),  # weights belong to a head
 ])
 def test_bad_proposer_specs_are_named_with_the_allowed_forms(spec, reason):
     with pytest.raises(ValueError) as error:
         parse_proposer(spec)
     assert str(error.value).startswith(f"proposer {spec!r} is invalid: {reason}")
+
+
+def test_a_heads_weights_option_names_what_its_kernels_take():
+    from exactspec.draft_head.kernels import WEIGHTS
+    from exactspec.proposers.spec import HEAD_WEIGHTS
+
+    assert HEAD_WEIGHTS == WEIGHTS
 
 
 def test_ngram_range_has_one_spelling_and_accepts_the_old_one():

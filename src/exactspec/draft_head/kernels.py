@@ -27,8 +27,8 @@ from torch.nn import functional as F
 from exactspec.backends import native
 from exactspec.draft_head.model import DraftHead, HeadCache, _rms_norm, attend, rotate
 
-BF16, Q8_0 = native.WEIGHT_TYPES["BF16"], native.WEIGHT_TYPES["Q8_0"]
-WEIGHTS = ("q8_0", "bf16")
+BF16 = native.WEIGHT_TYPES["BF16"]
+WEIGHTS = ("q8_0", "q4_0", "bf16")
 """How :class:`NativeHead` holds the head's weights (see the module docstring)."""
 
 
@@ -38,18 +38,20 @@ class _Matrix:
     def __init__(self, kernels: native.NativeKernels, weights: str, *rows: torch.Tensor) -> None:
         stacked = torch.cat([w.detach().float() for w in rows]).to(torch.bfloat16)
         self.n, self.k = stacked.shape
+        self.type = native.WEIGHT_TYPES[weights.upper()]
         if weights == "bf16":
             self.data, self.packed = stacked.contiguous().view(torch.int16).numpy(), None
         else:
-            blocks = gguf.quants.quantize(stacked.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
-            self.data, self.packed = None, kernels.repack(blocks, Q8_0, self.n, self.k)
+            blocks = gguf.quants.quantize(stacked.float().numpy(),
+                                          gguf.GGMLQuantizationType[weights.upper()])
+            self.data, self.packed = None, kernels.repack(blocks, self.type, self.n, self.k)
 
     def __call__(self, kernels: native.NativeKernels, x: torch.Tensor,
                  threads: int) -> torch.Tensor:
         x = x.contiguous()
         if self.packed is None:
             return kernels.linear_typed(x, self.data, BF16, self.n, threads)
-        return kernels.linear_int8(x, self.packed, Q8_0, self.n, threads)
+        return kernels.linear_int8(x, self.packed, self.type, self.n, threads)
 
 
 class NativeHead:
@@ -62,7 +64,9 @@ class NativeHead:
         kernels: the loaded native kernels (:func:`exactspec.backends.native.load`).
         threads: threads of each product (output columns are split; the results do not
             depend on it).
-        weights: ``q8_0`` (the default) or ``bf16`` (see the module docstring).
+        weights: ``q8_0`` (the default), ``q4_0`` (int4 in blocks of 32 with a scale: 5.0 MB
+            read a step for the embedded model's head against 9.4 MB, coarser arithmetic) or
+            ``bf16`` (see the module docstring).
     Raises:
         ValueError: for other ``weights``.
     Attributes:
@@ -96,9 +100,9 @@ class NativeHead:
         self._kv_width = c.num_key_value_heads * c.head_dim
         self._scale = c.head_dim ** -0.5
         self._inv_freq = self._inv_freq.float().contiguous()
-        self._c_head = None if weights != "q8_0" else native.Head(
+        self._c_head = None if weights == "bf16" else native.Head(
             c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-            c.intermediate_size, len(self.draft_token_ids), c.rms_norm_eps,
+            c.intermediate_size, len(self.draft_token_ids), self._qkv.type, c.rms_norm_eps,
             *(tensor.data_ptr() for tensor in (self._embedding, *self._norms,
                                                self._final_norm, self._inv_freq)),
             *(matrix.packed.ctypes.data for matrix in (self._qkv, self._o, self._gate_up,
@@ -119,8 +123,8 @@ class NativeHead:
     def draft_step(self, cache: HeadCache, hidden: torch.Tensor,
                    token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`DraftHead.draft_step`: chain rows appended and their outputs ``[n, h]``,
-        with the last row's draft logits ``[1, V']``; with Q8_0 weights one call of
-        ``es_head_step``."""
+        with the last row's draft logits ``[1, V']``; with int8-product weights (Q8_0, Q4_0)
+        one call of ``es_head_step``."""
         if self._c_head is None:
             outputs = self.extend(cache, hidden, token_ids)
             return outputs, self.logits(outputs[-1:])
@@ -152,7 +156,7 @@ class NativeHead:
                mask: torch.Tensor | None = None) -> torch.Tensor:
         """As :meth:`DraftHead.extend`: append rows to ``cache`` and return their outputs
         ``[n, h]``; a chain (``positions`` and ``mask`` None) in one call of
-        ``es_head_step`` with Q8_0 weights, else on the native kernels' products with a
+        ``es_head_step`` with int8-product weights, else on the native kernels' products with a
         chain's attention on the native kernels and a tree's mask through PyTorch."""
         if self._c_head is not None and positions is None and mask is None:
             return self._native_step(cache, hidden, token_ids, logits=False)[0]

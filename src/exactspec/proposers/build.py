@@ -43,5 +43,6 @@ def build_proposer(proposer_spec: ProposerSpec, target: Backend,
     if proposer_spec.kind == "draft":
         return DraftModelProposer(load_model(proposer_spec.model), target)
     if proposer_spec.kind == "head":
-        return HeadProposer(target, proposer_spec.head, tree_nodes=proposer_spec.tree)
+        return HeadProposer(target, proposer_spec.head, tree_nodes=proposer_spec.tree,
+                            weights=proposer_spec.weights or "q8_0")
     return None

@@ -80,12 +80,15 @@ class HeadProposer(Proposer):
         tree_nodes: draft a token tree of at most this many nodes and depth at most k each
             cycle (EAGLE-2's dynamic tree, see :meth:`propose`) instead of a chain; None: a
             chain.
+        weights: with bfloat16 on the native kernels, how they hold the weights
+            (:data:`~exactspec.draft_head.kernels.WEIGHTS`: ``q8_0``, the default, ``q4_0``:
+            fewer bytes read a step, coarser arithmetic, or ``bf16``).
     Raises:
         UnsupportedModelError: on a backend without hidden features (llama.cpp), naming the
             backends that have them, or when no head is shipped for this target.
         FileNotFoundError: for a missing file.
-        ValueError: for a head of another target's shape, or ``tree_nodes`` not an integer
-            ≥ 1.
+        ValueError: for a head of another target's shape, ``tree_nodes`` not an integer
+            ≥ 1, or other ``weights``.
     """
 
     supports_min_confidence = True
@@ -98,7 +101,7 @@ class HeadProposer(Proposer):
 
     def __init__(self, target: Backend, head: DraftHead | str | Path | None = None, *,
                  dtype: torch.dtype = torch.bfloat16, threads: int | None = None,
-                 tree_nodes: int | None = None) -> None:
+                 tree_nodes: int | None = None, weights: str = "q8_0") -> None:
         if tree_nodes is not None and (isinstance(tree_nodes, bool)
                                        or not isinstance(tree_nodes, int) or tree_nodes < 1):
             raise ValueError(f"tree = {tree_nodes!r} is invalid: it must be an integer ≥ 1 "
@@ -119,7 +122,7 @@ class HeadProposer(Proposer):
         self.threads = threads or torch.get_num_threads()
         kernels = native.load() if dtype == torch.bfloat16 else None
         self.target = target
-        self.head = head if kernels is None else NativeHead(head, kernels, self.threads)
+        self.head = head if kernels is None else NativeHead(head, kernels, self.threads, weights)
         self.tree_nodes = tree_nodes
         self.drafts_trees = tree_nodes is not None
         self.sequence_id: int | None = None

@@ -16,11 +16,14 @@ A spec is ``[PEER-]KIND[:ARG][:key=value...]``::
                                  tokens of them per scope, of the same scope only (the server's: API
                                  key and cache_salt; default: off)
     early-exit:L                 the target's first L ≥ 1 layers (self-draft; transformers)
-    head[:PATH][:tree=N]         a draft head trained on the target's own features (EAGLE
+    head[:PATH][:tree=N][:weights=W]
+                                 a draft head trained on the target's own features (EAGLE
                                  family; transformers): the one shipped for the target, or
                                  the head file PATH (``exactspec train-draft``); tree=N
                                  drafts a token tree of up to N nodes (EAGLE-2) instead of
-                                 a chain, its depth at most k (one sequence at a time)
+                                 a chain, its depth at most k (one sequence at a time);
+                                 weights=W how the native kernels hold its weights (q8_0,
+                                 the default, q4_0 or bf16; see exactspec.draft_head.kernels)
     draft:MODEL                  a smaller model on the same tokenizer (embedded name, model
                                  folder or .gguf)
 
@@ -63,13 +66,16 @@ ARGUMENT = {"early-exit": "L", "draft": "MODEL"}
 """Kinds that take a positional argument, and its name."""
 FORMS = ("plain, forced, prompt-lookup[:ngram=MIN-MAX], "
          "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL, "
-         "head[:PATH][:tree=N]")
+         "head[:PATH][:tree=N][:weights=W]")
 """The allowed forms, for messages."""
 BACKENDS_NEEDED = {"early-exit": (("transformers",), "drafts with the target's own layers"),
                    "head": (("native", "transformers"),
                             "drafts from the target's hidden features")}
 """Kinds that run on some backends only: kind → (those backends, why, for messages)."""
 OPTION_VALUES = {"k": "N", "policy": "P"}
+HEAD_WEIGHTS = ("q8_0", "q4_0", "bf16")
+"""How the native kernels may hold a draft head's weights (``head:…:weights=``;
+``exactspec.draft_head.kernels.WEIGHTS``)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,7 @@ class ProposerSpec:
         corpus: suffix only: ``corpus=`` (tokens of earlier outputs kept per scope), None: off.
         head: a draft head file (``head:PATH``), None for the shipped head or other kinds.
         tree: head only: ``tree=`` (most nodes of a drafted token tree), None: a chain.
+        weights: head only: ``weights=`` (:data:`HEAD_WEIGHTS`), None: the default.
         k: ``k=`` if given, else None (the command's default).
         policy: ``policy=`` if given, else None (the command's default).
         peer: the peer prefix (``hf``, ``llama``), None for exactspec itself.
@@ -98,6 +105,7 @@ class ProposerSpec:
     corpus: int | None = None
     head: str | None = None
     tree: int | None = None
+    weights: str | None = None
     k: int | None = None
     policy: str | None = None
     peer: str | None = None
@@ -155,12 +163,13 @@ def parse_proposer(spec: str, *, what: str = "proposer", options: Collection[str
                          f"name per kind: {FORMS})")
     keys = dict(part.split("=", 1) for part in parts if "=" in part)
     positional = [part for part in parts if "=" not in part]
-    allowed_keys = {"ngram", "corpus", "tree", *options}
+    allowed_keys = {"ngram", "corpus", "tree", "weights", *options}
     if (kind not in KINDS or (len(positional) != (kind in ARGUMENT)
                               and kind not in ("draft", "head"))
             or (kind == "draft" and not any(positional)) or set(keys) - allowed_keys
             or ("ngram" in keys and kind not in NGRAM_DEFAULTS)
-            or ("corpus" in keys and kind != "suffix") or ("tree" in keys and kind != "head")):
+            or ("corpus" in keys and kind != "suffix")
+            or (("tree" in keys or "weights" in keys) and kind != "head")):
         extras = [f":{key}={OPTION_VALUES[key]}" for key in options] + (
             [f"a peer prefix {' or '.join(f'{p}-' for p in peers)}"] if peers else [])
         raise ValueError(f"{prefix}: use one of {FORMS}" + (
@@ -187,9 +196,14 @@ def parse_proposer(spec: str, *, what: str = "proposer", options: Collection[str
     if tree is not None and tree < 1:
         raise ValueError(f"{prefix}: tree = {tree} must be ≥ 1 (the most nodes of a drafted "
                          "token tree; leave it out for a chain)")
+    weights = keys.get("weights")
+    if weights is not None and weights not in HEAD_WEIGHTS:
+        raise ValueError(f"{prefix}: weights = {weights!r} must be one of "
+                         f"{', '.join(HEAD_WEIGHTS)}")
     if layers is not None and layers < 1:
         raise ValueError(f"{prefix}: L = {layers} must be ≥ 1")
     policy = keys.get("policy")  # checked by the caller that takes it (bench methods)
     model = ":".join(positional) if kind == "draft" else None  # a path may hold colons
     head = ":".join(positional) or None if kind == "head" else None
-    return ProposerSpec(spec, kind, ngram, layers, model, corpus, head, tree, k, policy, peer)
+    return ProposerSpec(spec, kind, ngram, layers, model, corpus, head, tree, weights, k, policy,
+                        peer)

@@ -99,9 +99,10 @@ class Segment(ctypes.Structure):
 
 class Head(ctypes.Structure):
     """``es_head``: a draft head's shapes and tensors (``es_head_step``; the norms and
-    frequencies float32, the products' weights repacked Q8_0)."""
+    frequencies float32, the products' weights repacked, all of ``weight_type``)."""
     _fields_ = [(name, ctypes.c_int64) for name in
-                ("n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "n_draft_vocab")] + [
+                ("n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "n_draft_vocab",
+                 "weight_type")] + [
                 ("rms_eps", ctypes.c_double)] + [
                 (name, ctypes.c_void_p) for name in
                 ("embedding", "input_norm", "hidden_norm", "post_norm", "final_norm",

@@ -1426,14 +1426,14 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
  *
  * and, when logits is not NULL, logits [Vd] = rms_norm(out[n - 1], final_norm) @ Wlm^T
  * (the draft vocabulary's rows). rms_norm, silu and attention are es_forward's; all
- * weights are repacked Q8_0 (es_repack). The head's K/V cache: row j, kv head c at
+ * weights are of one int8-product type (Q8_0, Q4_0 or Q4_1), repacked (es_repack). The head's K/V cache: row j, kv head c at
  * k_cache[(j * Hkv + c) * d] (HeadCache's [rows, Hkv, d] buffers), capacity ≥ n_past + n. */
 typedef struct {
-    int64_t n_embd, n_head, n_head_kv, head_dim, n_ff, n_draft_vocab;
+    int64_t n_embd, n_head, n_head_kv, head_dim, n_ff, n_draft_vocab, weight_type;
     double rms_eps;
     const float *embedding;   /* [vocab, n_embd] float32 */
     const float *input_norm, *hidden_norm, *post_norm, *final_norm, *inv_freq;
-    const uint8_t *qkv, *o, *gate_up, *down, *lm_head; /* es_repack'd Q8_0 */
+    const uint8_t *qkv, *o, *gate_up, *down, *lm_head; /* es_repack'd, of weight_type */
 } es_head;
 
 void es_head_step(const es_head *m, float *k_cache, float *v_cache, int64_t n_past,
@@ -1460,7 +1460,7 @@ void es_head_step(const es_head *m, float *k_cache, float *v_cache, int64_t n_pa
         do {                                                                              \
             int64_t j0, j1;                                                               \
             column_share(N, t, nt, &j0, &j1);                                             \
-            if (j0 < j1) columns_q8(isa, Q, ROWS, K, W, 8, N, Y, N, j0, j1);              \
+            if (j0 < j1) columns_q8(isa, Q, ROWS, K, W, (int)m->weight_type, N, Y, N, j0, j1); \
         } while (0)
         for (int64_t r = r0; r < r1; r++) {
             rms_norm(m->embedding + tokens[r] * E, m->input_norm, E, m->rms_eps, isa,
