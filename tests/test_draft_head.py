@@ -189,6 +189,37 @@ def close(got: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(got, expected, atol=1e-3 * float(expected.abs().max()), rtol=0)
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
+    SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.0, min_p=0.2)])
+def test_a_sampled_draft_over_the_draft_vocabulary_is_the_full_vocabularys(params):
+    """Without history-dependent steps, the head's q computed over its draft vocabulary
+    (``_sampled_draw``) is the q of the full-vocabulary path (``draw_draft_token`` over the
+    target's vocabulary, −inf outside the draft vocabulary): the same values, the same
+    confidence, and a drawn token with q > 0. A broken control (q scattered to shuffled ids)
+    differs."""
+    from exactspec.logits_pipeline import LogitsPipeline
+    from exactspec.proposers.base import draw_draft_token
+    from exactspec.proposers.head import _sampled_draw
+
+    vocab, generator = 300, torch.Generator().manual_seed(0)
+    ids = torch.randperm(vocab, generator=generator)[:40]  # most frequent first, unsorted
+    draft_logits = 3 * torch.randn(40, generator=generator)
+    pipeline = LogitsPipeline(params, [1, 2, 3], vocab)
+    assert pipeline.is_identity
+    full_logits = torch.full((1, vocab), float("-inf"))
+    full_logits[0, ids] = draft_logits
+    expected = draw_draft_token(full_logits, [1, 2, 3], pipeline, torch.Generator().manual_seed(1), 1e-9)
+    got = _sampled_draw(draft_logits, ids, pipeline, torch.Generator().manual_seed(1), vocab, 1e-9)
+    torch.testing.assert_close(got.q, expected.q, atol=1e-6, rtol=0)
+    assert got.confidence == pytest.approx(expected.confidence) and got.q[got.token] > 0
+    assert float(got.q.sum()) == pytest.approx(1.0)
+    shuffled = torch.zeros(vocab)
+    shuffled[ids.flip(0)] = got.q[ids]
+    assert not torch.allclose(shuffled, expected.q, atol=1e-6)
+    assert _sampled_draw(draft_logits, ids, pipeline, generator, vocab, 0.999) is None
+
+
 PROMPTS = [[1, 2, 3, 4, 5], [9, 9, 8], [30, 31, 2, 2, 40, 41, 7, 1]]
 
 

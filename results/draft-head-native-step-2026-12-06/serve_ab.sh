@@ -4,7 +4,7 @@
 # 2 rounds, nothing else running. Run from the repository root with .venv/bin on PATH.
 set -e
 Q=../shared/data/spec_bench/question.jsonl
-OUT=results/draft-head-native-step-2026-12-06/serve
+OUT=${OUT:-results/draft-head-native-step-2026-12-06/serve}
 V3=training/smollm2-135m-instruct/heads/head-v3.safetensors
 for round in 1 2; do
   for method in suffix "head:$V3" "head:$V3:tree=6"; do

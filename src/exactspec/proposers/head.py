@@ -31,6 +31,7 @@ from exactspec.draft_head.kernels import NativeHead
 from exactspec.draft_head.model import DraftHead, HeadCache, load_head, shipped_head
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.proposers.base import EMPTY_PROPOSAL, Draw, Proposal, Proposer, draw_draft_token
+from exactspec.sampling import sample_from_probs
 from exactspec.threads import torch_threads
 
 
@@ -60,6 +61,25 @@ def _greedy_draw(draft_logits: torch.Tensor, ids: torch.Tensor,
     best = int(draft_logits.argmax())
     confidence = float(draft_logits.softmax(-1)[best]) if min_confidence else 1.0
     return None if confidence < min_confidence else Draw(int(ids[best]), None, confidence)
+
+
+def _sampled_draw(draft_logits: torch.Tensor, ids: torch.Tensor, pipeline: LogitsPipeline,
+                  rng: torch.Generator, vocab_size: int, min_confidence: float) -> Draw | None:
+    """:func:`~exactspec.proposers.base.draw_draft_token` of a sampled request whose logits
+    pipeline has no history-dependent step (``is_identity``): its warpers (temperature,
+    top-k, top-p, min-p) over the draft vocabulary alone (``draft_logits [V']``, token ids
+    ``ids [V']``) give the same q as over the target vocabulary with −inf elsewhere, so q is
+    computed over V' entries and scattered to ``[vocab_size]`` once (what verification
+    reads)."""
+    logits = draft_logits[None]  # [1, V']
+    confidence = float(logits.softmax(-1).max()) if min_confidence else 1.0
+    if confidence < min_confidence:
+        return None
+    q = pipeline.probs(logits)[0]  # [V']
+    token = int(ids[int(sample_from_probs(q[None], rng)[0])])
+    full = q.new_zeros(vocab_size)
+    full[ids] = q
+    return Draw(token, full, confidence)
 
 
 class HeadProposer(Proposer):
@@ -157,6 +177,9 @@ class HeadProposer(Proposer):
             for step in range(k):  # draft_logits [1, V']: the head's for the next token
                 if plain_greedy:
                     draw = _greedy_draw(draft_logits[0], ids, min_confidence / confidence)
+                elif pipeline.is_identity:
+                    draw = _sampled_draw(draft_logits[0], ids, pipeline, rng,
+                                         self.target.vocab_size, min_confidence / confidence)
                 else:
                     logits = draft_logits.new_full((1, self.target.vocab_size), float("-inf"))
                     logits[0, ids] = draft_logits[0]
