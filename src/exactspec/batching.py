@@ -375,10 +375,13 @@ class BatchedGenerator:
         known = [row.prefill_seconds_per_token for row in self._active
                  if row.prefill_seconds_per_token is not None]
         spent, now = 0.0, time.perf_counter()
-        overdue = lambda row: now - row.start >= PREFILL_MAX_WAIT  # noqa: E731
-        order = sorted(joining, key=lambda row: (0, row.start) if overdue(row)
-                       else (1, row.num_tokens_to_prefill))
-        for row in order:
+
+        def priority(row: SequenceState) -> tuple[int, float]:
+            if now - row.start >= PREFILL_MAX_WAIT:
+                return 0, row.start
+            return 1, row.num_tokens_to_prefill
+
+        for row in sorted(joining, key=priority):
             try:
                 while not row.prefilled:
                     size = min(chunk, row.num_tokens_to_prefill)

@@ -95,11 +95,10 @@ class NativeHead:
             head.input_norm, head.hidden_norm, head.post_attention_norm)]
         self._final_norm = head.final_norm_weight.float().contiguous()
         self._embedding = head.embedding.float().contiguous()
-        self._inv_freq = head.inv_freq
+        self._inv_freq = head.inv_freq.float().contiguous()
         self._q_width = c.num_attention_heads * c.head_dim
         self._kv_width = c.num_key_value_heads * c.head_dim
         self._scale = c.head_dim ** -0.5
-        self._inv_freq = self._inv_freq.float().contiguous()
         self._c_head = None if weights == "bf16" else native.Head(
             c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
             c.intermediate_size, len(self.draft_token_ids), self._qkv.type, c.rms_norm_eps,

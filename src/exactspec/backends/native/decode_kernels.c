@@ -1426,8 +1426,9 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
  *
  * and, when logits is not NULL, logits [Vd] = rms_norm(out[n - 1], final_norm) @ Wlm^T
  * (the draft vocabulary's rows). rms_norm, silu and attention are es_forward's; all
- * weights are of one int8-product type (Q8_0, Q4_0 or Q4_1), repacked (es_repack). The head's K/V cache: row j, kv head c at
- * k_cache[(j * Hkv + c) * d] (HeadCache's [rows, Hkv, d] buffers), capacity ≥ n_past + n. */
+ * weights are of one int8-product type (Q8_0, Q4_0 or Q4_1), repacked (es_repack). The
+ * head's K/V cache: row j, kv head c at k_cache[(j * Hkv + c) * d] (HeadCache's
+ * [rows, Hkv, d] buffers), capacity ≥ n_past + n. */
 typedef struct {
     int64_t n_embd, n_head, n_head_kv, head_dim, n_ff, n_draft_vocab, weight_type;
     double rms_eps;
