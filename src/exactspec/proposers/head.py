@@ -210,16 +210,16 @@ class HeadProposer(Proposer):
         context only, so each node is a point-mass draft (``Proposal.probs`` None) and
         :func:`~exactspec.verification.verify_tree` stays exact at any temperature."""
         head, state, budget = self.head, self._state, self.tree_nodes
-        hidden = self._sync(token_ids)[0]  # [1, h]: drafts the first level
+        hidden, draft_logits = self._sync(token_ids)  # [1, h], [1, V']: the first level's
         real_rows = len(state.cache)
         values: list[float] = []  # each candidate node's log value
         nodes: list[tuple[int, int, int]] = []  # each candidate's (token, parent or −1, depth)
         node_rows: dict[int, int] = {}  # expanded candidate → its row in the head's cache
         node_outputs: dict[int, torch.Tensor] = {}  # expanded candidate → its row's output
-        frontier, outputs = [-1], hidden  # the nodes expanded at this level, their outputs
+        frontier = [-1]  # the nodes expanded at this level (draft_logits: theirs)
         floor = math.log(min_confidence) if min_confidence > 0 else -math.inf
         for level in range(1, depth + 1):
-            logprobs = self._tree_logprobs(outputs, frontier, nodes, token_ids, pipeline)
+            logprobs = self._tree_logprobs(draft_logits, frontier, nodes, token_ids, pipeline)
             top_values, top_ids = logprobs.topk(min(budget, TREE_BRANCH, logprobs.shape[-1]),
                                                 dim=-1)
             base = torch.tensor([0.0 if f < 0 else values[f] for f in frontier])
@@ -235,21 +235,21 @@ class HeadProposer(Proposer):
             if not level_nodes or level == depth:
                 break
             frontier = sorted(level_nodes, key=values.__getitem__, reverse=True)[:TREE_BEAM]
-            outputs = self._expand(frontier, nodes, node_rows, node_outputs, hidden, real_rows)
+            draft_logits = head.logits(
+                self._expand(frontier, nodes, node_rows, node_outputs, hidden, real_rows))
         state.cache.crop(real_rows)
         kept = sorted(sorted(range(len(nodes)), key=values.__getitem__, reverse=True)[:budget])
         index = {node: i for i, node in enumerate(kept)}
         return Proposal([nodes[n][0] for n in kept],
                         parents=[index.get(nodes[n][1], -1) for n in kept])
 
-    def _tree_logprobs(self, outputs: torch.Tensor, frontier: list[int],
+    def _tree_logprobs(self, draft_logits: torch.Tensor, frontier: list[int],
                        nodes: list[tuple[int, int, int]], token_ids: Sequence[int],
                        pipeline: LogitsPipeline) -> torch.Tensor:
         """``[len(frontier), V']`` the head's log-probabilities over its draft vocabulary
-        for the children of each frontier node (outputs ``[len(frontier), h]``), after the
-        request's logits pipeline over the node's path."""
+        for the children of each frontier node (its draft logits ``[len(frontier), V']``),
+        after the request's logits pipeline over the node's path."""
         head = self.head
-        draft_logits = head.logits(outputs)  # [m, V']
         if not pipeline.is_identity:
             ids, rows = head.draft_token_ids, []
             for row, node in enumerate(frontier):
