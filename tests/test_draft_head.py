@@ -23,7 +23,7 @@ from exactspec.training.train import TrainingConfig, chained_acceptance, train
 from exactspec.proposers.head import HeadProposer
 from exactspec.proposers.spec import parse_proposer
 
-from conftest import tiny_backend
+from conftest import CharTokenizer, tiny_backend
 
 
 @pytest.fixture(scope="module")
@@ -294,6 +294,36 @@ def test_a_run_starts_from_an_initial_head(target, tiny_head_file, tmp_path):
               show_progress=False)
 
 
+def test_a_run_trains_on_the_native_backends_features(target, tmp_path):
+    """features = native: the features are a native backend's (the F32 file's agree with
+    transformers' to rounding: the held-out agreement is the same to 2 decimals), kept
+    apart from transformers' features; a backend other than the config's is refused."""
+    native = pytest.importorskip("exactspec.backends.native_backend")
+    from exactspec.backends import native as kernels
+    from tiny_gguf import write_tiny_gguf
+
+    if kernels.load() is None:
+        pytest.skip("the native kernels do not build here")
+    backend = native.NativeBackend(native.GGUFModel(write_tiny_gguf(target.model,
+                                                                    tmp_path / "t.gguf")),
+                                   CharTokenizer())
+    config = TrainingConfig(draft_vocab_size=40, total_updates=4, batch_tokens=256,
+                            eval_every=4, eval_conversations=8, held_out_every=5,
+                            feature_layers=(0, 1))
+    heads = {}
+    for name, source in (("native", backend), ("transformers", None)):
+        path = train(target.model, _conversations(), tmp_path / name,
+                     dataclasses.replace(config, features=name), backend=source,
+                     show_progress=False)
+        heads[name] = head_metadata(path)["held_out_agreement"]
+        assert (path.parent / ("features-native" if source else "features")).is_dir()
+    assert heads["native"] == pytest.approx(heads["transformers"], abs=0.01)
+    with pytest.raises(ValueError, match="trains on the native backend's features; "
+                                         "the transformers backend's were given"):
+        train(target.model, _conversations(), tmp_path / "other",
+              dataclasses.replace(config, features="native"), show_progress=False)
+
+
 def test_a_resumed_run_trains_the_same_head_as_an_uninterrupted_one(target, tmp_path):
     config = TrainingConfig(draft_vocab_size=40, total_updates=8, batch_tokens=256,
                             eval_every=4, eval_conversations=4, held_out_every=5,
@@ -412,8 +442,8 @@ def test_train_draft_reads_several_data_files_in_order(model_folder, tmp_path, c
 
 @pytest.mark.parametrize("args, message", [
     (["--data", "/nowhere.jsonl"], "--data /nowhere.jsonl: no such file (add --synthesize N"),
-    (["--data", "x.jsonl", "--backend", "llama_cpp"], "a draft head is trained on the "
-                                                      "transformers backend"),
+    (["--data", "x.jsonl", "--backend", "llama_cpp"], "a draft head is trained on the hidden "
+                                                      "features of the native or the transformers"),
     (["--data", "x.jsonl", "--minutes", "0"], "--minutes 0.0 is invalid"),
     (["--data", "x.jsonl", "--data", "y.jsonl", "--synthesize", "2"],
      "--synthesize extends one --data file: give one"),
@@ -504,12 +534,14 @@ ALIGNMENT_PROMPTS = PROMPTS + [[random.Random(n).randrange(64) for _ in range(2 
                                for n in range(9)]
 
 
-def _drafts_against_teacher_forcing(target, head_file, tmp_path, tree_nodes=None):
+def _drafts_against_teacher_forcing(target, head_file, tmp_path, tree_nodes=None,
+                                    features=None, model=None):
     """Greedy generations drafted by the head inside the engine (k = 2, a chain or a tree),
-    and the training code's teacher-forced drafts (its own features by prefill, then
-    ``DraftHead.unrolled``) on the same conversations: per cycle, (first cycle?, the
-    engine's depth-1 draft, the teacher-forced one, and at depth 2 — where the depth-1 draft
-    was the target's next token — the engine's and the teacher-forced one)."""
+    and the training code's teacher-forced drafts (its own features by prefill on
+    ``features``, a backend of their own, or None: the transformers ``model``'s, by default
+    the target's; then ``DraftHead.unrolled``) on the same conversations: per cycle, (first
+    cycle?, the engine's depth-1 draft, the teacher-forced one, and at depth 2 — where the
+    depth-1 draft was the target's next token — the engine's and the teacher-forced one)."""
     from exactspec.training.train import extract_features, make_batch
 
     proposer = _RecordingHeadProposer(target, head_file, dtype=torch.float32,
@@ -522,8 +554,9 @@ def _drafts_against_teacher_forcing(target, head_file, tmp_path, tree_nodes=None
         conversations.append(Conversation(index, "", list(prompt), result.token_ids, "length"))
         calls.append(proposer.calls)
     head = proposer.head
-    examples = extract_features(target.model, conversations, tmp_path,
-                                head.config.feature_layers, show_progress=False)
+    examples = extract_features(model or target.model, conversations, tmp_path,
+                                head.config.feature_layers, backend=features,
+                                show_progress=False)
     rows = []
     with torch.no_grad():
         for example, cycles in zip(examples, calls):
@@ -546,15 +579,30 @@ def _drafts_against_teacher_forcing(target, head_file, tmp_path, tree_nodes=None
     return rows
 
 
+@pytest.mark.parametrize("backend", ["transformers", "native"])
 @pytest.mark.parametrize("tree_nodes", [None, 6])
 def test_the_engines_drafts_are_the_training_codes_teacher_forced_drafts(
-        target, tiny_head_file, tmp_path, tree_nodes):
+        target, tiny_head_file, tmp_path, tree_nodes, backend):
     """Issue 43's alignment check: drafting inside the engine (features from the target's
     prefill and verification forwards, the head's cache across cycles, a tree's parent
     links) proposes at every cycle, the first included, what the training code's
     teacher-forced forward drafts at the same position: any misalignment between the
-    features training saw and those drafting reads would show as a difference."""
-    rows = _drafts_against_teacher_forcing(target, tiny_head_file, tmp_path, tree_nodes)
+    features training saw and those drafting reads would show as a difference. On the
+    native backend training reads the features of a native backend of its own (packed
+    chunks), drafting those of the target's prefill and verification blocks."""
+    features = None
+    if backend == "native":
+        native = pytest.importorskip("exactspec.backends.native_backend")
+        from exactspec.backends import native as kernels
+        from tiny_gguf import write_tiny_gguf
+
+        if kernels.load() is None:
+            pytest.skip("the native kernels do not build here")
+        path = write_tiny_gguf(target.model, tmp_path / "tiny.gguf")
+        target, features = (native.NativeBackend(native.GGUFModel(path), CharTokenizer())
+                            for _ in range(2))
+    rows = _drafts_against_teacher_forcing(target, tiny_head_file, tmp_path / "features",
+                                           tree_nodes, features, model=tiny_backend(0).model)
     first = [row for row in rows if row[0]]
     assert len(first) == len(ALIGNMENT_PROMPTS)
     assert sum(row[3] is not None for row in rows) >= 5  # depth 2 compared, first cycles too

@@ -27,7 +27,8 @@ def add_parser(commands) -> None:
                     "The data are conversations the target wrote itself: with --synthesize N it "
                     "first writes N of them to --data (questions it asks itself about words of "
                     "its vocabulary, answered greedily in its chat format; resumable), then "
-                    "recomputes their features by prefill and trains. Progress, checkpoints "
+                    "recomputes their features by prefill on the backend the head will draft on (native "
+                    "for a GGUF file where it runs, else transformers) and trains. Progress, checkpoints "
                     "and plots go to --output; run the same command again to resume. The head "
                     "never changes what is generated, only how fast: use it with "
                     "--proposer head:OUTPUT/head.safetensors (native or transformers backend).",
@@ -43,7 +44,7 @@ def add_parser(commands) -> None:
                       help="first extend --data to N conversations written by the target "
                            "(user turns of the --tasks, answers greedy and at 0.7 in turn, "
                            "loops cut; resumable), on --backend (auto: the fastest, native "
-                           "for a GGUF file; training then loads transformers)")
+                           "for a GGUF file)")
     data.add_argument("--tasks", type=_tasks, default=None, metavar="T,T,...",
                       help="the kinds of user turns --synthesize draws from, comma-separated "
                            f"(default: {', '.join(DEFAULT_TASKS)}; also "
@@ -100,13 +101,14 @@ def _tasks(text: str) -> tuple[str, ...]:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # PyTorch and the training tool, imported here so that --help starts at once
     from exactspec.draft_head.model import head_config, head_metadata
+    from exactspec.models import check_model_path, choose_backend
     from exactspec.training.data import deduplicated, read_conversations, synthesize
     from exactspec.training.train import train
 
     console = Console(stderr=True, soft_wrap=True, highlight=False)
-    if args.backend not in ("auto", "transformers"):
-        parser.error(f"--backend {args.backend}: a draft head is trained on the transformers "
-                     "backend (its hidden features)")
+    if args.backend == "llama_cpp":
+        parser.error("--backend llama_cpp: a draft head is trained on the hidden features of "
+                     "the native or the transformers backend (llama.cpp does not expose them)")
     if args.minutes is not None and args.minutes <= 0:
         parser.error(f"--minutes {args.minutes} is invalid: it must be > 0")
     if args.initial_head is not None and not args.initial_head.is_file():
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         learning_rate=args.learning_rate, draft_vocab_size=vocab_size,
         initial_head=None if args.initial_head is None else str(args.initial_head),
         num_steps=args.unroll, eval_every=args.eval_every, seed=args.seed)
-    spec = model_spec(args)  # --backend auto or transformers
+    spec = model_spec(args)
     target = None
     try:
         if args.synthesize:  # on --backend's choice: auto takes the fastest (native for GGUF)
@@ -151,19 +153,27 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             del writer
         else:
             conversations = [c for path in args.data for c in read_conversations(path)]
-        if target is None:  # the features are the transformers backend's (float32 inputs)
+        features = None  # the features of the backend the head drafts on: native if it runs
+        if choose_backend(check_model_path(args.model), args.backend, device=args.device,
+                          dtype=args.dtype, kernels=args.kernels) == "native":
+            with console.status(f"Loading {args.model} …"):
+                features = dataclasses.replace(spec, backend="native").load()
+        if target is None:  # the head's target tensors, the final norm
             with console.status(f"Loading {args.model} …"):
                 target = dataclasses.replace(spec, backend="transformers",
                                              activations=None).load()
+        config = dataclasses.replace(
+            config, features="transformers" if features is None else features.name)
         unique = deduplicated(conversations)
         if len(unique) < len(conversations):
             console.print(f"{len(conversations) - len(unique)} conversations repeat an earlier "
                           "prompt: left out")
         conversations = unique
+        console.print(f"the target's features: the {config.features} backend's")
         if (args.output / "checkpoint.pt").exists():
             console.print(f"resuming the run in {args.output} (with its own settings)")
-        path = train(target.model, conversations, args.output, config, target_name=args.model,
-                     max_minutes=args.minutes)
+        path = train(target.model, conversations, args.output, config, backend=features,
+                     target_name=args.model, max_minutes=args.minutes)
     except (ModelNotFoundError, ValueError) as error:
         print_error(console, error)
         return 1

@@ -25,6 +25,9 @@ class TrainingConfig:
         seed: the run's seed (initialisation, batch order).
         feature_layers: the target's layers fused (None: EAGLE-3's choice).
         bfloat16: compute under bfloat16 autocast (weights and optimizer in float32).
+        features: the backend whose hidden features train the head: ``transformers`` (the
+            transformers model's float32 prefill) or ``native`` (the native kernels over
+            the GGUF file's weights: the features the head reads when it drafts there).
         initial_head: a head file (``exactspec train-draft``'s) whose weights the run starts
             from instead of a fresh head's (the draft vocabulary is still this data's most
             frequent ``draft_vocab_size`` tokens: the weights do not depend on it); None: a
@@ -46,3 +49,4 @@ class TrainingConfig:
     feature_layers: tuple[int, ...] | None = None
     bfloat16: bool = True
     initial_head: str | None = None
+    features: str = "transformers"

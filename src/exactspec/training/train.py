@@ -54,13 +54,22 @@ class Example:
 
 
 def extract_features(model, conversations: Sequence[Conversation], folder: Path,
-                     feature_layers: Sequence[int], *, chunk: int = 128,
+                     feature_layers: Sequence[int], *, backend=None, chunk: int = 128,
                      batch_size: int = 8, show_progress: bool = True) -> list[Example]:
-    """The target's features of every conversation, by prefill (PyTorch's fast kernels),
-    kept in ``folder`` in chunks of ``chunk`` conversations (a chunk already there is read,
-    not recomputed)."""
+    """The target's features of every conversation, by prefill, kept in ``folder`` in chunks
+    of ``chunk`` conversations (a chunk already there is read, not recomputed).
+
+    Args:
+        model: the target as a transformers causal LM.
+        backend: None: the features of ``model``'s own prefill (PyTorch's fast kernels);
+            or a backend that provides hidden features (the native backend, a backend of its
+            own: it records ``feature_layers`` and the last layer), whose features are the
+            ones drafting reads on it; the final norm is then ``model``'s, applied to the
+            backend's last layer.
+    """
     folder.mkdir(parents=True, exist_ok=True)
-    layers = model.base_model.layers
+    prefill = (_transformers_features(model, feature_layers) if backend is None
+               else _backend_features(model, backend, feature_layers))
     examples: list[Example] = []
     with LoggedProgress(disable=not show_progress) as progress:
         task = progress.add_task("target features (prefill)",
@@ -78,33 +87,73 @@ def extract_features(model, conversations: Sequence[Conversation], folder: Path,
             for b in range(0, len(order), batch_size):
                 batch = order[b:b + batch_size]
                 ids = [list(c.prompt_ids) + list(c.answer_ids) for c in batch]
-                width = max(len(x) for x in ids)
-                input_ids = torch.tensor([x + [0] * (width - len(x)) for x in ids])
-                mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
-                outputs: dict[int, torch.Tensor] = {}
-                hooks = [layers[layer].register_forward_hook(
-                    lambda module, args, out, layer=layer: outputs.__setitem__(
-                        layer, out[0] if isinstance(out, tuple) else out))
-                    for layer in feature_layers]
-                try:
-                    with kernel_mode("fast"), torch.inference_mode():
-                        final = model.base_model(input_ids=input_ids,
-                                                 attention_mask=mask).last_hidden_state
-                finally:
-                    for hook in hooks:
-                        hook.remove()
-                features = torch.cat([outputs[layer] for layer in feature_layers], -1)
-                for row, (conversation, x) in enumerate(zip(batch, ids)):
+                for conversation, x, (features, final) in zip(batch, ids, prefill(ids)):
                     computed.append(dict(
                         tokens=torch.tensor(x, dtype=torch.int32),
-                        features=features[row, :len(x)].to(torch.float16).clone(),
-                        final=final[row, :len(x)].to(torch.float16).clone(),
+                        features=features.to(torch.float16).clone(),
+                        final=final.to(torch.float16).clone(),
                         prompt_length=len(conversation.prompt_ids), index=conversation.index))
                 progress.advance(task, sum(len(x) for x in ids))
             computed.sort(key=lambda item: item["index"])
             torch.save(computed, path)
             examples += [Example(**item) for item in computed]
     return examples
+
+
+def _transformers_features(model, feature_layers: Sequence[int]):
+    """``prefill(ids)``: each sequence's ``(features [T, F], final [T, h])`` by one padded
+    forward of ``model``."""
+    layers = model.base_model.layers
+
+    def prefill(ids: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        width = max(len(x) for x in ids)
+        input_ids = torch.tensor([x + [0] * (width - len(x)) for x in ids])
+        mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
+        outputs: dict[int, torch.Tensor] = {}
+        hooks = [layers[layer].register_forward_hook(
+            lambda module, args, out, layer=layer: outputs.__setitem__(
+                layer, out[0] if isinstance(out, tuple) else out))
+            for layer in feature_layers]
+        try:
+            with kernel_mode("fast"), torch.inference_mode():
+                final = model.base_model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        finally:
+            for hook in hooks:
+                hook.remove()
+        features = torch.cat([outputs[layer] for layer in feature_layers], -1)
+        return [(features[row, :len(x)], final[row, :len(x)]) for row, x in enumerate(ids)]
+
+    return prefill
+
+
+def _backend_features(model, backend, feature_layers: Sequence[int]):
+    """``prefill(ids)`` on ``backend``: the sequences' rows packed in one forward per chunk,
+    the features of ``feature_layers``; the final state is ``model``'s norm of the last
+    layer's."""
+    last = int(model.config.get_text_config(decoder=True).num_hidden_layers) - 1
+    recorded = tuple(dict.fromkeys([*feature_layers, last]))
+    backend.record_hidden_features(recorded)
+    norm = model.base_model.norm
+
+    def prefill(ids: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        try:
+            for s, x in enumerate(ids):
+                backend.prefill(s, x[:1])
+            for start in range(1, max(len(x) for x in ids), backend.prefill_chunk_size):
+                backend.forward([(s, x[start:start + backend.prefill_chunk_size])
+                                 for s, x in enumerate(ids) if len(x) > start], num_logits=1)
+            results = []
+            for s in range(len(ids)):
+                layers = backend.hidden_features(s, 0).unflatten(-1, (len(recorded), -1))
+                with torch.inference_mode():
+                    final = norm(layers[:, recorded.index(last)])
+                results.append((layers[:, :len(feature_layers)].flatten(1), final))
+            return results
+        finally:
+            for s in range(len(ids)):
+                backend.release(s)
+
+    return prefill
 
 
 def draft_vocabulary(examples: Sequence[Example], vocab_size: int, size: int) -> torch.Tensor:
@@ -251,7 +300,7 @@ def plot_history(history: History, path: Path) -> None:
 
 
 def train(model, conversations: Sequence[Conversation], folder: str | Path,
-          config: TrainingConfig | None = None, *, target_name: str = "",
+          config: TrainingConfig | None = None, *, backend=None, target_name: str = "",
           max_minutes: float | None = None, show_progress: bool = True) -> Path:
     """Train (or resume training) a draft head for the transformers causal LM ``model``.
 
@@ -261,13 +310,17 @@ def train(model, conversations: Sequence[Conversation], folder: str | Path,
         folder: the run folder (see the module docstring); a checkpoint there is resumed
             with its own config (``config`` None, or equal to it).
         config: see :class:`TrainingConfig` (default: its defaults).
+        backend: where the features come from when ``config.features`` is not
+            ``transformers``: a backend of that name that provides hidden features, used for
+            nothing else (see :func:`extract_features`).
         target_name: recorded in the head.
         max_minutes: stop (with a checkpoint) after this long; run again to go on.
     Returns:
         the path of ``head.safetensors``.
     Raises:
         ValueError: for no conversations, none left for training after the held-out split,
-            or a ``config`` other than the resumed checkpoint's (naming each difference).
+            a ``config`` other than the resumed checkpoint's (naming each difference), or a
+            ``backend`` other than ``config.features`` asks for.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -285,9 +338,14 @@ def train(model, conversations: Sequence[Conversation], folder: str | Path,
     config = config or TrainingConfig()
     if not conversations:
         raise ValueError("no conversations to train on")
+    source = "transformers" if backend is None else backend.name
+    if source != config.features:
+        raise ValueError(f"the run trains on the {config.features} backend's features; "
+                         f"the {source} backend's were given")
     layers = HeadConfig.for_target(model, 1, feature_layers=config.feature_layers).feature_layers
-    examples = extract_features(model, conversations, folder / "features", layers,
-                                show_progress=show_progress)
+    examples = extract_features(
+        model, conversations, folder / ("features" if backend is None else f"features-{source}"),
+        layers, backend=backend, show_progress=show_progress)
     held_out = [e for e in examples if e.index % config.held_out_every == 0]
     training = [e for e in examples if e.index % config.held_out_every != 0]
     if not training:
