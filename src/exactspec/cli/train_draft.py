@@ -27,9 +27,10 @@ def add_parser(commands) -> None:
                     "The data are conversations the target wrote itself: with --synthesize N it "
                     "first writes N of them to --data (questions it asks itself about words of "
                     "its vocabulary, answered greedily in its chat format; resumable), then "
-                    "recomputes their features by prefill on the backend the head will draft on (native "
-                    "for a GGUF file where it runs, else transformers) and trains. Progress, checkpoints "
-                    "and plots go to --output; run the same command again to resume. The head "
+                    "recomputes their features by prefill on the backend the head will draft "
+                    "on (native for a GGUF file where it runs, else transformers) and trains. "
+                    "Progress, checkpoints and plots go to --output; run the same command "
+                    "again to resume. The head "
                     "never changes what is generated, only how fast: use it with "
                     "--proposer head:OUTPUT/head.safetensors (native or transformers backend).",
         epilog=EXIT_STATUSES)

@@ -1,19 +1,19 @@
 """Training a draft head on the target's own features (``exactspec train-draft``).
 
 Data: conversations the target wrote itself (:mod:`exactspec.training.data`), stored as
-token ids; the target's features are recomputed by prefill (:func:`extract_features`, kept
-in the run folder so that a resumed run does not recompute them). Objective (EAGLE-3 §3.2,
-"training-time test"): at every position t and drafting step j < S, the cross-entropy of the
-head's draft distribution against the target's next-token distribution at position
+token ids; the target's features are recomputed by prefill on the backend the head will
+draft on (:func:`extract_features`, kept in the run folder so that a resumed run does not
+recompute them). Objective (EAGLE-3 §3.2, "training-time test"): at every position t and
+drafting step j < S, the cross-entropy of the head's draft distribution against the target's next-token distribution at position
 t + j + 1, both over the draft vocabulary (FR-Spec), on the positions whose next token is
 an answer token; step j > 0 reads the head's own step j − 1 output (:meth:`DraftHead.unrolled`).
 The draft vocabulary is the training answers' tokens by frequency, then the unseen ones by
 id (a BPE merge order, roughly by frequency).
 
-A run folder holds ``features/`` (the extracted features), ``checkpoint.pt`` (the head, the
-optimizer and the history: a run resumes from it), ``head.safetensors`` (the head at the last
-checkpoint), ``history.json`` and ``training.png`` (losses and held-out top-1 agreement per
-drafted position).
+A run folder holds ``features/`` or ``features-native/`` (the extracted features),
+``checkpoint.pt`` (the head, the optimizer and the history: a run resumes from it),
+``head.safetensors`` (the head at the last checkpoint), ``history.json`` and
+``training.png`` (losses and held-out top-1 agreement per drafted position).
 """
 
 from __future__ import annotations
