@@ -9,37 +9,23 @@ here trains on Spec-Bench.
 
     python results/draft-head-v4-2026-12-06/specbench_agreement.py N HEAD_FILE...
 """
-import sys, tempfile
+import sys
 from pathlib import Path
 
-from exactspec.bench.questions import load_questions
 from exactspec.draft_head.model import load_head
 from exactspec.models import load_model
-from exactspec.sampling import SamplingParams
-from exactspec.generator import SpeculativeGenerator
-from exactspec.training.data import Conversation
-from exactspec.training.train import evaluate, extract_features
+from exactspec.training.train import evaluate
+
+from specbench_answers import FEATURE_LAYERS, MODEL, answers, features
 
 per_group, heads = int(sys.argv[1]), sys.argv[2:]
-questions = load_questions("../shared/data/spec_bench/question.jsonl", per_group=per_group)
-writer = load_model("smollm2-135m-instruct", backend="native")
-plain = SpeculativeGenerator(writer, None)
-conversations = []
-for i, question in enumerate(questions):
-    prompt = writer.tokenizer.apply_chat_template(question.prompt)
-    answer = plain.generate(prompt, SamplingParams(max_new_tokens=128)).token_ids
-    conversations.append(Conversation(i, question.group, prompt, answer, "length", question.group))
-del writer, plain
-target = load_model("smollm2-135m-instruct", backend="transformers")
+conversations = answers(per_group)
+target = load_model(MODEL, backend="transformers")
 tensors = target.target_tensors()
 loaded = {Path(h).stem: load_head(h, tensors) for h in heads}
-layers = next(iter(loaded.values())).config.feature_layers
-features = {
-    "native": extract_features(target.model, conversations, Path(tempfile.mkdtemp()), layers,
-                               backend=load_model("smollm2-135m-instruct", backend="native"),
-                               show_progress=False),
-    "transformers": extract_features(target.model, conversations, Path(tempfile.mkdtemp()),
-                                     layers, show_progress=False)}
+assert all(head.config.feature_layers == FEATURE_LAYERS for head in loaded.values())
+examples_by_source = {source: features(target, conversations, source)
+                      for source in ("native", "transformers")}
 groups = list(dict.fromkeys(c.task for c in conversations))
 for name, head in loaded.items():  # the draft vocabulary bounds agreement
     vocab = set(head.draft_token_ids.tolist())
@@ -49,7 +35,7 @@ for name, head in loaded.items():  # the draft vocabulary bounds agreement
         f"{group} {sum(flags) / len(flags):.3f}" for group, flags in coverage.items()))
 print(f"{len(conversations)} Spec-Bench answers ({per_group} per group, 128 greedy tokens); "
       "teacher-forced agreement at drafted positions 1/2/3, chained acceptance 1/2/3")
-for source, examples in features.items():
+for source, examples in examples_by_source.items():
     for name, head in loaded.items():
         for group in [*groups, "overall"]:
             part = [e for e, c in zip(examples, conversations) if group in ("overall", c.task)]

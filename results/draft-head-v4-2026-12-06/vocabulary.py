@@ -6,33 +6,27 @@ cached in /tmp). Measurement only. Output: vocabulary.txt.
 
     python results/draft-head-v4-2026-12-06/vocabulary.py HEAD_FILE...
 """
-import sys, os, tempfile, torch
+import os, sys
 from collections import Counter
 from pathlib import Path
-from exactspec.bench.questions import load_questions
+
+import torch
+
 from exactspec.draft_head.model import load_head
 from exactspec.models import load_model
-from exactspec.sampling import SamplingParams
-from exactspec.generator import SpeculativeGenerator
-from exactspec.training.data import Conversation, read_conversations
-from exactspec.training.train import evaluate, extract_features
-cache = "/tmp/specbench_examples.pt"
-target = load_model("smollm2-135m-instruct", backend="transformers")
+from exactspec.training.data import read_conversations
+from exactspec.training.train import evaluate
+
+from specbench_answers import MODEL, answers, features
+
+cache = "/tmp/specbench_examples.pt"  # window.py reads it too
+target = load_model(MODEL, backend="transformers")
 t = target.target_tensors()
 if os.path.exists(cache):
     examples, groups_of = torch.load(cache, weights_only=False)
 else:
-    questions = load_questions("../shared/data/spec_bench/question.jsonl", per_group=5)
-    writer = load_model("smollm2-135m-instruct", backend="native")
-    plain = SpeculativeGenerator(writer, None)
-    convs = []
-    for i, q in enumerate(questions):
-        prompt = writer.tokenizer.apply_chat_template(q.prompt)
-        answer = plain.generate(prompt, SamplingParams(max_new_tokens=128)).token_ids
-        convs.append(Conversation(i, q.group, prompt, answer, "length", q.group))
-    examples = extract_features(target.model, convs, Path(tempfile.mkdtemp()), (2, 15, 27),
-                                backend=load_model("smollm2-135m-instruct", backend="native"), show_progress=False)
-    groups_of = [c.task for c in convs]
+    conversations = answers(5)
+    examples, groups_of = features(target, conversations), [c.task for c in conversations]
     torch.save((examples, groups_of), cache)
 counts = Counter()
 for f in ["conversations-v2.jsonl.gz", "conversations-v3.jsonl.gz"]:
