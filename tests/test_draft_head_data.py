@@ -201,3 +201,52 @@ def test_synthesis_refusals(tmp_path):
     with pytest.raises(ValueError, match="answer_temperatures is empty"):
         synthesize(target, tmp_path / "x.jsonl", 2, topics=TOPICS, passages=PASSAGES,
                    answer_temperatures=(), show_progress=False)
+
+
+def _corpus_wheel(path, news, pages):
+    """A zip archive laid out like gensim's wheel: ``news`` lines (Latin-1) and a bz2
+    MediaWiki dump of ``pages`` ((title, namespace, wikitext))."""
+    import bz2
+    import zipfile
+    from xml.sax.saxutils import escape
+
+    from exactspec.training.data import CORPUS_FILES
+
+    xml = "".join(f"<page><title>{escape(title)}</title><ns>{ns}</ns><revision><text>"
+                  f"{escape(text)}</text></revision></page>" for title, ns, text in pages)
+    dump = ('<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/">'
+            f"{xml}</mediawiki>").encode()
+    with zipfile.ZipFile(path, "w") as archive:
+        first, second = CORPUS_FILES["news"]
+        archive.writestr(first, "\n".join(news[:-1]).encode("latin-1"))
+        archive.writestr(second, news[-1].encode("latin-1"))
+        archive.writestr(CORPUS_FILES["wikipedia"][0], bz2.compress(dump))
+    return path
+
+
+def test_corpus_passages_are_news_and_wikipedia_prose_without_the_benchmarks_text(tmp_path):
+    from exactspec.training.data import corpus_passages
+
+    words = [f"w{i}" for i in range(400)]
+    news = [" ".join(words[:120]) + " costs £5.", "too short", " ".join(words[200:330])]
+    paragraph = "The ''river'' flows past [[Old Town|the old town]] and " + " ".join(words[:60])
+    article = (f"{{{{Infobox river|name=Test}}}}\n{paragraph}\n\n== History ==\n"
+               f"A [[mill]] was built here. {' '.join(words[60:110])}\n\n"
+               f"[[File:Mill.jpg|thumb|A mill]]\n{' '.join(words[110:170])} and more.")
+    wheel = _corpus_wheel(tmp_path / "gensim.whl", news, [
+        ("River", "0", article), ("Talk:River", "1", article),
+        ("Stream", "0", "#REDIRECT [[River]]")])
+    passages = corpus_passages(wheel, min_chars=300, max_chars=1200)
+    assert passages[0] == news[0] and passages[1] == news[2]  # Latin-1 read, short ones left out
+    assert len(passages) == 3, passages  # the talk page and the redirect are left out
+    wiki = passages[2]
+    assert wiki.startswith("The river flows past the old town and w0 w1")  # markup stripped
+    assert "History" not in wiki and "thumb" not in wiki and "{" not in wiki
+    assert wiki.endswith("w169 and more.")
+    # a passage sharing 13 words in a row with an excluded text is left out; 12 are allowed
+    exclude = ["Summarize: " + " ".join(words[205:218]).upper() + "!"]
+    assert news[2] not in corpus_passages(wheel, exclude=exclude, min_chars=300, max_chars=1200)
+    assert news[2] in corpus_passages(wheel, exclude=[" ".join(words[205:217])],
+                                      min_chars=300, max_chars=1200)
+    with pytest.raises(ValueError, match="is not gensim's wheel with its test data"):
+        corpus_passages(tmp_path / "missing.whl")
