@@ -322,6 +322,12 @@ def test_a_run_trains_on_the_native_backends_features(target, tmp_path):
                                          "the transformers backend's were given"):
         train(target.model, _conversations(), tmp_path / "other",
               dataclasses.replace(config, features="native"), show_progress=False)
+    # resuming the native run with transformers' features says which backend resumes it
+    with pytest.raises(ValueError, match="features = 'transformers' \\(the run's: 'native'\\) "
+                                         "\\(its features are the native backend's: resume it "
+                                         "on that backend, --backend native\\)"):
+        train(target.model, _conversations(), tmp_path / "native",
+              dataclasses.replace(config, features="transformers"), show_progress=False)
 
 
 def test_a_resumed_run_trains_the_same_head_as_an_uninterrupted_one(target, tmp_path):

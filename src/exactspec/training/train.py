@@ -332,8 +332,11 @@ def train(model, conversations: Sequence[Conversation], folder: str | Path,
             changed = ", ".join(f"{name} = {getattr(config, name)!r} (the run's: "
                                 f"{getattr(stored, name)!r})"
                                 for name in vars(stored) if getattr(config, name) != getattr(stored, name))
-            raise ValueError(f"{folder} holds a run with other settings: {changed}; resume it "
-                             "with its own settings, or start a new run in another folder")
+            hint = (f" (its features are the {stored.features} backend's: resume it on that "
+                    f"backend, --backend {stored.features})"
+                    if config.features != stored.features else "")
+            raise ValueError(f"{folder} holds a run with other settings: {changed}{hint}; resume "
+                             "it with its own settings, or start a new run in another folder")
         config = stored
     config = config or TrainingConfig()
     if not conversations:
