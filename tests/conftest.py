@@ -265,3 +265,24 @@ def trained_head(target: TransformersBackend, folder, updates: int = 60) -> str:
 def tiny_head_file(tmp_path_factory) -> str:
     """:func:`trained_head` for ``tiny_backend(0)`` (any backend over that model loads it)."""
     return trained_head(tiny_backend(0), tmp_path_factory.mktemp("head"))
+
+
+def write_corpus_wheel(path, news, pages):
+    """A zip archive laid out like gensim's wheel: ``news`` lines (Latin-1) and a bz2
+    MediaWiki dump of ``pages`` ((title, namespace, wikitext))."""
+    import bz2
+    import zipfile
+    from xml.sax.saxutils import escape
+
+    from exactspec.training.data import CORPUS_FILES
+
+    xml = "".join(f"<page><title>{escape(title)}</title><ns>{ns}</ns><revision><text>"
+                  f"{escape(text)}</text></revision></page>" for title, ns, text in pages)
+    dump = ('<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/">'
+            f"{xml}</mediawiki>").encode()
+    with zipfile.ZipFile(path, "w") as archive:
+        first, second = CORPUS_FILES["news"]
+        archive.writestr(first, "\n".join(news[:-1]).encode("latin-1"))
+        archive.writestr(second, news[-1].encode("latin-1"))
+        archive.writestr(CORPUS_FILES["wikipedia"][0], bz2.compress(dump))
+    return path

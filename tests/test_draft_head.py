@@ -460,6 +460,10 @@ def test_train_draft_reads_several_data_files_in_order(model_folder, tmp_path, c
      "--passages chooses what --synthesize writes"),
     (["--data", "x.jsonl", "--synthesize", "2", "--passages", "wiki"],
      "argument --passages: invalid choice: 'wiki'"),
+    (["--data", "x.jsonl", "--synthesize", "2", "--exclude-questions", "q.jsonl"],
+     "--corpus-wheel and --exclude-questions are for --passages corpus"),
+    (["--data", "x.jsonl", "--synthesize", "2", "--passages", "corpus", "--corpus-wheel",
+      "/nowhere.whl"], "--passages corpus: /nowhere.whl is not gensim's wheel with its test data"),
     (["--data", "x.jsonl", "--synthesize", "2", "--tasks", "math,poems"],
      "argument --tasks: poems is not a task: choose from question, writing"),
 ])
@@ -470,6 +474,26 @@ def test_train_draft_refuses_bad_arguments(model_folder, capsys, args, message):
         cli.main(["train-draft", "--model", str(model_folder), *args])
     assert exit.value.code == 2
     assert message in " ".join(capsys.readouterr().err.split())
+
+
+def test_train_draft_corpus_passages_leave_out_the_questions_to_exclude(tmp_path):
+    """--passages corpus: the wheel's passages, less those sharing 13 words in a row with a
+    prompt of an --exclude-questions file."""
+    from exactspec import cli
+    from exactspec.cli.train_draft import _passages
+
+    from conftest import write_corpus_wheel
+
+    kept, benchmarked = (" ".join(f"{word}{i}" for i in range(150)) for word in ("a", "b"))
+    wheel = write_corpus_wheel(tmp_path / "gensim.whl", [kept, benchmarked], [])
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "summarization", "turns": [
+        "Summarize: " + " ".join(f"b{i}" for i in range(100, 113))]}) + "\n")
+    base = ["train-draft", "--model", "m", "--data", "x.jsonl", "--synthesize", "2",
+            "--passages", "corpus", "--corpus-wheel", str(wheel)]
+    parser = cli.build_parser(base)
+    assert _passages(parser.parse_args(base)) == [kept, benchmarked]
+    assert _passages(parser.parse_args([*base, "--exclude-questions", str(questions)])) == [kept]
 
 
 def test_generate_refuses_a_missing_head_file_before_loading(model_folder, capsys):

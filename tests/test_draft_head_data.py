@@ -10,7 +10,7 @@ from exactspec.training.data import (LOOP_SPAN, PASSAGE_TASKS,
                                      stdlib_passages, synthesize, topic_words)
 from exactspec.training.tasks import DEFAULT_TASKS, GERMAN_TASKS, PASSAGE_KINDS, PASSAGE_REQUEST
 
-from conftest import ALPHABET, VOCAB, tiny_backend
+from conftest import ALPHABET, VOCAB, tiny_backend, write_corpus_wheel
 
 TOPICS = ["cats", "rivers", "maps", "tea"]
 
@@ -203,27 +203,6 @@ def test_synthesis_refusals(tmp_path):
                    answer_temperatures=(), show_progress=False)
 
 
-def _corpus_wheel(path, news, pages):
-    """A zip archive laid out like gensim's wheel: ``news`` lines (Latin-1) and a bz2
-    MediaWiki dump of ``pages`` ((title, namespace, wikitext))."""
-    import bz2
-    import zipfile
-    from xml.sax.saxutils import escape
-
-    from exactspec.training.data import CORPUS_FILES
-
-    xml = "".join(f"<page><title>{escape(title)}</title><ns>{ns}</ns><revision><text>"
-                  f"{escape(text)}</text></revision></page>" for title, ns, text in pages)
-    dump = ('<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/">'
-            f"{xml}</mediawiki>").encode()
-    with zipfile.ZipFile(path, "w") as archive:
-        first, second = CORPUS_FILES["news"]
-        archive.writestr(first, "\n".join(news[:-1]).encode("latin-1"))
-        archive.writestr(second, news[-1].encode("latin-1"))
-        archive.writestr(CORPUS_FILES["wikipedia"][0], bz2.compress(dump))
-    return path
-
-
 def test_corpus_passages_are_news_and_wikipedia_prose_without_the_benchmarks_text(tmp_path):
     from exactspec.training.data import corpus_passages
 
@@ -233,7 +212,7 @@ def test_corpus_passages_are_news_and_wikipedia_prose_without_the_benchmarks_tex
     article = (f"{{{{Infobox river|name=Test}}}}\n{paragraph}\n\n== History ==\n"
                f"A [[mill]] was built here. {' '.join(words[60:110])}\n\n"
                f"[[File:Mill.jpg|thumb|A mill]]\n{' '.join(words[110:170])} and more.")
-    wheel = _corpus_wheel(tmp_path / "gensim.whl", news, [
+    wheel = write_corpus_wheel(tmp_path / "gensim.whl", news, [
         ("River", "0", article), ("Talk:River", "1", article),
         ("Stream", "0", "#REDIRECT [[River]]")])
     passages = corpus_passages(wheel, min_chars=300, max_chars=1200)

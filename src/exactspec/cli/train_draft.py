@@ -51,12 +51,23 @@ def add_parser(commands) -> None:
                            f"(default: {', '.join(DEFAULT_TASKS)}; also "
                            f"{', '.join(t for t in TASKS if t not in DEFAULT_TASKS)}, over German "
                            "sentences of the machine's message catalogs)")
-    data.add_argument("--passages", choices=("stdlib", "written"), default=None,
+    data.add_argument("--passages", choices=("stdlib", "written", "corpus"), default=None,
                       help="what the passage tasks (summarise, rewrite, extract, translate, "
                            "questions about a passage) are over: stdlib, paragraphs of Python's "
                            "standard library docstrings (the default; 600-odd, so they repeat "
-                           "in large files), or written, texts the target writes itself (news "
-                           "reports, stories, emails, ... about a word)")
+                           "in large files); written, texts the target writes itself (news "
+                           "reports, stories, emails, ... about a word); or corpus, 1,179 "
+                           "real news articles and Wikipedia passages, the test data of "
+                           "gensim's wheel (needs exactspec[corpus]; see --corpus-wheel, "
+                           "--exclude-questions)")
+    data.add_argument("--corpus-wheel", type=Path, default=None, metavar="FILE.whl",
+                      help="gensim 4.4.0's wheel for --passages corpus (default: fetched once "
+                           "with pip download into ~/.cache/exactspec/corpus)")
+    data.add_argument("--exclude-questions", type=Path, action="append", default=[],
+                      metavar="FILE.jsonl",
+                      help="with --passages corpus: leave out every passage that shares 13 "
+                           "words in a row with a prompt of this Spec-Bench-format file "
+                           "(repeatable): give the questions you will benchmark the head on")
     training = train.add_argument_group("training")
     training.add_argument("--output", type=Path, default=Path("draft-head"), metavar="DIR",
                           help="the run folder: features, checkpoint.pt, head.safetensors, "
@@ -99,6 +110,19 @@ def _tasks(text: str) -> tuple[str, ...]:
     return tasks
 
 
+def _passages(args: argparse.Namespace) -> list[str] | str | None:
+    """``synthesize``'s passages for ``--passages`` (None: its default, the standard
+    library's)."""
+    if args.passages != "corpus":
+        return "written" if args.passages == "written" else None
+    from exactspec.bench.questions import load_questions
+    from exactspec.training.data import corpus_passages, corpus_wheel
+
+    wheel = args.corpus_wheel or corpus_wheel(Path.home() / ".cache" / "exactspec" / "corpus")
+    return corpus_passages(wheel, exclude=[question.prompt for path in args.exclude_questions
+                                           for question in load_questions(path)])
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # PyTorch and the training tool, imported here so that --help starts at once
     from exactspec.draft_head.model import head_config, head_metadata
@@ -118,11 +142,17 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--tasks chooses what --synthesize writes: add --synthesize N")
     if args.passages is not None and args.synthesize is None:
         parser.error("--passages chooses what --synthesize writes: add --synthesize N")
+    if (args.corpus_wheel is not None or args.exclude_questions) and args.passages != "corpus":
+        parser.error("--corpus-wheel and --exclude-questions are for --passages corpus")
     if args.synthesize is not None and len(args.data) > 1:
         parser.error("--synthesize extends one --data file: give one")
     for path in args.data if args.synthesize is None else ():
         if not path.is_file():
             parser.error(f"--data {path}: no such file (add --synthesize N to write it)")
+    try:  # before the model loads: a bad wheel or questions file fails at once
+        passages = _passages(args) if args.synthesize else None
+    except (ImportError, RuntimeError, ValueError, FileNotFoundError) as error:
+        parser.error(f"--passages corpus: {error}")
     try:
         vocab_size = args.draft_vocab_size or (
             head_config(args.initial_head).draft_vocab_size if args.initial_head
@@ -144,7 +174,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             start = time.perf_counter()
             conversations = synthesize(writer, args.data[0], args.synthesize, seed=args.seed,
                                        tasks=args.tasks or DEFAULT_TASKS,
-                                       passages="written" if args.passages == "written" else None)
+                                       passages=passages)
             seconds = time.perf_counter() - start
             written = sum(len(c.answer_ids) for c in conversations[len(before):])
             console.print(f"synthesized {len(conversations) - len(before)} conversations on "

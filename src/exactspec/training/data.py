@@ -57,6 +57,8 @@ import json
 import random
 import re
 import struct
+import subprocess
+import sys
 import sysconfig
 import xml.etree.ElementTree as ElementTree
 import zipfile
@@ -199,6 +201,29 @@ and the first 206 articles of a 2017 English Wikipedia dump (MediaWiki XML, bz2)
 CONTAMINATION_WORDS = 13
 """A passage that shares a run of this many words with an excluded text is left out (the
 n-gram decontamination of Brown et al. 2020, GPT-3, appendix C)."""
+
+
+def corpus_wheel(folder: str | Path) -> Path:
+    """gensim's wheel (:data:`CORPUS_WHEEL`) in ``folder``, fetched there with ``pip download
+    --no-deps`` (about 28 MB) the first time.
+
+    Raises:
+        RuntimeError: if pip cannot fetch it (no access to the package index), with pip's
+            message.
+    """
+    folder = Path(folder)
+    name, version = CORPUS_WHEEL.split("==")
+    found = sorted(folder.glob(f"{name}-{version}-*.whl"))
+    if not found:
+        folder.mkdir(parents=True, exist_ok=True)
+        result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
+                                 "--only-binary", ":all:", "-d", str(folder), CORPUS_WHEEL],
+                                capture_output=True, text=True)
+        found = sorted(folder.glob(f"{name}-{version}-*.whl"))
+        if result.returncode or not found:
+            raise RuntimeError(f"pip could not fetch {CORPUS_WHEEL} into {folder}: "
+                               f"{result.stderr.strip()[-500:]}")
+    return found[0]
 
 
 def corpus_passages(wheel: str | Path, *, exclude: Sequence[str] = (),
