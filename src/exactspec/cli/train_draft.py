@@ -57,8 +57,8 @@ def add_parser(commands) -> None:
                            "standard library docstrings (the default; 600-odd, so they repeat "
                            "in large files); written, texts the target writes itself (news "
                            "reports, stories, emails, ... about a word); or corpus, 1,179 "
-                           "real news articles and Wikipedia passages, the test data of "
-                           "gensim's wheel (needs exactspec[corpus]; see --corpus-wheel, "
+                           "real news articles and Wikipedia passages (the test data of "
+                           "gensim's wheel; needs exactspec[corpus]; see --corpus-wheel, "
                            "--exclude-questions)")
     data.add_argument("--corpus-wheel", type=Path, default=None, metavar="FILE.whl",
                       help="gensim 4.4.0's wheel for --passages corpus (default: fetched once "
