@@ -4,9 +4,10 @@ Data: conversations the target wrote itself (:mod:`exactspec.training.data`), st
 token ids; the target's features are recomputed by prefill on the backend the head will
 draft on (:func:`extract_features`, kept in the run folder so that a resumed run does not
 recompute them). Objective (EAGLE-3 §3.2, "training-time test"): at every position t and
-drafting step j < S, the cross-entropy of the head's draft distribution against the target's next-token distribution at position
-t + j + 1, both over the draft vocabulary (FR-Spec), on the positions whose next token is
-an answer token; step j > 0 reads the head's own step j − 1 output (:meth:`DraftHead.unrolled`).
+drafting step j < S, the cross-entropy of the head's draft distribution against the
+target's next-token distribution at position t + j + 1, both over the draft vocabulary
+(FR-Spec), on the positions whose next token is an answer token; step j > 0 reads the
+head's own step j − 1 output (:meth:`DraftHead.unrolled`).
 The draft vocabulary is the training answers' tokens by frequency, then the unseen ones by
 id (a BPE merge order, roughly by frequency).
 
