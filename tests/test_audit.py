@@ -2,6 +2,7 @@
 passes correct engines and catches every broken control at every position of a drafted
 block, and flags impossible continuations, on a tiny model at fixed seeds."""
 
+import copy
 import dataclasses
 import functools
 
@@ -17,6 +18,7 @@ from exactspec.audit import (BROKEN_VERIFIERS, AuditResult, BrokenGenerator, Exa
 from exactspec.audit.stats import detectable_tv, fit_tree, holm, node_fit, sample_tree
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.peers import TransformersPeer
+from exactspec.proposers.fallback import FallbackProposer
 from exactspec.proposers.head import HeadProposer
 
 from conftest import perturbed_backend, tiny_backend, one
@@ -280,6 +282,51 @@ def test_audit_passes_exactspec_and_catches_each_broken_control(proposer, target
                                                  broken=broken), broken)
         bad = audit_distribution(target, engine, prompts, PARAMS,
                                  MORE_SAMPLES.get((proposer, broken), SAMPLES), ALPHA)
+        assert bad.rejected, (broken, [p.positions for p in bad.prompts])
+
+
+class CountingFallback(FallbackProposer):
+    """``suffix+head`` that counts, in ``counts`` (shared by its batch rows' copies), the
+    tokens each part drafted: ``counts[True]`` the matcher's, ``counts[False]`` the model's."""
+
+    def __init__(self, matcher, model, counts):
+        super().__init__(matcher, model)
+        self.counts = counts
+
+    def __copy__(self):
+        return CountingFallback(copy.copy(self.matcher), copy.copy(self.model), self.counts)
+
+    def propose(self, *args, **kwargs):
+        proposal = super().propose(*args, **kwargs)
+        self.counts[self.last_drafter is self.matcher] += len(proposal)
+        return proposal
+
+
+def test_suffix_then_head_passes_the_audit_with_each_drafting_and_the_controls_caught(
+        target, prompts, tiny_head_file):
+    """``suffix+head`` (FallbackProposer): suffix drafts first on a prompt whose last token
+    occurred before, the head on one of distinct tokens, then whichever the context allows;
+    exact, and both broken verifiers caught."""
+    audited = [prompts[0], [20, 3, 17, 11, 26, 5]]
+
+    def engine(name, broken=None):
+        counts = {True: 0, False: 0}
+        proposer = CountingFallback(SuffixProposer(1, 8, 0.0), HeadProposer(target, tiny_head_file),
+                                    counts)
+        generator = (SpeculativeGenerator(target, proposer, K, "constant") if broken is None
+                     else BrokenGenerator(target, proposer, K, "constant", broken=broken))
+        return ExactspecEngine(generator, name), counts
+
+    good_engine, counts = engine("ok")
+    good = audit_distribution(target, good_engine, audited, PARAMS, SAMPLES, ALPHA)
+    assert counts[True] >= 300 and counts[False] >= 300, counts
+    # measured 383, 12, 0 accepted (suffix drafted 1,683 tokens, the head 3,826)
+    assert all(a >= low for a, low in zip(good.accepted_per_position, [300, 5, 0])), \
+        (good.drafted_per_position, good.accepted_per_position)
+    assert not good.rejected, [(p.impossible, p.positions) for p in good.prompts]
+    for broken in BROKEN_VERIFIERS:
+        bad = audit_distribution(target, engine(broken, broken)[0], audited, PARAMS,
+                                 SAMPLES, ALPHA)
         assert bad.rejected, (broken, [p.positions for p in bad.prompts])
 
 

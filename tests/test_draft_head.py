@@ -20,7 +20,9 @@ from exactspec.training.data import Conversation
 from exactspec.draft_head.model import (HeadCache, head_metadata, load_head, new_head, save_head,
                                         shipped_head)
 from exactspec.training.train import TrainingConfig, chained_acceptance, train
+from exactspec.proposers.fallback import FallbackProposer
 from exactspec.proposers.head import HeadProposer
+from exactspec.proposers.suffix import SuffixProposer
 from exactspec.proposers.spec import parse_proposer
 
 from conftest import CharTokenizer, tiny_backend
@@ -236,10 +238,40 @@ def test_greedy_output_equals_plain_decoding(target, tiny_head_file, k):
 
 
 @pytest.mark.parametrize("tree", [None, 6])
+def test_suffix_then_head_drafts_with_each_and_keeps_the_greedy_output(target, tiny_head_file,
+                                                                        tree):
+    """``suffix+head``: the head drafts (its chain or tree) in the cycles suffix has no match
+    for, from features of positions suffix's drafts committed (its cache catches up)."""
+    suffix = SuffixProposer(2, 8, 0.0)  # 2-grams: suffix has no match in many cycles
+    proposer = FallbackProposer(suffix, HeadProposer(target, tiny_head_file, tree_nodes=tree))
+    drafted, drafters = [], []
+    propose = proposer.propose
+
+    def counting(*args, **kwargs):
+        proposal = propose(*args, **kwargs)
+        drafted.append(len(proposal))
+        drafters.append(proposer.last_drafter is suffix)
+        return proposal
+
+    proposer.propose = counting
+    speculative = SpeculativeGenerator(target, proposer, 3, "constant")
+    plain = SpeculativeGenerator(target, None, 0)
+    params = SamplingParams(max_new_tokens=40)
+    for prompt in PROMPTS:
+        assert speculative.generate(prompt, params).token_ids == plain.generate(
+            prompt, params).token_ids
+    by_suffix = sum(n for n, s in zip(drafted, drafters) if s)
+    by_head = sum(n for n, s in zip(drafted, drafters) if not s)
+    assert by_suffix >= 5 and by_head >= 50, (by_suffix, by_head)
+
+
+@pytest.mark.parametrize("tree", [None, 6, "suffix+head"])
 def test_batched_rows_each_keep_their_own_head_cache(target, tiny_head_file, tree):
-    """Chains, and token trees (each row its own, Backend.forward_trees)."""
-    generator = SpeculativeGenerator(target, HeadProposer(target, tiny_head_file,
-                                                          tree_nodes=tree), 3, "constant")
+    """Chains, token trees (each row its own, Backend.forward_trees), and a head behind
+    suffix drafting (each row its own suffix index and head cache)."""
+    proposer = (FallbackProposer(SuffixProposer(2, 8, 0.0), HeadProposer(target, tiny_head_file))
+                if tree == "suffix+head" else HeadProposer(target, tiny_head_file, tree_nodes=tree))
+    generator = SpeculativeGenerator(target, proposer, 3, "constant")
     plain = SpeculativeGenerator(target, None, 0)
     params = [SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=20),
               SamplingParams(temperature=0.9, seed=4, max_new_tokens=25)]

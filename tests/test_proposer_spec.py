@@ -6,7 +6,7 @@ import pytest
 from exactspec import PromptLookupProposer, SamplingParams, SuffixProposer
 from exactspec.bench.methods import parse_method, parse_method_spec
 from exactspec.peers import PEERS, TransformersPeer, make_peer
-from exactspec.proposers import EarlyExitProposer
+from exactspec.proposers import EarlyExitProposer, FallbackProposer
 from exactspec.proposers.build import build_proposer
 from exactspec.proposers.spec import ProposerSpec, parse_ngram, parse_proposer
 
@@ -66,6 +66,36 @@ def test_bad_proposer_specs_are_named_with_the_allowed_forms(spec, reason):
     assert str(error.value).startswith(f"proposer {spec!r} is invalid: {reason}")
 
 
+def test_a_matcher_and_a_model_combine_with_the_options_written_once_for_the_whole():
+    spec = parse_method_spec("suffix:ngram=2-6+head:h.safetensors:tree=6:k=3:policy=auto")
+    assert spec == ProposerSpec(
+        "suffix:ngram=2-6+head:h.safetensors:tree=6:k=3:policy=auto", "suffix", (2, 6), k=3,
+        policy="auto", fallback=ProposerSpec("head:h.safetensors:tree=6:k=3:policy=auto",
+                                             "head", head="h.safetensors", tree=6))
+    assert [part.kind for part in spec.parts] == ["suffix", "head"]
+    assert spec.description == "suffix 2:6, else draft head h.safetensors, trees of 6 nodes"
+    assert parse_proposer("prompt-lookup+draft:M").fallback.model == "M"
+    assert parse_method_spec("suffix+head").k == parse_method_spec("head").k
+
+
+@pytest.mark.parametrize("spec, reason", [
+    ("head+suffix", "in MATCHER+MODEL the matcher is one of prompt-lookup, suffix and the "
+                    "model one of early-exit, draft, head, not head+suffix"),
+    ("suffix+plain", "in MATCHER+MODEL"),
+    ("suffix+prompt-lookup", "in MATCHER+MODEL"),
+    ("suffix+head+draft:M", "combine two proposers, MATCHER+MODEL (e.g. suffix+head)"),
+    ("suffix+", "combine two proposers"),
+    ("suffix:k=3+head", "write k once, at the end, for the whole (e.g. suffix+head:k=4)"),
+    ("suffix+head:tree=0", "its part 'head:tree=0' is invalid: tree = 0 must be ≥ 1"),
+    ("hf-suffix+head", "its part 'hf-suffix' is invalid: use one of"),  # no peers in one
+])
+def test_bad_combinations_are_refused_naming_the_form(spec, reason):
+    with pytest.raises(ValueError) as error:
+        parse_method_spec(spec)
+    assert str(error.value).startswith(f"method {spec!r} is invalid: ") and reason in str(
+        error.value), str(error.value)
+
+
 def test_a_heads_weights_option_names_what_its_kernels_take():
     from exactspec.draft_head.kernels import WEIGHTS
     from exactspec.proposers.spec import HEAD_WEIGHTS
@@ -118,6 +148,9 @@ def test_build_proposer():
                       EarlyExitProposer)
     with pytest.raises(ValueError, match="is run by a peer"):
         build_proposer(parse_method_spec("hf-plain"), target, None)
+    both = build_proposer(parse_proposer("prompt-lookup:ngram=1-4+early-exit:1"), target, None)
+    assert isinstance(both, FallbackProposer) and isinstance(both.model, EarlyExitProposer)
+    assert isinstance(both.matcher, PromptLookupProposer) and both.matcher.max_ngram == 4
 
 
 def test_transformers_peer_modes_and_sampling_translation(monkeypatch):

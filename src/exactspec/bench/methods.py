@@ -56,8 +56,9 @@ class Method:
 
     Attributes:
         name: the method spec, e.g. ``prompt-lookup:k=4``.
-        kind: ``plain``, ``prompt-lookup``, ``suffix``, ``draft``, ``early-exit``, or one of
-            them with its peer prefix (``hf-draft`` for a transformers draft model).
+        kind: ``plain``, ``prompt-lookup``, ``suffix``, ``draft``, ``early-exit``, ``head``,
+            one of them with its peer prefix (``hf-draft`` for a transformers draft model),
+            or a combination (``suffix+head``).
         k: most tokens drafted per cycle (0: plain decoding).
         engine: what decodes.
         notes: how the method was kept honest, for the report (e.g. what its corpus held).
@@ -145,7 +146,7 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
     """
     proposer_spec = parse_method_spec(spec)
     kind = (f"{proposer_spec.peer}-{proposer_spec.kind}" if proposer_spec.peer
-            else proposer_spec.kind)
+            else "+".join(part.kind for part in proposer_spec.parts))
     k = proposer_spec.k if proposer_spec.drafts else 0
     if proposer_spec.peer:
         try:

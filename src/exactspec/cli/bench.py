@@ -139,8 +139,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     console = Console(stderr=True, soft_wrap=True)
     try:
         specs = [parse_method_spec(spec) for spec in args.method or ()]
-        backend = check_models_before_loading(args, {f"--method {spec.spec}": spec.model
-                                                     for spec in specs if spec.model})
+        backend = check_models_before_loading(args, {f"--method {spec.spec}": part.model
+                                                     for spec in specs for part in spec.parts
+                                                     if part.model})
         if args.ray is not None:  # before loading: a missing Ray or cluster fails at once
             connect(args.ray or None)
         spec = BenchSpec(

@@ -184,13 +184,15 @@ def check_proposer_before_loading(args: argparse.Namespace, parser: argparse.Arg
         exit through ``parser.error``.
         (a head file that does not exist is a ValueError too).
     """
+    parts = proposer_spec.parts
     backend = check_models_before_loading(
-        args, {flag: proposer_spec.model} if proposer_spec.model else {}, proposer_spec)
-    if proposer_spec.kind == "early-exit":
-        check_early_exit(parser, flag if flag == "--early-exit" else f"{flag}: L =",
-                         proposer_spec.layers, layer_count(resolve_model_path(args.model)))
-    if proposer_spec.head is not None and not Path(proposer_spec.head).expanduser().is_file():
-        raise ValueError(f"{flag}: draft head {proposer_spec.head!r} does not exist")
+        args, {flag: part.model for part in parts if part.model}, proposer_spec)
+    for part in parts:
+        if part.kind == "early-exit":
+            check_early_exit(parser, flag if flag == "--early-exit" else f"{flag}: L =",
+                             part.layers, layer_count(resolve_model_path(args.model)))
+        if part.head is not None and not Path(part.head).expanduser().is_file():
+            raise ValueError(f"{flag}: draft head {part.head!r} does not exist")
     return backend
 
 

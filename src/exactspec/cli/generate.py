@@ -187,7 +187,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         with console.status(f"Loading {args.model} …"):
             target = load_from_args(args, proposer=proposer_spec)
-        with (console.status(f"Loading draft {proposer_spec.model} …") if proposer_spec.model
+        draft = next((part.model for part in proposer_spec.parts if part.model), None)
+        with (console.status(f"Loading draft {draft} …") if draft
               else contextlib.nullcontext()):
             proposer = build_proposer(proposer_spec, target, lambda name: load_from_args(args, name))
         method = proposer_spec.description

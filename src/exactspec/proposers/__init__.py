@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from exactspec.proposers.build import build_proposer
     from exactspec.proposers.draft_model import DraftModelProposer
     from exactspec.proposers.early_exit import EarlyExitProposer
+    from exactspec.proposers.fallback import FallbackProposer
     from exactspec.proposers.forced import ForcedTokenProposer
     from exactspec.proposers.prompt_lookup import PromptLookupProposer
     from exactspec.proposers.spec import ProposerSpec, parse_proposer
@@ -24,6 +25,7 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(__name__, submod_attrs={
     "build": ("build_proposer",),
     "draft_model": ("DraftModelProposer",),
     "early_exit": ("EarlyExitProposer",),
+    "fallback": ("FallbackProposer",),
     "forced": ("ForcedTokenProposer",),
     "prompt_lookup": ("PromptLookupProposer",),
     "spec": ("ProposerSpec", "parse_proposer"),

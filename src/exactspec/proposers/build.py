@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from exactspec.backends.base import Backend
 from exactspec.proposers.base import Proposer
 from exactspec.proposers.draft_model import DraftModelProposer
 from exactspec.proposers.early_exit import EarlyExitProposer
+from exactspec.proposers.fallback import FallbackProposer
 from exactspec.proposers.forced import ForcedTokenProposer
 from exactspec.proposers.head import HeadProposer
 from exactspec.proposers.prompt_lookup import PromptLookupProposer
@@ -31,6 +33,10 @@ def build_proposer(proposer_spec: ProposerSpec, target: Backend,
     """
     if proposer_spec.peer:
         raise ValueError(f"{proposer_spec.spec!r} is run by a peer (see exactspec.peers), not exactspec")
+    if proposer_spec.fallback is not None:
+        matcher = dataclasses.replace(proposer_spec, fallback=None)
+        return FallbackProposer(build_proposer(matcher, target, load_model),
+                                build_proposer(proposer_spec.fallback, target, load_model))
     if proposer_spec.kind == "forced":
         return ForcedTokenProposer()
     if proposer_spec.kind == "prompt-lookup":

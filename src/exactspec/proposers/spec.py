@@ -26,6 +26,10 @@ A spec is ``[PEER-]KIND[:ARG][:key=value...]``::
                                  the default, q4_0 or bf16; see exactspec.draft_head.kernels)
     draft:MODEL                  a smaller model on the same tokenizer (embedded name, model
                                  folder or .gguf)
+    MATCHER+MODEL                a matcher (prompt-lookup or suffix, each with its options)
+                                 drafts when it has a match, the model proposer (head,
+                                 draft or early-exit) in the cycles it has none, e.g.
+                                 ``suffix+head`` (:mod:`exactspec.proposers.fallback`)
 
     :k=N                         most tokens drafted per cycle            } where the command
     :policy=P                    speculation-length policy (constant,    } has no flag of its
@@ -51,6 +55,7 @@ exactspec's :class:`~exactspec.proposers.base.Proposer` from it.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+import dataclasses
 from dataclasses import dataclass
 
 DEFAULT_NGRAM = (2, 3)
@@ -66,13 +71,17 @@ ARGUMENT = {"early-exit": "L", "draft": "MODEL"}
 """Kinds that take a positional argument, and its name."""
 FORMS = ("plain, forced, prompt-lookup[:ngram=MIN-MAX], "
          "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL, "
-         "head[:PATH][:tree=N][:weights=W]")
+         "head[:PATH][:tree=N][:weights=W], MATCHER+MODEL (e.g. suffix+head)")
 """The allowed forms, for messages."""
 BACKENDS_NEEDED = {"early-exit": (("transformers",), "drafts with the target's own layers"),
                    "head": (("native", "transformers"),
                             "drafts from the target's hidden features")}
 """Kinds that run on some backends only: kind → (those backends, why, for messages)."""
 OPTION_VALUES = {"k": "N", "policy": "P"}
+MATCHERS = ("prompt-lookup", "suffix")
+"""Kinds that may draft first in ``MATCHER+MODEL`` (they draft only where they match)."""
+MODELS = ("early-exit", "draft", "head")
+"""Kinds that may draft where the matcher has no match in ``MATCHER+MODEL``."""
 HEAD_WEIGHTS = ("q8_0", "q4_0", "bf16")
 """How the native kernels may hold a draft head's weights (``head:…:weights=``;
 ``exactspec.draft_head.kernels.WEIGHTS``)."""
@@ -95,6 +104,9 @@ class ProposerSpec:
         k: ``k=`` if given, else None (the command's default).
         policy: ``policy=`` if given, else None (the command's default).
         peer: the peer prefix (``hf``, ``llama``), None for exactspec itself.
+        fallback: ``MATCHER+MODEL``: this spec is the matcher's (its ``spec`` the whole
+            text, its ``k`` and ``policy`` the whole's), ``fallback`` the model proposer's
+            (None: a single proposer).
     """
 
     spec: str
@@ -109,6 +121,12 @@ class ProposerSpec:
     k: int | None = None
     policy: str | None = None
     peer: str | None = None
+    fallback: ProposerSpec | None = None
+
+    @property
+    def parts(self) -> tuple[ProposerSpec, ...]:
+        """The proposers it names: itself, and for ``MATCHER+MODEL`` the model's too."""
+        return (self,) if self.fallback is None else (self, self.fallback)
 
     @property
     def drafts(self) -> bool:
@@ -118,6 +136,9 @@ class ProposerSpec:
     @property
     def description(self) -> str:
         """In words, e.g. ``prompt lookup 2:3``, ``draft model NAME``."""
+        if self.fallback is not None:
+            alone = dataclasses.replace(self, fallback=None)
+            return f"{alone.description}, else {self.fallback.description}"
         return {"plain": "plain decoding", "forced": "a constraint's forced tokens",
                 "prompt-lookup": "prompt lookup {0}:{1}".format(*self.ngram),
                 "suffix": "suffix {0}:{1}".format(*self.ngram) + (
@@ -156,6 +177,8 @@ def parse_proposer(spec: str, *, what: str = "proposer", options: Collection[str
         ValueError: ``{what} {spec!r} is invalid: …``, naming the allowed forms or the bad value.
     """
     prefix = f"{what} {spec!r} is invalid"
+    if "+" in spec:
+        return _parse_combination(spec, prefix, what, options)
     peer = next((name for name in peers or () if spec.startswith(f"{name}-")), None)
     kind, *parts = spec[len(peer) + 1 if peer else 0:].split(":")
     if kind in RENAMED:
@@ -207,3 +230,27 @@ def parse_proposer(spec: str, *, what: str = "proposer", options: Collection[str
     head = ":".join(positional) or None if kind == "head" else None
     return ProposerSpec(spec, kind, ngram, layers, model, corpus, head, tree, weights, k, policy,
                         peer)
+
+
+def _parse_combination(spec: str, prefix: str, what: str,
+                       options: Collection[str]) -> ProposerSpec:
+    """``MATCHER+MODEL`` (see the module docstring): each part parsed alone, the options
+    (``k``, ``policy``) written once, on the last part, for the whole."""
+    parts = spec.split("+")
+    if len(parts) != 2 or not all(parts):
+        raise ValueError(f"{prefix}: combine two proposers, MATCHER+MODEL (e.g. suffix+head)")
+    written = [f":{key}=" for key in options if f":{key}=" in parts[0]]
+    if written:
+        raise ValueError(f"{prefix}: write {', '.join(w[1:-1] for w in written)} once, at the "
+                         "end, for the whole (e.g. suffix+head:k=4)")
+    try:
+        matcher = parse_proposer(parts[0], what="its part")
+        model = parse_proposer(parts[1], what="its part", options=options)
+    except ValueError as error:
+        raise ValueError(f"{prefix}: {error}") from None
+    if matcher.kind not in MATCHERS or model.kind not in MODELS:
+        raise ValueError(f"{prefix}: in MATCHER+MODEL the matcher is one of "
+                         f"{', '.join(MATCHERS)} and the model one of {', '.join(MODELS)}, "
+                         f"not {matcher.kind}+{model.kind}")
+    return dataclasses.replace(matcher, spec=spec, k=model.k, policy=model.policy,
+                               fallback=dataclasses.replace(model, k=None, policy=None))
