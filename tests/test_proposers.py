@@ -1,4 +1,5 @@
-"""Proposers: prompt lookup and suffix matching rules; draft model vocabulary handling."""
+"""Proposers: prompt lookup and suffix matching rules; draft model vocabulary handling; a
+matcher with a model behind it (FallbackProposer)."""
 
 import pytest
 import torch
@@ -7,6 +8,8 @@ from exactspec import (DraftModelProposer, PromptLookupProposer, SamplingParams,
                        SuffixProposer,
                        SpeculativeGenerator, UnsupportedModelError)
 from exactspec.logits_pipeline import LogitsPipeline
+from exactspec.proposers.base import Proposal
+from exactspec.proposers.fallback import FallbackProposer
 from exactspec.sampling import make_rng
 
 from conftest import CharTokenizer, tiny_backend, tiny_model
@@ -184,3 +187,62 @@ def test_corpus_scopes_draft_only_their_own_outputs_each_within_its_own_bound():
     corpus.add([20, 21], scope="carol")  # a third scope evicts bob whole
     assert corpus.num_scopes == 2 and corpus.scope_tokens("bob") == 0
     assert corpus.best([6, 7], "bob") is None and corpus.best([1, 2], "alice")[0] == 3
+
+
+class Recorder:
+    """A stand-in proposer: drafts ``drafts`` after any context, records every call."""
+
+    supports_min_confidence = estimates_acceptance = drafts_trees = batchable = False
+    corpus = None
+
+    def __init__(self, drafts, **capabilities):
+        self.drafts, self.calls = drafts, []
+        self.__dict__.update(capabilities)
+
+    def propose(self, token_ids, k, pipeline, rng, min_confidence=0.0):
+        self.calls.append(("propose", k, min_confidence))
+        return Proposal(self.drafts[:k])
+
+    def __getattr__(self, name):  # follow, observe, reset, end_sequence: recorded
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lambda *args: self.calls.append((name, *args))
+
+
+def test_the_model_drafts_only_where_the_matcher_has_nothing():
+    matcher, model = Recorder([5, 6], batchable=True, corpus="c"), Recorder(
+        [7], supports_min_confidence=True, estimates_acceptance=True, drafts_trees=True,
+        batchable=True)
+    both = FallbackProposer(matcher, model)
+    assert (both.supports_min_confidence, both.estimates_acceptance, both.drafts_trees,
+            both.batchable, both.drafts_for_free, both.corpus) == (True, True, True, True,
+                                                                   False, "c")
+    assert both.propose([1, 2], 4, pipe(GREEDY), G, 0.3).token_ids == [5, 6]
+    assert model.calls == [] and matcher.calls == [("propose", 4, 0.0)]  # its own threshold
+    both.observe(1)
+    assert matcher.calls[-1] == ("observe", 1)
+    matcher.drafts = []
+    assert both.propose([1, 2], 4, pipe(GREEDY), G, 0.3).token_ids == [7]
+    assert model.calls == [("propose", 4, 0.3)]  # the policy's threshold is the model's
+    both.observe(0)
+    assert model.calls[-1] == ("observe", 0) and matcher.calls[-1][0] == "propose"
+    both.follow(3)
+    both.reset(True, "scope")
+    both.end_sequence([1, 2, 7], 2)
+    for part in (matcher, model):
+        assert part.calls[-3:] == [("follow", 3), ("reset", True, "scope"),
+                                   ("end_sequence", [1, 2, 7], 2)]
+    assert not FallbackProposer(Recorder([]), Recorder([], batchable=True)).batchable
+
+
+def test_suffix_then_a_draft_model_keeps_the_greedy_output():
+    target = tiny_backend(0)
+    proposer = FallbackProposer(SuffixProposer(2, 8, 0.0),
+                                DraftModelProposer(tiny_backend(model=target.model), target))
+    speculative = SpeculativeGenerator(target, proposer, 3, "constant")
+    plain = SpeculativeGenerator(target, None, 0)
+    params = SamplingParams(max_new_tokens=30)
+    for prompt in ([1, 2, 3, 4, 5], [30, 31, 2, 2, 40, 41, 7, 1]):
+        result = speculative.generate(prompt, params)
+        assert result.token_ids == plain.generate(prompt, params).token_ids
+        assert result.stats.accepted_tokens > 0
