@@ -146,7 +146,7 @@ def test_the_native_head_computes_the_heads_layer(target, tiny_head_file, weight
 @pytest.mark.parametrize("weights", ["q8_0", "q4_0"])
 def test_the_native_heads_one_call_step_is_its_layer_and_lm_head(target, tiny_head_file,
                                                                  weights):
-    """``es_head_step`` (NativeHead.draft_step, one C call) against the same head's
+    """``es_head_step`` (NativeHead.draft_step, one C call; feature_step, fc inside it) against the same head's
     product-by-product path (explicit positions take it), on each instruction-set path the
     machine has: a prefill of 7 rows then two chain steps, the outputs, the cached keys and
     values and the last row's draft logits equal up to float32 rounding (the same int8
@@ -165,10 +165,14 @@ def test_the_native_heads_one_call_step_is_its_layer_and_lm_head(target, tiny_he
     try:
         for isa in native.ISAS[:native.ISAS.index(kernels.best_isa) + 1]:
             kernels.isa = isa
-            one_call, by_products = HeadCache(), HeadCache()
+            one_call, by_products, projected = HeadCache(), HeadCache(), HeadCache()
             with torch.inference_mode():
                 rows, logits = fast.draft_step(one_call, fast.fc(features), prompt)
                 expected = fast.extend(by_products, fast.fc(features), prompt, torch.arange(7))
+                # fc inside the call: the same int8 product as fc's, so the same values
+                assert all(torch.equal(a, b) for a, b in zip(
+                    fast.feature_step(projected, features, prompt), (rows, logits)))
+                assert torch.equal(projected.keys, one_call.keys)
                 for position, token in ((7, 6), (8, int(logits.argmax()))):
                     close(rows, expected)
                     expected_logits = fast.logits(expected[-1:])
@@ -184,6 +188,9 @@ def test_the_native_heads_one_call_step_is_its_layer_and_lm_head(target, tiny_he
         kernels.isa = kernels.best_isa
     with pytest.raises(ValueError, match="token ids must lie in"):
         fast.draft_step(HeadCache(), rows[-1:], torch.tensor([10 ** 6]))
+    with pytest.raises(ValueError, match=f"rows of {fast.config.feature_size} features "
+                                         "expected; got a tensor of shape"):
+        fast.feature_step(HeadCache(), rows[-1:], torch.tensor([1]))
 
 
 def close(got: torch.Tensor, expected: torch.Tensor) -> None:

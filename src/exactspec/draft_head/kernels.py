@@ -105,7 +105,8 @@ class NativeHead:
             *(tensor.data_ptr() for tensor in (self._embedding, *self._norms,
                                                self._final_norm, self._inv_freq)),
             *(matrix.packed.ctypes.data for matrix in (self._qkv, self._o, self._gate_up,
-                                                       self._down, self._lm_head)))
+                                                       self._down, self._lm_head)),
+            self._fc.k, self._fc.packed.ctypes.data)
 
     def _linear(self, x: torch.Tensor, weight: _Matrix) -> torch.Tensor:
         return weight(self._kernels, x, self._threads)
@@ -129,10 +130,21 @@ class NativeHead:
             return outputs, self.logits(outputs[-1:])
         return self._native_step(cache, hidden, token_ids, logits=True)
 
+    def feature_step(self, cache: HeadCache, features: torch.Tensor,
+                     token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`DraftHead.feature_step`: :meth:`draft_step` of ``fc(features)``
+        (``[n, F]``); with int8-product weights one call of ``es_head_step``, the projection
+        included (the same arithmetic as :meth:`fc`)."""
+        if self._c_head is None:
+            return self.draft_step(cache, self.fc(features), token_ids)
+        return self._native_step(cache, features, token_ids, logits=True, features=True)
+
     def _native_step(self, cache: HeadCache, hidden: torch.Tensor, token_ids: torch.Tensor,
-                     logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     logits: bool, features: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``es_head_step`` over chain rows: their outputs ``[n, h]`` and, if ``logits``,
-        the last row's draft logits ``[1, V']`` (else None)."""
+        the last row's draft logits ``[1, V']`` (else None); with ``features``, ``hidden``
+        holds the rows' fused target features ``[n, F]``, projected by ``fc`` in the call."""
         c, n, start = self.config, hidden.shape[0], len(cache)
         tokens = token_ids.to(torch.int64).contiguous()
         if n == 0 or tokens.shape != (n,):
@@ -140,12 +152,18 @@ class NativeHead:
                              f"{tuple(tokens.shape)}")
         if not 0 <= int(tokens.min()) <= int(tokens.max()) < self._embedding.shape[0]:
             raise ValueError(f"token ids must lie in [0, {self._embedding.shape[0]})")
+        width = self._fc.k if features else c.hidden_size
+        if hidden.dim() != 2 or hidden.shape[1] != width:
+            raise ValueError(f"rows of {width} {'features' if features else 'hidden values'} "
+                             f"expected; got a tensor of shape {tuple(hidden.shape)}")
         hidden = hidden.float().contiguous()
         cache.new_rows(n, (c.num_key_value_heads, c.head_dim), torch.float32)
         out = torch.empty(n, c.hidden_size)
         draft_logits = torch.empty(1, len(self.draft_token_ids)) if logits else None
         self._kernels.head_step(self._c_head, cache.keys.data_ptr(), cache.values.data_ptr(),
-                                start, n, hidden.data_ptr(), tokens.data_ptr(), out.data_ptr(),
+                                start, n, None if features else hidden.data_ptr(),
+                                hidden.data_ptr() if features else None, tokens.data_ptr(),
+                                out.data_ptr(),
                                 None if draft_logits is None else draft_logits.data_ptr(),
                                 self._threads, native.ISAS.index(self._kernels.isa))
         return out, draft_logits

@@ -344,6 +344,14 @@ class DraftHead(nn.Module):
         outputs = self.extend(cache, hidden, token_ids)
         return outputs, self.logits(outputs[-1:])
 
+    def feature_step(self, cache: HeadCache, features: torch.Tensor,
+                     token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`draft_step` over rows of committed positions: their hidden input is
+        ``fc`` of the target's fused features ``[n, F]`` (EAGLE-3's input; float32 or the
+        head's dtype). Returns the outputs ``[n, h]`` and the last row's draft logits
+        ``[1, V']``."""
+        return self.draft_step(cache, self.fc(features.to(self.dtype)), token_ids)
+
 
 def rotate(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
            inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -320,8 +320,8 @@ class HeadProposer(Proposer):
             raise RuntimeError(f"the target holds {common + features.shape[0]} positions of "
                                f"this sequence, the context has {len(token_ids)} tokens: the "
                                "target's cache must hold all but the last")
-        output, state.last_logits = head.draft_step(state.cache, head.fc(features.to(head.dtype)),
-                                                    torch.tensor(new_tokens[common:]))
+        output, state.last_logits = head.feature_step(state.cache, features,
+                                                      torch.tensor(new_tokens[common:]))
         state.row_tokens.extend(new_tokens[common:])
         state.last_output = output[-1:]
         return state.last_output, state.last_logits

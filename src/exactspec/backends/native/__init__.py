@@ -106,7 +106,8 @@ class Head(ctypes.Structure):
                 ("rms_eps", ctypes.c_double)] + [
                 (name, ctypes.c_void_p) for name in
                 ("embedding", "input_norm", "hidden_norm", "post_norm", "final_norm",
-                 "inv_freq", "qkv", "o", "gate_up", "down", "lm_head")]
+                 "inv_freq", "qkv", "o", "gate_up", "down", "lm_head")] + [
+                ("n_features", ctypes.c_int64), ("fc", ctypes.c_void_p)]
 
 
 _lock = threading.Lock()
@@ -154,7 +155,7 @@ class NativeKernels:
                                          i64, ctypes.c_int, ctypes.c_int]
         library.es_linear_q8.restype = None
         library.es_head_step.argtypes = [ctypes.POINTER(Head), ptr, ptr, i64, i64, ptr, ptr, ptr,
-                                         ptr, ctypes.c_int, ctypes.c_int]
+                                         ptr, ptr, ctypes.c_int, ctypes.c_int]
         library.es_head_step.restype = None
         self.head_step = library.es_head_step
         """``es_head_step`` (the C source's header gives its arguments and arithmetic)."""

@@ -1414,7 +1414,9 @@ void es_forward(const es_model *m, const es_segment *segs, int64_t n_segs,
  *
  * es_head_step runs exactspec.draft_head.kernels.NativeHead.extend for a chain in one
  * OpenMP parallel region (no Python between the products): for n new rows at positions
- * n_past .. n_past + n - 1, row r with input token tokens[r] and input hidden[r]:
+ * n_past .. n_past + n - 1, row r with input token tokens[r] and input hidden[r], or, when
+ * features is not NULL, hidden[r] = features[r] @ Wfc^T first (NativeHead.fc: the target's
+ * fused features [n_features] projected, the int8 product; hidden is then not read):
  *
  *     x  = [rms_norm(embedding[token], input_norm), rms_norm(hidden, hidden_norm)]  [2E]
  *     q, k, v = x @ Wqkv^T                 the int8 product (es_linear_q8's arithmetic)
@@ -1435,14 +1437,20 @@ typedef struct {
     const float *embedding;   /* [vocab, n_embd] float32 */
     const float *input_norm, *hidden_norm, *post_norm, *final_norm, *inv_freq;
     const uint8_t *qkv, *o, *gate_up, *down, *lm_head; /* es_repack'd, of weight_type */
+    int64_t n_features;       /* the fused features' width, fc's K */
+    const uint8_t *fc;        /* es_repack'd [n_embd, n_features], of weight_type */
 } es_head;
 
 void es_head_step(const es_head *m, float *k_cache, float *v_cache, int64_t n_past,
-                  int64_t n, const float *hidden, const int64_t *tokens, float *out,
-                  float *logits, int threads, int isa) {
+                  int64_t n, const float *hidden, const float *features,
+                  const int64_t *tokens, float *out, float *logits, int threads, int isa) {
     const int64_t E = m->n_embd, H = m->n_head, Hkv = m->n_head_kv, d = m->head_dim,
-                  F = m->n_ff, QD = H * d, KD = Hkv * d, QKV = QD + 2 * KD, L = n_past + n;
-    const int64_t widest = 2 * F > 2 * E ? 2 * F : 2 * E;
+                  F = m->n_ff, QD = H * d, KD = Hkv * d, QKV = QD + 2 * KD, L = n_past + n,
+                  NF = m->n_features;
+    int64_t widest = 2 * F > 2 * E ? 2 * F : 2 * E;
+    if (features && NF > widest) widest = NF;
+    float *projected = features ? malloc(sizeof(float) * n * E) : NULL;
+    if (features) hidden = projected;
     float *x = malloc(sizeof(float) * n * widest), *qkv = malloc(sizeof(float) * n * QKV),
           *a = malloc(sizeof(float) * n * QD), *t1 = malloc(sizeof(float) * n * E),
           *gu = malloc(sizeof(float) * n * 2 * F), *xl = malloc(sizeof(float) * E);
@@ -1463,6 +1471,12 @@ void es_head_step(const es_head *m, float *k_cache, float *v_cache, int64_t n_pa
             column_share(N, t, nt, &j0, &j1);                                             \
             if (j0 < j1) columns_q8(isa, Q, ROWS, K, W, (int)m->weight_type, N, Y, N, j0, j1); \
         } while (0)
+        if (features) {
+            es_quantize_rows(features, NF, r0, r1, NF, q8, isa);
+#pragma omp barrier
+            HEAD_LINEAR(n, q8, NF, m->fc, E, projected);
+#pragma omp barrier
+        }
         for (int64_t r = r0; r < r1; r++) {
             rms_norm(m->embedding + tokens[r] * E, m->input_norm, E, m->rms_eps, isa,
                      x + r * 2 * E);
@@ -1529,5 +1543,5 @@ void es_head_step(const es_head *m, float *k_cache, float *v_cache, int64_t n_pa
         free(e);
     }
     free(q8.xq); free(q8.dx); free(q8.sx); free(q8.dxs);
-    free(x); free(qkv); free(a); free(t1); free(gu); free(xl);
+    free(x); free(qkv); free(a); free(t1); free(gu); free(xl); free(projected);
 }
