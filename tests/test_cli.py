@@ -427,6 +427,11 @@ def test_bench_checks_method_models_before_loading(model_folder, tmp_path, capsy
         "model (smollm2-135m-instruct) nor an existing folder or .gguf file")
     code, _, err = bench(capsys, tmp_path, model_folder, "--method", "early-exit:0")
     assert code == 1 and "error: method 'early-exit:0' is invalid: L = 0 must be ≥ 1" in err
+    code, _, err = bench(capsys, tmp_path, model_folder, "--method",
+                         f"suffix+head:{tmp_path}/no.safetensors")
+    assert code == 1 and " ".join(err.split()) == (
+        f"error: --method suffix+head:{tmp_path}/no.safetensors: draft head "
+        f"'{tmp_path}/no.safetensors' does not exist")
 
 
 def test_generate_prints_the_slow_decoding_warning(model_folder, capsys, monkeypatch):

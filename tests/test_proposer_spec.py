@@ -76,6 +76,10 @@ def test_a_matcher_and_a_model_combine_with_the_options_written_once_for_the_who
     assert spec.description == "suffix 2:6, else draft head h.safetensors, trees of 6 nodes"
     assert parse_proposer("prompt-lookup+draft:M").fallback.model == "M"
     assert parse_method_spec("suffix+head").k == parse_method_spec("head").k
+    # a path may hold a "+": a combination only where a kind follows it
+    assert parse_proposer("draft:/models/a+b").model == "/models/a+b"
+    assert parse_proposer("head:/heads/h+1.safetensors").head == "/heads/h+1.safetensors"
+    assert parse_proposer("suffix+draft:/models/a+b").fallback.model == "/models/a+b"
 
 
 @pytest.mark.parametrize("spec, reason", [
@@ -87,7 +91,9 @@ def test_a_matcher_and_a_model_combine_with_the_options_written_once_for_the_who
     ("suffix+", "combine two proposers"),
     ("suffix:k=3+head", "write k once, at the end, for the whole (e.g. suffix+head:k=4)"),
     ("suffix+head:tree=0", "its part 'head:tree=0' is invalid: tree = 0 must be ≥ 1"),
-    ("hf-suffix+head", "its part 'hf-suffix' is invalid: use one of"),  # no peers in one
+    ("hf-suffix+head", "a peer (hf-, llama-) runs one proposer; MATCHER+MODEL is exactspec's"),
+    ("suffix++head", "use one of"),
+    ("+head", "combine two proposers"),
 ])
 def test_bad_combinations_are_refused_naming_the_form(spec, reason):
     with pytest.raises(ValueError) as error:

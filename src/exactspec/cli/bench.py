@@ -14,9 +14,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from exactspec.cli.common import (EXIT_STATUSES, EXIT_UNSTABLE, add_model_options,
-                                  add_ray_options, allows_batch_variance, check_ray_options,
-                                  check_models_before_loading, model_spec, print_error, seed,
-                                  start_workers, worker_args)
+                                  add_ray_options, allows_batch_variance, check_head_files,
+                                  check_models_before_loading, check_ray_options, model_spec,
+                                  print_error, seed, start_workers, worker_args)
 from exactspec.distributed import RayNotInstalledError, connect
 
 DEFAULT_BENCH_METHODS = {
@@ -139,6 +139,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     console = Console(stderr=True, soft_wrap=True)
     try:
         specs = [parse_method_spec(spec) for spec in args.method or ()]
+        for spec in specs:
+            check_head_files(spec, f"--method {spec.spec}")
         backend = check_models_before_loading(args, {f"--method {spec.spec}": part.model
                                                      for spec in specs for part in spec.parts
                                                      if part.model})

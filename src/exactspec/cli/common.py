@@ -15,7 +15,7 @@ from exactspec.load_options import ACTIVATIONS, BACKENDS, KERNELS, default_threa
 from exactspec.model_files import (DEFAULT_MODEL, EMBEDDED_MODELS, WEIGHT_TYPES,
                                    check_model_path, context_length, layer_count,
                                    resolve_model_path)
-from exactspec.proposers.spec import parse_ngram, parse_proposer
+from exactspec.proposers.spec import ProposerSpec, parse_ngram, parse_proposer
 from exactspec.speculation_length import DEFAULT_POLICY, POLICIES
 
 DEFAULT_K = 4
@@ -191,9 +191,19 @@ def check_proposer_before_loading(args: argparse.Namespace, parser: argparse.Arg
         if part.kind == "early-exit":
             check_early_exit(parser, flag if flag == "--early-exit" else f"{flag}: L =",
                              part.layers, layer_count(resolve_model_path(args.model)))
+    check_head_files(proposer_spec, flag)
+    return backend
+
+
+def check_head_files(proposer_spec: ProposerSpec, flag: str) -> None:
+    """That each draft head file ``proposer_spec`` names exists (``flag`` names it).
+
+    Raises:
+        ValueError: naming the flag and the missing file.
+    """
+    for part in proposer_spec.parts:
         if part.head is not None and not Path(part.head).expanduser().is_file():
             raise ValueError(f"{flag}: draft head {part.head!r} does not exist")
-    return backend
 
 
 def check_early_exit(parser: argparse.ArgumentParser, flag: str, layers: int,

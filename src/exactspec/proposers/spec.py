@@ -177,8 +177,9 @@ def parse_proposer(spec: str, *, what: str = "proposer", options: Collection[str
         ValueError: ``{what} {spec!r} is invalid: …``, naming the allowed forms or the bad value.
     """
     prefix = f"{what} {spec!r} is invalid"
-    if "+" in spec:
-        return _parse_combination(spec, prefix, what, options)
+    combination = _split_combination(spec)
+    if combination is not None:
+        return _parse_combination(*combination, prefix, options, peers)
     peer = next((name for name in peers or () if spec.startswith(f"{name}-")), None)
     kind, *parts = spec[len(peer) + 1 if peer else 0:].split(":")
     if kind in RENAMED:
@@ -232,25 +233,39 @@ def parse_proposer(spec: str, *, what: str = "proposer", options: Collection[str
                         peer)
 
 
-def _parse_combination(spec: str, prefix: str, what: str,
-                       options: Collection[str]) -> ProposerSpec:
+def _split_combination(spec: str) -> tuple[str, str] | None:
+    """``MATCHER+MODEL`` → (MATCHER, MODEL), split at the first ``+``; None for one proposer.
+    It is a combination where a kind's name follows the ``+`` (or nothing is on one side):
+    a path may hold a ``+`` (``draft:/models/a+b`` is one proposer)."""
+    first, plus, rest = spec.partition("+")
+    if not plus:
+        return None
+    after = rest.replace("+", ":").split(":")[0]
+    return (first, rest) if after in KINDS or after in RENAMED or not first or not rest else None
+
+
+def _parse_combination(first: str, rest: str, prefix: str, options: Collection[str],
+                       peers: Mapping[str, Collection[str]] | None) -> ProposerSpec:
     """``MATCHER+MODEL`` (see the module docstring): each part parsed alone, the options
     (``k``, ``policy``) written once, on the last part, for the whole."""
-    parts = spec.split("+")
-    if len(parts) != 2 or not all(parts):
+    if not first or not rest or _split_combination(rest) is not None:
         raise ValueError(f"{prefix}: combine two proposers, MATCHER+MODEL (e.g. suffix+head)")
-    written = [f":{key}=" for key in options if f":{key}=" in parts[0]]
-    if written:
-        raise ValueError(f"{prefix}: write {', '.join(w[1:-1] for w in written)} once, at the "
-                         "end, for the whole (e.g. suffix+head:k=4)")
-    try:
-        matcher = parse_proposer(parts[0], what="its part")
-        model = parse_proposer(parts[1], what="its part", options=options)
-    except ValueError as error:
-        raise ValueError(f"{prefix}: {error}") from None
-    if matcher.kind not in MATCHERS or model.kind not in MODELS:
+    if peers and any(part.startswith(f"{peer}-") for part in (first, rest) for peer in peers):
+        raise ValueError(f"{prefix}: a peer ({', '.join(f'{p}-' for p in peers)}) runs one "
+                         "proposer; MATCHER+MODEL is exactspec's")
+    kinds = first.split(":")[0], rest.split(":")[0]
+    if kinds[0] not in MATCHERS or kinds[1] not in MODELS:
         raise ValueError(f"{prefix}: in MATCHER+MODEL the matcher is one of "
                          f"{', '.join(MATCHERS)} and the model one of {', '.join(MODELS)}, "
-                         f"not {matcher.kind}+{model.kind}")
-    return dataclasses.replace(matcher, spec=spec, k=model.k, policy=model.policy,
+                         f"not {kinds[0]}+{kinds[1]}")
+    written = [key for key in options if f":{key}=" in first]
+    if written:
+        raise ValueError(f"{prefix}: write {', '.join(written)} once, at the end, for the "
+                         "whole (e.g. suffix+head:k=4)")
+    try:
+        matcher = parse_proposer(first, what="its part")
+        model = parse_proposer(rest, what="its part", options=options)
+    except ValueError as error:
+        raise ValueError(f"{prefix}: {error}") from None
+    return dataclasses.replace(matcher, spec=f"{first}+{rest}", k=model.k, policy=model.policy,
                                fallback=dataclasses.replace(model, k=None, policy=None))
