@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from exactspec.generation_stats import GenerationStats
     from exactspec.model_files import DEFAULT_MODEL, ModelNotFoundError
     from exactspec.models import load_model
-    from exactspec.proposers import (DraftModelProposer, EarlyExitProposer,
+    from exactspec.proposers import (DraftModelProposer, EarlyExitProposer, FallbackProposer,
                                      PromptLookupProposer, Proposal, Proposer, SuffixCorpus,
                                      SuffixProposer)
     from exactspec.sampling import SamplingParams
@@ -44,7 +44,8 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(__name__, submod_attrs={
     "generation_stats": ("GenerationStats",),
     "model_files": ("DEFAULT_MODEL", "ModelNotFoundError"),
     "models": ("load_model",),
-    "proposers": ("DraftModelProposer", "EarlyExitProposer", "PromptLookupProposer",
-                            "Proposal", "Proposer", "SuffixCorpus", "SuffixProposer"),
+    "proposers": ("DraftModelProposer", "EarlyExitProposer", "FallbackProposer",
+                  "PromptLookupProposer", "Proposal", "Proposer", "SuffixCorpus",
+                  "SuffixProposer"),
     "sampling": ("SamplingParams",),
 })

@@ -2,8 +2,9 @@
 
 :class:`NativeHead` computes what :meth:`DraftHead.fc`, :meth:`DraftHead.extend` and
 :meth:`DraftHead.logits` compute, on the native kernels' products and, for a chain, their
-attention (``es_attention``), with the q/k/v and gate/up products fused into one each. A
-drafting step is a handful of one-row products whose cost is reading the weights (the
+attention (``es_attention``), with the q/k/v and gate/up products fused into one each, and
+a step over committed positions (:meth:`NativeHead.feature_step`) projecting the target's
+features (``fc``) inside the same C call. A drafting step is a handful of one-row products whose cost is reading the weights (the
 target's forward between two cycles evicts them from the caches): 17.6 MB a drafted token
 for the embedded model's head in bfloat16, most of it the LM head's draft-vocabulary rows.
 So the weights are, by default, quantised once to Q8_0 (int8 in blocks of 32 with a scale,
