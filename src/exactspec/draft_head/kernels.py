@@ -7,9 +7,9 @@ a step over committed positions (:meth:`NativeHead.feature_step`) projecting the
 features (``fc``) inside the same C call. A drafting step is a handful of one-row products whose cost is reading the weights (the
 target's forward between two cycles evicts them from the caches): 17.6 MB a drafted token
 for the embedded model's head in bfloat16, most of it the LM head's draft-vocabulary rows.
-So the weights are, by default, quantised once to Q8_0 (int8 in blocks of 32 with a scale,
-9.4 MB) and multiplied with int8 activations (``es_linear_q8``, as the native backend's own
-products); ``weights="bf16"`` reads the stored bfloat16 values with float32 arithmetic
+So the weights are quantised once, by default to Q4_0 (int4 in blocks of 32 with a scale,
+5.0 MB; ``weights="q8_0"``: int8, 9.4 MB, finer logits) and multiplied with int8 activations
+(``es_linear_q8``, as the native backend's own products); ``weights="bf16"`` reads the stored bfloat16 values with float32 arithmetic
 (``es_linear_typed``). PyTorch's one-row bfloat16 products run far below the memory's speed
 on a CPU (issue 43, item 5).
 
@@ -65,8 +65,8 @@ class NativeHead:
         kernels: the loaded native kernels (:func:`exactspec.backends.native.load`).
         threads: threads of each product (output columns are split; the results do not
             depend on it).
-        weights: ``q8_0`` (the default), ``q4_0`` (int4 in blocks of 32 with a scale: 5.0 MB
-            read a step for the embedded model's head against 9.4 MB, coarser arithmetic) or
+        weights: ``q4_0`` (the default: int4 in blocks of 32 with a scale, 5.0 MB read a step
+            for the embedded model's head), ``q8_0`` (9.4 MB, finer arithmetic) or
             ``bf16`` (see the module docstring).
     Raises:
         ValueError: for other ``weights``.
@@ -78,7 +78,7 @@ class NativeHead:
     dtype = torch.float32
 
     def __init__(self, head: DraftHead, kernels: native.NativeKernels, threads: int,
-                 weights: str = "q8_0") -> None:
+                 weights: str = "q4_0") -> None:
         if weights not in WEIGHTS:
             raise ValueError(f"weights = {weights!r} is invalid: choose one of "
                              f"{', '.join(WEIGHTS)}")

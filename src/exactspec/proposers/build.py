@@ -50,5 +50,5 @@ def build_proposer(proposer_spec: ProposerSpec, target: Backend,
         return DraftModelProposer(load_model(proposer_spec.model), target)
     if proposer_spec.kind == "head":
         return HeadProposer(target, proposer_spec.head, tree_nodes=proposer_spec.tree,
-                            weights=proposer_spec.weights or "q8_0")
+                            weights=proposer_spec.weights or "q4_0")
     return None

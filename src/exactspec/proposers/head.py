@@ -101,8 +101,8 @@ class HeadProposer(Proposer):
             cycle (EAGLE-2's dynamic tree, see :meth:`propose`) instead of a chain; None: a
             chain.
         weights: with bfloat16 on the native kernels, how they hold the weights
-            (:data:`~exactspec.draft_head.kernels.WEIGHTS`: ``q8_0``, the default, ``q4_0``:
-            fewer bytes read a step, coarser arithmetic, or ``bf16``).
+            (:data:`~exactspec.draft_head.kernels.WEIGHTS`: ``q4_0``, the default, ``q8_0``:
+            finer arithmetic, more bytes read a step, or ``bf16``).
     Raises:
         UnsupportedModelError: on a backend without hidden features (llama.cpp), naming the
             backends that have them, or when no head is shipped for this target.
@@ -121,7 +121,7 @@ class HeadProposer(Proposer):
 
     def __init__(self, target: Backend, head: DraftHead | str | Path | None = None, *,
                  dtype: torch.dtype = torch.bfloat16, threads: int | None = None,
-                 tree_nodes: int | None = None, weights: str = "q8_0") -> None:
+                 tree_nodes: int | None = None, weights: str = "q4_0") -> None:
         if tree_nodes is not None and (isinstance(tree_nodes, bool)
                                        or not isinstance(tree_nodes, int) or tree_nodes < 1):
             raise ValueError(f"tree = {tree_nodes!r} is invalid: it must be an integer ≥ 1 "

@@ -22,8 +22,8 @@ A spec is ``[PEER-]KIND[:ARG][:key=value...]``::
                                  the head file PATH (``exactspec train-draft``); tree=N
                                  drafts a token tree of up to N nodes (EAGLE-2) instead of
                                  a chain, its depth at most k (one sequence at a time);
-                                 weights=W how the native kernels hold its weights (q8_0,
-                                 the default, q4_0 or bf16; see exactspec.draft_head.kernels)
+                                 weights=W how the native kernels hold its weights (q4_0,
+                                 the default, q8_0 or bf16; see exactspec.draft_head.kernels)
     draft:MODEL                  a smaller model on the same tokenizer (embedded name, model
                                  folder or .gguf)
     MATCHER+MODEL                a matcher (prompt-lookup or suffix, each with its options)
