@@ -89,6 +89,11 @@ def test_choose_backend(monkeypatch, tmp_path):
     assert choose_backend(gguf, device="cpu", proposer=parse_proposer("head")) == (
         "native" if expected == "native" else "transformers")
     assert choose_backend(other, device="cpu", proposer=parse_proposer("head")) == "transformers"
+    assert choose_backend(gguf, device="cpu", proposer=parse_proposer("suffix+head")) == (
+        "native" if expected == "native" else "transformers")  # the model part decides
+    with pytest.raises(ValueError, match="the proposer suffix\\+head drafts from the target's "
+                                         "hidden features"):
+        choose_backend(gguf, "llama_cpp", proposer=parse_proposer("suffix+head"))
     with pytest.raises(ValueError, match="the proposer early-exit:1 drafts with the target's "
                                          "own layers, which needs the transformers backend, "
                                          "not native: choose transformers"):

@@ -43,9 +43,9 @@ def choose_backend(path: Path, backend: str = "auto", *, device: str = "auto",
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is invalid: choose one of {', '.join(BACKENDS)}")
-    allowed, why = next((BACKENDS_NEEDED[part.kind] for part in proposer.parts
-                         if part.kind in BACKENDS_NEEDED), (BACKENDS, "")) if proposer else (
-        BACKENDS, "")
+    needed = [BACKENDS_NEEDED[part.kind] for part in (proposer.parts if proposer else ())
+              if part.kind in BACKENDS_NEEDED]
+    allowed, why = needed[0] if needed else (BACKENDS, "")
     if backend not in ("auto", *allowed):
         raise ValueError(f"the proposer {proposer.spec} {why}, which needs the "
                          f"{' or '.join(allowed)} backend, not {backend}: choose "
