@@ -4,6 +4,7 @@ behind when it fails."""
 
 import json
 import logging
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -53,6 +54,27 @@ def test_layer_count_from_config_and_gguf_metadata(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert layer_count(tmp_path) is None
     assert layer_count(write_tiny_gguf(tiny_model(0), tmp_path / "tiny.gguf")) == 2
+
+
+def test_a_gguf_header_is_read_once_per_version_of_the_file(tmp_path, monkeypatch):
+    """The header is parsed once per file version: gguf's reader parses every field (the
+    tokenizer's arrays too), and a command asks for the architecture several times."""
+    import gguf
+
+    from exactspec.model_files import gguf_architecture, gguf_architecture_value
+    from tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tiny_model(0), tmp_path / "tiny.gguf")
+    reads, reader = [], gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *args: reads.append(args) or reader(*args))
+    assert gguf_architecture(path) == gguf_architecture(tmp_path / "." / "tiny.gguf")
+    assert gguf_architecture_value(path, "block_count") == 2
+    assert gguf_architecture_value(path, "no_such_key") is None
+    assert len(reads) == 1
+    write_tiny_gguf(tiny_model(1), path)  # a new version of the file: read again
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10 ** 9))
+    assert gguf_architecture_value(path, "block_count") == 2 and len(reads) == 2
 
 
 def test_not_gguf_is_refused_before_converting(tmp_path, monkeypatch, caplog):

@@ -28,6 +28,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+import functools
 from functools import partial
 from pathlib import Path
 
@@ -201,23 +202,32 @@ def _config_value(path: Path, config_keys: tuple[str, ...], gguf_key: str) -> in
 
 def gguf_architecture(path: Path) -> str | None:
     """``general.architecture`` from the header of the GGUF file at ``path`` (None if absent)."""
-    import gguf
-
-    field = gguf.GGUFReader(str(path)).get_field("general.architecture")
-    return None if field is None else str(field.contents())
+    value = _gguf_header(path).get("general.architecture")
+    return None if value is None else str(value)
 
 
 def gguf_architecture_value(path: Path, key: str) -> int | None:
     """``<architecture>.<key>`` (e.g. ``block_count``, ``context_length``) from the header
     of the GGUF file at ``path``; None if the file does not state it."""
+    header = _gguf_header(path)
+    value = header.get(f"{header.get('general.architecture')}.{key}")
+    return None if value is None else int(value)
+
+
+def _gguf_header(path: Path) -> dict[str, object]:
+    """The scalar fields (strings, numbers) of the GGUF file's header by name, read once per
+    version of the file: ``gguf.GGUFReader`` parses every field, the tokenizer's arrays too
+    (seconds for the embedded model), and a command asks for them several times."""
+    stat = Path(path).stat()
+    return _read_gguf_header(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_gguf_header(path: str, mtime_ns: int, size: int) -> dict[str, object]:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
-    architecture = reader.get_field("general.architecture")
-    if architecture is None:
-        return None
-    value = reader.get_field(f"{architecture.contents()}.{key}")
-    return int(value.contents()) if value is not None else None
+    return {name: field.contents() for name, field in gguf.GGUFReader(path).fields.items()
+            if field.types and field.types[0] != gguf.GGUFValueType.ARRAY}
 
 
 def _and(parts: list[str]) -> str:

@@ -40,9 +40,9 @@ def add_parser(commands) -> None:
     spec = gen.add_argument_group("speculation")
     how = spec.add_mutually_exclusive_group()
     how.add_argument("--proposer", metavar="SPEC", type=proposer_spec, default=None,
-                     help=f"the proposer: {FORMS} (the default: prompt-lookup, with "
-                          f"ngram={DEFAULT_NGRAM[0]}-{DEFAULT_NGRAM[1]}); the flags below are "
-                          "shorthands for these")
+                     help=f"the proposer: {FORMS}; default: prompt-lookup, with "
+                          f"ngram={DEFAULT_NGRAM[0]}-{DEFAULT_NGRAM[1]} (docs/generate.md); "
+                          "the flags below are shorthands for these")
     how.add_argument("--prompt-lookup", metavar="MIN-MAX", type=ngram_range, nargs="?",
                      const=DEFAULT_NGRAM, default=None,
                      help="draft by prompt lookup with n-grams of MIN..MAX tokens (MIN:MAX "
