@@ -1,7 +1,6 @@
 """The command line, in-process, on a tiny model saved as a Hugging Face folder."""
 
 import json
-import re
 
 import pytest
 
