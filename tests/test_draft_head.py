@@ -146,12 +146,12 @@ def test_the_native_head_computes_the_heads_layer(target, tiny_head_file, weight
 @pytest.mark.parametrize("weights", ["q8_0", "q4_0"])
 def test_the_native_heads_one_call_step_is_its_layer_and_lm_head(target, tiny_head_file,
                                                                  weights):
-    """``es_head_step`` (NativeHead.draft_step, one C call; feature_step, fc inside it) against the same head's
-    product-by-product path (explicit positions take it), on each instruction-set path the
-    machine has: a prefill of 7 rows then two chain steps, the outputs, the cached keys and
-    values and the last row's draft logits equal up to float32 rounding (the same int8
-    products; only the norms' and RoPE's order of operations differs), and the drafted token
-    is the same."""
+    """``es_head_step`` (NativeHead.draft_step, one C call; feature_step, fc inside it)
+    against the same head's product-by-product path (explicit positions take it), on each
+    instruction-set path the machine has: a prefill of 7 rows then two chain steps, the
+    outputs, the cached keys and values and the last row's draft logits equal up to float32
+    rounding (the same int8 products; only the norms' and RoPE's order of operations
+    differs), and the drafted token is the same."""
     from exactspec.backends import native
     from exactspec.draft_head.kernels import NativeHead
 

@@ -4,13 +4,14 @@
 :meth:`DraftHead.logits` compute, on the native kernels' products and, for a chain, their
 attention (``es_attention``), with the q/k/v and gate/up products fused into one each, and
 a step over committed positions (:meth:`NativeHead.feature_step`) projecting the target's
-features (``fc``) inside the same C call. A drafting step is a handful of one-row products whose cost is reading the weights (the
-target's forward between two cycles evicts them from the caches): 17.6 MB a drafted token
-for the embedded model's head in bfloat16, most of it the LM head's draft-vocabulary rows.
-So the weights are quantised once, by default to Q4_0 (int4 in blocks of 32 with a scale,
-5.0 MB; ``weights="q8_0"``: int8, 9.4 MB, finer logits) and multiplied with int8 activations
-(``es_linear_q8``, as the native backend's own products); ``weights="bf16"`` reads the stored bfloat16 values with float32 arithmetic
-(``es_linear_typed``). PyTorch's one-row bfloat16 products run far below the memory's speed
+features (``fc``) inside the same C call. A drafting step is a handful of one-row products
+whose cost is reading the weights (the target's forward between two cycles evicts them
+from the caches): 17.6 MB a drafted token for the embedded model's head in bfloat16, most
+of it the LM head's draft-vocabulary rows. So the weights are quantised once, by default
+to Q4_0 (int4 in blocks of 32 with a scale, 5.0 MB; ``weights="q8_0"``: int8, 9.4 MB,
+finer logits) and multiplied with int8 activations (``es_linear_q8``, as the native
+backend's own products); ``weights="bf16"`` reads the stored bfloat16 values with float32
+arithmetic (``es_linear_typed``). PyTorch's one-row bfloat16 products run far below the memory's speed
 on a CPU (issue 43, item 5).
 
 What it changes: the head's arithmetic (its weights' and activations' rounding), so its

@@ -54,8 +54,8 @@ exactspec's :class:`~exactspec.proposers.base.Proposer` from it.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
 import dataclasses
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 DEFAULT_NGRAM = (2, 3)
