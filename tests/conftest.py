@@ -19,6 +19,29 @@ from exactspec.backends.transformers_backend import TransformersBackend
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer
 from exactspec.sampling import SamplingParams
 
+def kernel_paths_line() -> str:
+    """Which native kernel paths this run tests, for the header and the summary."""
+    from exactspec.backends import native
+
+    kernels = native.load()
+    if kernels is None:
+        return "exactspec native kernels: not built (no C compiler?); their tests skip"
+    forced = os.environ.get(native.ISA_VARIABLE)
+    return (f"exactspec native kernels: paths tested {', '.join(kernels.paths)} (this CPU "
+            f"runs up to {kernels.cpu_isa}"
+            + (f"; {native.ISA_VARIABLE}={forced}" if forced else "")
+            + f"); PyTorch's CPU capability {torch.backends.cpu.get_cpu_capability()}")
+
+
+def pytest_report_header(config) -> str:
+    return kernel_paths_line()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        terminalreporter.write_line(kernel_paths_line())
+
+
 ALPHABET = string.ascii_lowercase + string.digits + " ,.!?\n" + string.ascii_uppercase  # 68
 VOCAB = 64  # tokens 0..63 map to ALPHABET[:64]
 

@@ -1,7 +1,9 @@
 """Batch invariance: a token's logits are bit-identical whether it is scored alone or in a
 verification block, so speculative greedy output equals plain decoding bit for bit and
-sampling uses exactly plain decoding's p. The transformers backend's fast kernels are the
-broken control: they differ by rounding, and a near-tie shows what that does."""
+sampling uses exactly plain decoding's p. The broken control is a product whose reduction
+order changes with the number of rows (:func:`row_dependent_product`, written here so that
+it differs on every machine, where PyTorch's own kernels differ only on some): it rounds a
+block unlike a single token, and a near-tie shows what that does."""
 
 import pytest
 import torch
@@ -54,7 +56,7 @@ def native_paths() -> list:
     kernels = native.load()
     if kernels is None:
         return []
-    return native.ISAS[:native.ISAS.index(kernels.best_isa) + 1]
+    return kernels.paths
 
 
 @pytest.fixture(params=native_paths() or [pytest.param(None, marks=pytest.mark.skip(
@@ -162,47 +164,59 @@ def test_without_native_kernels_the_2_row_fallback_is_batch_invariant(monkeypatc
     assert torch.equal(single, block)
 
 
-def near_tie(single: torch.Tensor, block: torch.Tensor, best: int) -> tuple[int, float]:
-    """A token and a logit bias (float32, as the logits pipeline adds it) that leave
-    ``best`` strictly first in ``single`` but put the token strictly first in ``block``: the
-    rival gaining most from the block's rounding, the bias between its two gaps. The
-    candidates are the float32 values from the midpoint outwards, since where the two gaps
-    differ by a few ulps the midpoint itself may round onto one of them (a tie, which
-    argmax breaks by index). Fails where the block rounds like a single token."""
-    shift = (block - single) - (block - single)[best]  # how much more each token gains
-    for rival in shift.argsort(descending=True).tolist():
-        if shift[rival] <= 0:
-            break
-        middle = torch.tensor(float((single[best] - single[rival]
-                                     + block[best] - block[rival]) / 2))
-        candidates, up, down = [middle], middle, middle
-        for _ in range(4):
-            up, down = torch.nextafter(up, up + 1), torch.nextafter(down, down - 1)
-            candidates += [up, down]
-        for bias in candidates:
-            biased = torch.zeros_like(single)
-            biased[rival] = bias
-            s, b = single + biased, block + biased
-            if s[best] > s[rival] and s[best] == s.max() and b[rival] > b[best] \
-                    and b[rival] == b.max():
-                return rival, float(bias)
-    pytest.fail("the fast kernels round a block like a single token here: no near-tie flips")
+def flipping_bias(single: torch.Tensor, block: torch.Tensor) -> tuple[int, int, dict]:
+    """Two tokens ``a < b`` and a logit bias (float32 values, as the logits pipeline adds
+    them) under which ``single``'s argmax is ``a`` and ``block``'s is ``b``: the bias sets
+    both to exactly 0 in ``single`` (x + (−x) is exact), a tie that argmax breaks to the
+    lower index, while in ``block`` they become ``block − single`` of each (exact too, the
+    two within a factor 2: Sterbenz), so ``b`` comes first wherever the block's rounding
+    raised it more than ``a``; every other token is pushed 100 below. Such a pair exists
+    wherever the block rounds some token differently from another, unless those
+    differences fall with the token index all the way (then this fails)."""
+    gain = block - single
+    for b in gain.argsort(descending=True).tolist():
+        lower = [a for a in range(b) if gain[a] < gain[b]]
+        if lower:
+            a = lower[0]
+            bias = {t: -100.0 for t in range(single.shape[0])}
+            bias[a], bias[b] = -float(single[a]), -float(single[b])
+            return a, b, bias
+    pytest.fail("the block rounds like a single token: no near-tie flips")
+
+
+def row_dependent_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` (``x`` ``[rows, K]``, ``weight`` ``[N, K]``, float32) summed over k
+    in ascending order for one row and in descending order for a block: the non-invariant
+    reference. Each product and each addition is one IEEE float32 operation in PyTorch's
+    element-wise kernels (no fused multiply-add, no BLAS), so the two orders give the same
+    values on every machine, and they differ: float32 addition is not associative."""
+    products = x[:, None, :] * weight[None, :, :]  # [rows, N, K], each rounded once
+    order = range(x.shape[1]) if x.shape[0] == 1 else reversed(range(x.shape[1]))
+    total = torch.zeros(products.shape[:2])
+    for k in order:
+        total = total + products[:, :, k]
+    return total
 
 
 @pytest.mark.parametrize("k", [1, 4, 7, 8, 12])
-def test_near_tie_flips_on_the_fast_kernels_and_never_on_the_batch_invariant_ones(k):
-    """A logit bias turns two tokens into a near-tie whose gap lies between the two roundings
-    of the fast kernels: there plain decoding picks one token and verification the other.
-    On the batch-invariant kernels the two roundings are one, so no such tie exists."""
-    target = backend("fast")
-    single, block = first_row_logits(target, k)
-    best = int(single.argmax())
-    rival, bias = near_tie(single, block, best)
-    params = SamplingParams(temperature=0, max_new_tokens=k + 1, logit_bias={rival: bias})
-    plain = SpeculativeGenerator(target, None).generate(PROMPT, params).token_ids
-    speculative = SpeculativeGenerator(target, FixedProposer(), k, "constant",
-                                       allow_batch_variance=True).generate(PROMPT, params)
-    assert plain[0] == best and speculative.token_ids[0] == rival  # the old path flips
+def test_near_tie_flips_on_a_row_dependent_product_and_never_on_the_batch_invariant_kernels(
+        k, monkeypatch):
+    """A logit bias turns two tokens into a tie that the row-dependent product's two roundings
+    break apart (:func:`flipping_bias`): there plain decoding picks one token and
+    verification the other. On the batch-invariant kernels the two roundings are one, so no
+    bias, even one an ulp from a tie, tells them apart."""
+    from exactspec.backends import batch_invariant
+
+    with monkeypatch.context() as patched:  # the decode-phase products, prefill's are PyTorch's
+        patched.setattr(batch_invariant, "invariant_product", row_dependent_product)
+        target = backend("batch-invariant")
+        assert not target.batch_invariant  # the load check catches the control
+        first, second, bias = flipping_bias(*first_row_logits(target, k))
+        params = SamplingParams(temperature=0, max_new_tokens=k + 1, logit_bias=bias)
+        plain = SpeculativeGenerator(target, None).generate(PROMPT, params).token_ids
+        speculative = SpeculativeGenerator(target, FixedProposer(), k, "constant",
+                                           allow_batch_variance=True).generate(PROMPT, params)
+        assert plain[0] == first and speculative.token_ids[0] == second  # the control flips
 
     target = backend("batch-invariant")
     single, block = first_row_logits(target, k)

@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_kernels.c")
 ISAS = ("portable", "avx2", "avx512")
 """The instruction-set paths, by the number ``es_best_isa`` returns."""
+ISA_VARIABLE = "EXACTSPEC_ISA"
+"""The environment variable that caps the path: one of :data:`ISAS`, at most what the CPU
+runs (the tests then also run that path and the ones below it only)."""
 
 COMPILE_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off")
 """-O3 unrolls the tiles' loops over rows and columns, so that the accumulators live in
@@ -118,9 +121,14 @@ class NativeKernels:
     """The loaded library.
 
     Attributes:
-        isa: the path in use, one of :data:`ISAS` (the best this CPU runs; tests force
-            the others).
+        cpu_isa: the best path this CPU runs, one of :data:`ISAS`.
+        best_isa: the path used by default: ``cpu_isa``, or lower where ``$EXACTSPEC_ISA``
+            says so.
+        isa: the path in use (``best_isa``; tests set the others of :attr:`paths`).
+        paths: every path this process may run, from ``portable`` up to ``best_isa``.
         path: the shared library's file.
+    Raises:
+        ValueError: ``$EXACTSPEC_ISA`` names no path, or one this CPU cannot run.
     """
 
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
@@ -162,8 +170,10 @@ class NativeKernels:
         self.row_bytes = library.es_row_bytes
         self.forward = library.es_forward
         """``es_forward`` (the C source's header gives its arguments and arithmetic)."""
-        self.best_isa = ISAS[library.es_best_isa()]
+        self.cpu_isa = ISAS[library.es_best_isa()]
+        self.best_isa = forced_isa(self.cpu_isa)
         self.isa = self.best_isa
+        self.paths = ISAS[:ISAS.index(self.best_isa) + 1]
         self._linear = library.es_linear
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
@@ -312,6 +322,23 @@ class NativeKernels:
                         ISAS.index(self.isa), None if tree is None else tree.rows.data_ptr(),
                         None if tree is None else tree.offsets.data_ptr())
 
+
+
+def forced_isa(cpu_isa: str) -> str:
+    """The path ``$EXACTSPEC_ISA`` forces (``cpu_isa``, the best the CPU runs, where it is
+    unset or empty). Raises ValueError for a name outside :data:`ISAS` or above
+    ``cpu_isa``."""
+    forced = os.environ.get(ISA_VARIABLE, "").strip().lower()
+    if not forced:
+        return cpu_isa
+    runs = ISAS[:ISAS.index(cpu_isa) + 1]
+    if forced not in ISAS:
+        raise ValueError(f"{ISA_VARIABLE}={forced!r} is invalid: choose one of "
+                         f"{', '.join(runs)} (the paths this CPU runs)")
+    if forced not in runs:
+        raise ValueError(f"{ISA_VARIABLE}={forced!r} is more than this CPU runs: choose one "
+                         f"of {', '.join(runs)}")
+    return forced
 
 
 def _check_cpu_float32(*tensors: torch.Tensor) -> None:
