@@ -42,8 +42,10 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_line(kernel_paths_line())
 
 
-ALPHABET = string.ascii_lowercase + string.digits + " ,.!?\n" + string.ascii_uppercase  # 68
+ALPHABET = (string.ascii_lowercase + string.digits + " ,.!?\n" + string.ascii_uppercase  # 68
+            + '{}[]":')  # 74: JSON's punctuation for a JSON-capable vocabulary (JSON_VOCAB)
 VOCAB = 64  # tokens 0..63 map to ALPHABET[:64]
+JSON_VOCAB = len(ALPHABET)  # a tokenizer over all of ALPHABET can write JSON
 
 
 class CharTokenizer:

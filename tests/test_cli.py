@@ -508,8 +508,33 @@ def test_structured_output_flags_are_checked_before_loading(model_folder, tmp_pa
         capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:  # forced tokens need a constraint
         run(capsys, "x", "--model", model_folder, "--proposer", "forced")
-    assert exit_info.value.code == 2 and "forced drafts only the tokens a constraint forces" \
-        in capsys.readouterr().err
+    assert exit_info.value.code == 2 and ("--proposer forced needs a constraint (it drafts only "
+                                          "the tokens a constraint forces)") in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench", "audit", "train-draft"])
+def test_an_unexpected_error_is_one_line_and_its_traceback_behind_exactspec_debug(
+        command, capsys, monkeypatch):
+    import argparse
+    import importlib
+
+    from exactspec.cli import COMMANDS
+
+    def broken(args, parser):
+        raise RuntimeError("the disk is gone")
+
+    monkeypatch.setattr(importlib.import_module(COMMANDS[command][0]), "run", broken)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args",  # each command's own arguments
+                        lambda self, argv: argparse.Namespace(command=command, subparser=None))
+    monkeypatch.delenv("EXACTSPEC_DEBUG", raising=False)
+    assert cli.main([command]) == 1
+    err = capsys.readouterr().err
+    assert "RuntimeError: the disk is gone (EXACTSPEC_DEBUG=1 shows the traceback)" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setenv("EXACTSPEC_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="the disk is gone"):
+        cli.main([command])
 
 
 def test_activations_apply_to_the_native_backend_only(model_folder, capsys):

@@ -6,6 +6,7 @@ client that disconnects cancels its generation."""
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import socket
 import threading
@@ -417,6 +418,32 @@ def test_api_key_is_required(server):
     assert httpx.get(server + "/docs").status_code == 404  # no open docs behind a key
 
 
+def test_authentication_comes_before_the_body_on_every_endpoint(server):
+    """Without a valid key every protected endpoint answers 401, whatever the body: an
+    invalid JSON one, an oversized one, a valid one."""
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for body in (b'{"model":', b"x" * 60_000, b'{"model": "tiny", "prompt": "a"}'):
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+                response = httpx.post(server + path, content=body, headers=headers | {
+                    "content-type": "application/json"})
+                assert response.status_code == 401, (path, body[:10], headers, response.text)
+    for path in ("/v1/models", "/v1/models/tiny", "/metrics"):
+        assert httpx.get(server + path, headers={"Authorization": "Basic " + KEY}
+                         ).status_code == 401
+
+
+def test_a_json_schema_keeps_the_order_its_properties_are_written_in():
+    from exactspec.server.protocol import StructuredOutputs, constraint_of
+
+    schema = {"type": "object", "properties": {"reasoning": {"type": "string"},
+                                               "answer": {"type": "string"}}}
+    for constraint in (
+            constraint_of({"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+                          None),
+            constraint_of(None, StructuredOutputs.model_validate({"json": schema}))):
+        assert list(json.loads(constraint.value)["properties"]) == ["reasoning", "answer"]
+
+
 def test_body_over_the_limit_is_413(server):
     headers = {"Authorization": f"Bearer {KEY}"}
     body = {"model": MODEL, "prompt": "a" * 60_000}
@@ -477,6 +504,14 @@ def test_what_openai_clients_send_by_default_is_accepted(server, client, library
     ({"structured_outputs": {"regex": "(a"}}, "structured_outputs", "regex is not supported"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
      "response_format", "give one of them"),
+    ({"response_format": {"type": "json_object", "extra_key": 1}}, "response_format",
+     "unknown keys 'extra_key': it takes type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "p", "schema": {"type": "object"}, "bogus": 2}}}, "response_format",
+     "response_format.json_schema has unknown keys 'bogus': it takes name, description, "
+     "schema, strict"),
+    ({"response_format": {"type": "text", "json_schema": {}}}, "response_format",
+     "unknown keys 'json_schema'"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages.0.content", "only text parts"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from rich.console import Console
@@ -56,11 +57,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+DEBUG_VARIABLE = "EXACTSPEC_DEBUG"
+"""Set to 1 to see an unexpected error's traceback instead of its one line."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit status (see :data:`EXIT_STATUSES`), 130 after
     Ctrl-C (one line on stderr, no traceback). Bad arguments exit with status 2 through
     argparse (``SystemExit``); a command whose extra is missing exits with status 1 and
-    the line naming it (:class:`~exactspec.extras.MissingExtraError`)."""
+    the line naming it (:class:`~exactspec.extras.MissingExtraError`); any other error
+    exits with status 1 and one line naming its type and message (the traceback with
+    ``EXACTSPEC_DEBUG=1``)."""
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
     try:
@@ -81,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as error:  # noqa: BLE001 (any other error: one line, not a traceback)
+        if os.environ.get(DEBUG_VARIABLE, "0") not in ("", "0"):
+            raise
+        print_error(Console(stderr=True, soft_wrap=True),
+                    f"{type(error).__name__}: {error} ({DEBUG_VARIABLE}=1 shows the traceback)")
+        return 1
 
 
 def _extra_providing(module: str, command: str | None) -> str | None:

@@ -360,7 +360,7 @@ def start_workers(args: argparse.Namespace, build, console):
         return RayExecutor(build, workers, threads)
 
 
-def print_error(console, error: Exception) -> None:
+def print_error(console, error: Exception | str) -> None:
     """``error: MESSAGE`` in red on ``console``, the message as written (brackets such as
     ``exactspec[ray]`` or ``[1, 2]`` are text, not rich markup)."""
     console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)

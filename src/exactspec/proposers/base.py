@@ -115,6 +115,11 @@ class Proposer(Protocol):
     drafts_trees: bool = False
     """Its proposals may be token trees (``Proposal.parents``): the target must score
     trees (``Backend.scores_trees``), and batched decoding, which packs chains, refuses it."""
+    needs_target_features: bool = False
+    """It drafts from the target's features of every context token but the last (the draft
+    head), so it cannot continue a context extended by tokens the target has not scored:
+    a cycle that begins with a constraint's forced tokens drafts those alone
+    (:class:`~exactspec.proposers.forced.ForcedTokenProposer`)."""
     batchable: bool = False
     """A shallow copy per sequence, each ``reset`` on its own, drafts independently of the
     others (no model cache of its own), so batched decoding can give every row one

@@ -34,8 +34,8 @@ class FallbackProposer(Proposer):
 
     Capabilities: the model's (``supports_min_confidence``, ``estimates_acceptance``,
     ``drafts_trees``: the policy's confidence threshold is the model's to apply, the
-    matcher keeping its own), batchable when both are, and never ``drafts_for_free`` (a
-    peek may run the model). The corpus, if any, is the matcher's (suffix's).
+    matcher keeping its own), ``needs_target_features`` where either part does, batchable
+    when both are, and never ``drafts_for_free`` (a peek may run the model). The corpus, if any, is the matcher's (suffix's).
 
     Args:
         matcher: a proposer that drafts only where the context matches (prompt lookup,
@@ -48,6 +48,8 @@ class FallbackProposer(Proposer):
         self.supports_min_confidence = model.supports_min_confidence
         self.estimates_acceptance = model.estimates_acceptance
         self.drafts_trees = model.drafts_trees
+        self.needs_target_features = (matcher.needs_target_features
+                                      or model.needs_target_features)
         self.batchable = matcher.batchable and model.batchable
         self.corpus = matcher.corpus
         self.last_drafter: Proposer | None = None

@@ -32,8 +32,8 @@ class ForcedTokenProposer(Proposer):
     Args:
         inner: the proposer that continues after the forced tokens, or None (the proposer
             ``forced``: the forced tokens alone). Its capabilities are this proposer's; a
-            tree proposer drafts its tree in cycles without forced tokens, and cycles with
-            forced tokens draft those alone.
+            tree proposer, or one that ``needs_target_features``, drafts in cycles without
+            forced tokens, and cycles with forced tokens draft those alone.
     """
 
     def __init__(self, inner: Proposer | None = None) -> None:
@@ -45,6 +45,7 @@ class ForcedTokenProposer(Proposer):
             self.supports_min_confidence = inner.supports_min_confidence
             self.estimates_acceptance = inner.estimates_acceptance
             self.drafts_trees = inner.drafts_trees
+            self.needs_target_features = inner.needs_target_features
             self.batchable = inner.batchable
             self.corpus = inner.corpus
         self._num_forced = 0  # of the last proposal
@@ -60,8 +61,8 @@ class ForcedTokenProposer(Proposer):
                 rng: torch.Generator, min_confidence: float = 0.0) -> Proposal:
         forced = self._forced(token_ids, pipeline)[:k]
         self._num_forced = len(forced)
-        self._inner_proposed = self.inner is not None and not (
-            len(forced) == k or (forced and self.inner.drafts_trees))
+        self._inner_proposed = self.inner is not None and not (len(forced) == k or (
+            forced and (self.inner.drafts_trees or self.inner.needs_target_features)))
         if not self._inner_proposed:
             return Proposal(forced)
         if not forced:

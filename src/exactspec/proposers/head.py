@@ -116,6 +116,7 @@ class HeadProposer(Proposer):
     estimate that the whole draft is accepted) would fall below ``min_confidence``."""
     estimates_acceptance = True
     batchable = True
+    needs_target_features = True
     """Each copy keeps its own head cache (:meth:`reset` makes a new one); the head's weights
     are shared and only read."""
 
@@ -257,8 +258,9 @@ class HeadProposer(Proposer):
                 logits[0, ids] = draft_logits[row]
                 rows.append(pipeline.process(logits, [*token_ids, *self._path(node, nodes)])[0, ids])
             draft_logits = torch.stack(rows)
-        # A node whose every child is banned gets none (its row would be NaN).
-        return draft_logits.log_softmax(-1).nan_to_num(nan=float("-inf"))
+        # A node whose every child is banned gets none (its row would be NaN); a banned
+        # token stays at −inf (nan_to_num would make it the least finite float, a node)
+        return draft_logits.log_softmax(-1).nan_to_num(nan=-math.inf, neginf=-math.inf)
 
     @staticmethod
     def _path(node: int, nodes: list[tuple[int, int, int]]) -> list[int]:

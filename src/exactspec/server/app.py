@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -101,6 +100,7 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
     app.state.worker = worker
     app.state.serving = Serving(target, worker, metrics, model_name, api_keys)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    app.add_middleware(Authentication, api_keys=api_keys)  # the outermost: before the body
     app.add_exception_handler(ServerError, server_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -212,27 +212,41 @@ def serving(request: Request) -> Serving:
     return request.app.state.serving
 
 
-BEARER = HTTPBearer(auto_error=False)
+PROTECTED = ("/v1/", "/metrics")
+"""Paths (prefixes) that need an API key when the server has any."""
 
 
-async def authorised(request: Request,
-                     credentials: HTTPAuthorizationCredentials | None = Depends(BEARER)
-                     ) -> int | None:
-    """The index of the request's API key among the server's (None: no key needed).
+class Authentication:
+    """ASGI middleware: on :data:`PROTECTED` paths of a server with API keys, a request
+    without ``Authorization: Bearer <key>`` naming one of them is answered 401 before its
+    body is read or parsed; otherwise the key's index among the server's is kept in the
+    request's state (``api_key_index``) for :func:`authorised`. Each key is compared in
+    constant time."""
 
-    Raises:
-        ServerError: 401 without a valid key.
-    """
-    api_keys = serving(request).api_keys
-    if not api_keys:
-        return None
-    given = b"" if credentials is None else credentials.credentials.encode()
-    matches = [secrets.compare_digest(given, key.encode()) for key in api_keys]  # each
-    if credentials is None or not any(matches):
-        raise ServerError(401, "a valid API key is required: send the header "
-                               "'Authorization: Bearer <key>'",
-                          headers={"WWW-Authenticate": "Bearer"})
-    return matches.index(True)
+    def __init__(self, app, api_keys: Sequence[str]) -> None:
+        self.app, self.api_keys = app, [key.encode() for key in api_keys]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (scope["type"] != "http" or not self.api_keys
+                or not scope["path"].startswith(PROTECTED)):
+            return await self.app(scope, receive, send)
+        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        given = given.strip() if scheme.lower() == b"bearer" else b""
+        matches = [secrets.compare_digest(given, key) for key in self.api_keys]
+        if not given or not any(matches):
+            error = ServerError(401, "a valid API key is required: send the header "
+                                     "'Authorization: Bearer <key>'",
+                                headers={"WWW-Authenticate": "Bearer"})
+            response = JSONResponse(error.body(), status_code=401, headers=error.headers)
+            return await response(scope, receive, send)
+        scope.setdefault("state", {})["api_key_index"] = matches.index(True)
+        await self.app(scope, receive, send)
+
+
+async def authorised(request: Request) -> int | None:
+    """The index of the request's API key among the server's (None: no key needed), as
+    :class:`Authentication` found it."""
+    return getattr(request.state, "api_key_index", None)
 
 
 router = APIRouter()

@@ -106,6 +106,21 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = None
 
 
+RESPONSE_FORMAT_KEYS = {"text": ("type",), "json_object": ("type",),
+                        "json_schema": ("type", "json_schema")}
+"""OpenAI's ``response_format`` types and the keys each takes."""
+JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
+"""The keys of OpenAI's ``response_format.json_schema``."""
+
+
+def _known_keys(field: str, given: Mapping[str, Any], allowed: Sequence[str]) -> None:
+    """Raise a 400 naming ``field``'s keys outside ``allowed``."""
+    unknown = [key for key in given if key not in allowed]
+    if unknown:
+        raise ServerError(400, f"{field} has unknown keys {', '.join(map(repr, unknown))}: "
+                               f"it takes {', '.join(allowed)}", field.split(".")[0])
+
+
 def constraint_of(response_format: Mapping[str, Any] | None,
                   structured_outputs: StructuredOutputs | None) -> Constraint | None:
     """The :class:`~exactspec.constraints.Constraint` OpenAI's ``response_format``
@@ -134,18 +149,20 @@ def constraint_of(response_format: Mapping[str, Any] | None,
         if response_format is None:
             return None
         kind = response_format.get("type")
+        if kind not in RESPONSE_FORMAT_KEYS:
+            raise ServerError(400, f"response_format type {kind!r} is invalid: text, "
+                                   "json_object or json_schema", "response_format")
+        _known_keys("response_format", response_format, RESPONSE_FORMAT_KEYS[kind])
         if kind == "text":
             return None
         if kind == "json_object":
             return Constraint.json_object()
-        if kind == "json_schema":
-            spec = response_format.get("json_schema")
-            if not isinstance(spec, Mapping) or not isinstance(spec.get("schema"), Mapping):
-                raise ServerError(400, "response_format json_schema needs \"json_schema\": "
-                                       "{\"name\": ..., \"schema\": {...}}", "response_format")
-            return Constraint.json_schema(dict(spec["schema"]))
-        raise ServerError(400, f"response_format type {kind!r} is invalid: text, json_object "
-                               "or json_schema", "response_format")
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("schema"), Mapping):
+            raise ServerError(400, "response_format json_schema needs \"json_schema\": "
+                                   "{\"name\": ..., \"schema\": {...}}", "response_format")
+        _known_keys("response_format.json_schema", spec, JSON_SCHEMA_KEYS)
+        return Constraint.json_schema(dict(spec["schema"]))
     except ValueError as error:
         field = "response_format" if structured_outputs is None else "structured_outputs"
         raise ServerError(400, f"{field}: {error}", field) from None
