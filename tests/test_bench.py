@@ -208,6 +208,38 @@ def test_a_method_far_from_the_others_in_its_group_is_flagged():
         "prompt-lookup:k=4 on qa: 53.6 tokens/s, 26.8× above the other methods' median (2.0)"]
 
 
+def test_one_slow_generation_is_flagged_in_the_report_the_json_and_the_verdict(tmp_path):
+    """Issue 63's run: one RAG generation of suffix:k=8:policy=auto took 26.4 s where its
+    constant-k sibling took 7.5 s and plain 8.0 s on the same question; the group-level
+    checks stayed quiet (its group's tokens/s fell 2.2×, under their tolerances)."""
+    import json
+
+    from exactspec.bench.report import verdict_line, write_report
+
+    results = BenchResults({}, {}, {1: 0.010, 2: 0.012, 3: 0.014})
+    seconds = {"plain": (8.1, 8.0), "suffix:k=8:policy=auto": (7.7, 26.4),
+               "suffix:k=4": (7.4, 7.5)}
+    for method, (first, second) in seconds.items():
+        for question, time in ((1, first), (2, second)):
+            results.records.append(Record(question, "rag", method, 0, 100, time, [0] * 100,
+                                          None))
+    line = ("suffix:k=8:policy=auto on question 2 (rag), repetition 0: 264.0 ms a token, "
+            "3.3× plain decoding's (80.0 ms) and 3.4× the other methods' median: one slow "
+            "generation")
+    assert instabilities(results, summarize(results)) == [line]
+    summary = write_report(results, tmp_path)
+    assert summary["unstable"] == [line]
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert [(s["question_id"], s["method"]) for s in written["slow_generations"]] == [
+        (2, "suffix:k=8:policy=auto")]
+    assert f"- {line}" in (tmp_path / "report.md").read_text()
+    verdict = verdict_line(summary, summary["unstable"])
+    assert ("slow generations: suffix:k=8:policy=auto on question 2 (rag, 3.3× plain)"
+            in verdict and "timings disturbed" in verdict)
+    results.records[3].seconds = 15.0  # under 2× both plain's 8.0 and the others' 7.75
+    assert instabilities(results, summarize(results)) == []
+
+
 def test_host_overhead_far_above_its_idle_calibration_is_flagged():
     """The issue 28 run: a busy core made plain decoding's host work 4.6 ms a cycle where
     the same work takes about 0.1 ms on an idle machine."""

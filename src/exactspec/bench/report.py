@@ -53,6 +53,10 @@ busy core."""
 LOCKOUT_ACCEPTANCE = 0.3
 """A policy that drafted nothing in a group where a constant k of its proposer was accepted
 above this rate is flagged in the verdict (:func:`never_drafted`)."""
+SLOW_GENERATION_TOLERANCE = 2.0
+"""A generation whose seconds per token are at least this many times both plain decoding's
+on the same question and the median of the other methods' on it is flagged
+(:func:`slow_generations`): one such generation can halve a group's speedup."""
 HOST_SLACK_SECONDS = 0.0005
 """Per-cycle bookkeeping the calibration does not time (stop checks, stats), allowed on top."""
 
@@ -121,6 +125,44 @@ def never_drafted(summary: dict) -> list[str]:
     return found
 
 
+def slow_generations(results: BenchResults) -> list[dict]:
+    """The generations at least :data:`SLOW_GENERATION_TOLERANCE` × slower a token than
+    both plain decoding of the same question (the median over its repetitions) and the
+    median of the other methods' generations of it: each its question, group, method,
+    repetition and the three seconds-per-token figures. A method's own other repetitions
+    do not count as "others", so a method that is slow on a question every time is flagged
+    too (that is a result to look at, not noise to average away)."""
+    per_token: dict[int, dict[str, list[float]]] = {}
+    for r in results.records:
+        if r.num_tokens > 0:
+            per_token.setdefault(r.question_id, {}).setdefault(r.method, []).append(
+                r.seconds / r.num_tokens)
+    found = []
+    for r in results.records:
+        runs = per_token.get(r.question_id, {})
+        if r.num_tokens <= 0 or r.method == "plain" or "plain" not in runs:
+            continue
+        mine = r.seconds / r.num_tokens
+        plain = statistics.median(runs["plain"])
+        others = [t for method, times in runs.items() if method != r.method for t in times]
+        median = statistics.median(others)
+        if mine >= SLOW_GENERATION_TOLERANCE * max(plain, median):
+            found.append({"question_id": r.question_id, "group": r.group, "method": r.method,
+                          "repetition": r.repetition, "seconds_per_token": mine,
+                          "plain_seconds_per_token": plain,
+                          "others_median_seconds_per_token": median})
+    return found
+
+
+def _slow_line(slow: dict) -> str:
+    return (f"{slow['method']} on question {slow['question_id']} ({slow['group']}), repetition "
+            f"{slow['repetition']}: {slow['seconds_per_token'] * 1000:.1f} ms a token, "
+            f"{slow['seconds_per_token'] / slow['plain_seconds_per_token']:.1f}× plain "
+            f"decoding's ({slow['plain_seconds_per_token'] * 1000:.1f} ms) and "
+            f"{slow['seconds_per_token'] / slow['others_median_seconds_per_token']:.1f}× the "
+            "other methods' median: one slow generation")
+
+
 def _tokens_per_second(records) -> float:
     seconds = sum(r.seconds for r in records)
     return sum(r.num_tokens for r in records) / seconds if seconds else 0.0
@@ -183,7 +225,8 @@ def instabilities(results: BenchResults, summary: dict) -> list[str]:
     is more than :data:`OUTLIER_TOLERANCE` × above or below the median of the group's
     other methods; plain decoding's host overhead per cycle is more than
     :data:`HOST_TOLERANCE` × the idle calibration measured at the start (plus
-    :data:`HOST_SLACK_SECONDS` for the cycle's bookkeeping).
+    :data:`HOST_SLACK_SECONDS` for the cycle's bookkeeping); one generation much slower
+    than the same question's others (:func:`slow_generations`).
     """
     found = []
     plain = summary.get(OVERALL, {}).get("plain", {})
@@ -221,6 +264,7 @@ def instabilities(results: BenchResults, summary: dict) -> list[str]:
                              f"{max(mine / median, median / mine):.1f}× "
                              f"{'above' if mine > median else 'below'} the other methods' "
                              f"median ({median:.1f})")
+    found += [_slow_line(slow) for slow in slow_generations(results)]
     return found
 
 
@@ -230,27 +274,30 @@ def write_report(results: BenchResults, out_dir: str | Path) -> dict:
 
     Returns:
         the summary (as :func:`summarize`), with the written paths under ``"files"``,
-        :func:`instabilities` under ``"unstable"`` and :func:`never_drafted` under
-        ``"never_drafted"``.
+        :func:`instabilities` under ``"unstable"``, :func:`never_drafted` under
+        ``"never_drafted"`` and :func:`slow_generations` under ``"slow_generations"``.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(results)
     unstable = instabilities(results, summary)
     locked = never_drafted(summary)
+    slow = slow_generations(results)
     write_text_atomically(out / "results.json", readable_json(
-        results.to_dict() | {"summary": summary, "unstable": unstable, "never_drafted": locked}))
+        results.to_dict() | {"summary": summary, "unstable": unstable, "never_drafted": locked,
+                             "slow_generations": slow}))
     write_text_atomically(out / "report.md", markdown(results, summary, unstable, locked))
     files = [out / "results.json", out / "report.md"] + plot(results, summary, out)
     return summary | {"files": [str(f) for f in files], "unstable": unstable,
-                      "never_drafted": locked}
+                      "never_drafted": locked, "slow_generations": slow}
 
 
 def verdict_line(summary: dict, unstable: Sequence[str] = ()) -> str:
     """The bench's outcome in one sentence: the fastest method overall against plain
     decoding with its range over groups, the greedy identity failures, a policy that never
     drafted where drafting was accepted (``summary["never_drafted"]``, from
-    :func:`write_report`), and whether the timings can be trusted."""
+    :func:`write_report`), the generations much slower than their question's others
+    (``summary["slow_generations"]``), and whether the timings can be trusted."""
     overall = summary[OVERALL]
     others = [m for m in overall if m != "plain" and overall[m].get("speedup") is not None]
     failures = sum(e["mismatches"] or 0 for m, e in overall.items() if not is_peer(m))
@@ -268,6 +315,12 @@ def verdict_line(summary: dict, unstable: Sequence[str] = ()) -> str:
     if locked:
         parts.append(f"a policy never drafted where drafting was accepted ({len(locked)} "
                      "groups, see report.md)")
+    slow = summary.get("slow_generations") or []
+    if slow:
+        parts.append("slow generations: " + ", ".join(
+            f"{s['method']} on question {s['question_id']} ({s['group']}, "
+            f"{s['seconds_per_token'] / s['plain_seconds_per_token']:.1f}× plain)"
+            for s in slow))
     parts.append("timings disturbed: see the warning above, compare nothing" if unstable
                  else "timings steady")
     return "verdict: " + "; ".join(parts)
