@@ -182,6 +182,29 @@ class ScriptedProposer(Proposer):
         return Proposal(self.reference[n:n + k])
 
 
+def row_dependent_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` (``x`` ``[rows, K]``, ``weight`` ``[N, K]``, float32) summed over k
+    in ascending order for one row and in descending order for a block: the non-invariant
+    reference (the broken control of the batch-invariance tests). Each product and each addition is one IEEE float32 operation in PyTorch's
+    element-wise kernels (no fused multiply-add, no BLAS), so the two orders give the same
+    values on every machine, and they differ: float32 addition is not associative."""
+    products = x[:, None, :] * weight[None, :, :]  # [rows, N, K], each rounded once
+    order = range(x.shape[1]) if x.shape[0] == 1 else reversed(range(x.shape[1]))
+    total = torch.zeros(products.shape[:2])
+    for k in order:
+        total = total + products[:, :, k]
+    return total
+
+
+@pytest.fixture
+def row_dependent_fast_kernels(monkeypatch) -> None:
+    """The transformers backend's fast kernels with :func:`row_dependent_product` for their
+    products over at most ``SKINNY_MAX_ROWS`` rows: not batch-invariant on any machine."""
+    from exactspec.backends import batch_invariant
+
+    monkeypatch.setattr(batch_invariant, "skinny_product", row_dependent_product)
+
+
 @pytest.fixture
 def greedy() -> SamplingParams:
     return SamplingParams(temperature=0, max_new_tokens=24)

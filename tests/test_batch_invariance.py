@@ -1,9 +1,10 @@
 """Batch invariance: a token's logits are bit-identical whether it is scored alone or in a
 verification block, so speculative greedy output equals plain decoding bit for bit and
-sampling uses exactly plain decoding's p. The broken control is a product whose reduction
-order changes with the number of rows (:func:`row_dependent_product`, written here so that
-it differs on every machine, where PyTorch's own kernels differ only on some): it rounds a
-block unlike a single token, and a near-tie shows what that does."""
+sampling uses exactly plain decoding's p. The broken control is the fast kernels with a
+product whose reduction order changes with the number of rows
+(:func:`conftest.row_dependent_product`, so that it differs on every machine, where
+PyTorch's own kernels differ only on some): it rounds a block unlike a single token, and a
+near-tie shows what that does."""
 
 import pytest
 import torch
@@ -40,10 +41,19 @@ def first_row_logits(target, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_the_load_check_tells_the_kernels_apart(seed):
-    invariant, fast = backend("batch-invariant", seed), backend("fast", seed)
+def test_the_load_check_tells_the_kernels_apart(seed, monkeypatch):
+    """The batch-invariant kernels pass it; the fast kernels with a row-dependent product
+    (the control: PyTorch's own products differ between row counts on some machines only)
+    fail it."""
+    from conftest import row_dependent_product
+
+    from exactspec.backends import batch_invariant
+
+    invariant = backend("batch-invariant", seed)
     assert invariant.batch_invariant and check_batch_invariance(invariant, 17).invariant
     assert invariant.sequences_invariant
+    monkeypatch.setattr(batch_invariant, "skinny_product", row_dependent_product)
+    fast = backend("fast", seed)
     assert not fast.batch_invariant
     assert fast.description.endswith("fast kernels")
 
@@ -184,39 +194,21 @@ def flipping_bias(single: torch.Tensor, block: torch.Tensor) -> tuple[int, int, 
     pytest.fail("the block rounds like a single token: no near-tie flips")
 
 
-def row_dependent_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` (``x`` ``[rows, K]``, ``weight`` ``[N, K]``, float32) summed over k
-    in ascending order for one row and in descending order for a block: the non-invariant
-    reference. Each product and each addition is one IEEE float32 operation in PyTorch's
-    element-wise kernels (no fused multiply-add, no BLAS), so the two orders give the same
-    values on every machine, and they differ: float32 addition is not associative."""
-    products = x[:, None, :] * weight[None, :, :]  # [rows, N, K], each rounded once
-    order = range(x.shape[1]) if x.shape[0] == 1 else reversed(range(x.shape[1]))
-    total = torch.zeros(products.shape[:2])
-    for k in order:
-        total = total + products[:, :, k]
-    return total
-
-
 @pytest.mark.parametrize("k", [1, 4, 7, 8, 12])
 def test_near_tie_flips_on_a_row_dependent_product_and_never_on_the_batch_invariant_kernels(
-        k, monkeypatch):
+        k, row_dependent_fast_kernels):
     """A logit bias turns two tokens into a tie that the row-dependent product's two roundings
     break apart (:func:`flipping_bias`): there plain decoding picks one token and
     verification the other. On the batch-invariant kernels the two roundings are one, so no
     bias, even one an ulp from a tie, tells them apart."""
-    from exactspec.backends import batch_invariant
-
-    with monkeypatch.context() as patched:  # the decode-phase products, prefill's are PyTorch's
-        patched.setattr(batch_invariant, "invariant_product", row_dependent_product)
-        target = backend("batch-invariant")
-        assert not target.batch_invariant  # the load check catches the control
-        first, second, bias = flipping_bias(*first_row_logits(target, k))
-        params = SamplingParams(temperature=0, max_new_tokens=k + 1, logit_bias=bias)
-        plain = SpeculativeGenerator(target, None).generate(PROMPT, params).token_ids
-        speculative = SpeculativeGenerator(target, FixedProposer(), k, "constant",
-                                           allow_batch_variance=True).generate(PROMPT, params)
-        assert plain[0] == first and speculative.token_ids[0] == second  # the control flips
+    target = backend("fast")
+    assert not target.batch_invariant  # the load check catches the control
+    first, second, bias = flipping_bias(*first_row_logits(target, k))
+    params = SamplingParams(temperature=0, max_new_tokens=k + 1, logit_bias=bias)
+    plain = SpeculativeGenerator(target, None).generate(PROMPT, params).token_ids
+    speculative = SpeculativeGenerator(target, FixedProposer(), k, "constant",
+                                       allow_batch_variance=True).generate(PROMPT, params)
+    assert plain[0] == first and speculative.token_ids[0] == second  # the control flips
 
     target = backend("batch-invariant")
     single, block = first_row_logits(target, k)
@@ -240,7 +232,8 @@ def test_sampling_probabilities_are_bit_identical_in_a_block():
     assert torch.equal(logits_to_probs(single[None], params), logits_to_probs(block[None], params))
 
 
-def test_a_backend_that_is_not_batch_invariant_is_refused_unless_allowed():
+def test_a_backend_that_is_not_batch_invariant_is_refused_unless_allowed(
+        row_dependent_fast_kernels):
     target = backend("fast")
     with pytest.raises(UnsupportedModelError,
                        match=r"transformers float32 cpu, fast kernels\) scores a block of tokens "

@@ -135,8 +135,8 @@ def test_max_model_len_ends_generation_at_the_limit_and_is_checked(model_folder,
     assert exit_info.value.code == 2 and "'0' is invalid" in capsys.readouterr().err
 
 
-def test_fast_kernels_speculate_with_a_note_and_are_refused_where_not_chosen(model_folder,
-                                                                            capsys):
+def test_fast_kernels_speculate_with_a_note_and_are_refused_where_not_chosen(
+        model_folder, capsys, row_dependent_fast_kernels):
     code, out, err = run(capsys, "abc abc abd abc", "--model", model_folder, "--kernels", "fast",
                          "--max-new-tokens", 8, "--json")
     assert code == 0, err
@@ -409,10 +409,11 @@ def test_bench_with_unstable_measurements_says_so_and_exits_3(model_folder, tmp_
     assert code == 3
     headline = ("Unstable measurements: something else was probably using the CPU; re-run "
                 "with nothing else running before trusting these figures.")
-    assert out.startswith(f"# exactspec bench\n\n**{headline}**\n\n- target forward cost falls "
-                          "as more tokens are scored: 3 tokens took 379.0 ms, 9.6× less than "
-                          "1 (3656.0 ms)\n")
-    assert f"warning: {headline}\n- target forward cost falls" in " ".join(err.split(" "))
+    assert out.startswith(f"# exactspec bench\n\n**{headline}**\n\n- ")
+    line = ("- target forward cost falls as more tokens are scored: 3 tokens took 379.0 ms, "
+            "9.6× less than 1 (3656.0 ms)")  # among the bullets (a busy machine may add more)
+    assert line in out.split("\n\n", 3)[2].splitlines()
+    assert f"warning: {headline}\n- " in " ".join(err.split(" ")) and line in err
     verdict = err.strip().splitlines()[-1]
     assert verdict.startswith("verdict: prompt-lookup:k=2 was the fastest")
     assert verdict.endswith("greedy outputs differing from plain decoding: 0; timings "

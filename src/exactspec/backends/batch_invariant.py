@@ -90,13 +90,21 @@ class BatchInvariantLinear(nn.Linear):
         if _kernels.get() != "fast":
             out = invariant_product(self.weight, flat)
         elif rows <= SKINNY_MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32:
-            doubled = torch.cat((flat, flat)) if rows == 1 else flat
-            out = (self.weight @ doubled.t()).t()[:rows].contiguous()
+            out = skinny_product(self.weight, flat)
         else:
             return F.linear(x, self.weight, self.bias)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def skinny_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The fast kernels' ``x @ weight.T`` for ``x`` ``[rows ≤ SKINNY_MAX_ROWS, in]``:
+    ``(W @ x.T).T``, a single row computed as two identical rows (see the module
+    docstring). Returns a contiguous ``[rows, out]``."""
+    rows = x.shape[0]
+    doubled = torch.cat((x, x)) if rows == 1 else x
+    return (weight @ doubled.t()).t()[:rows].contiguous()
 
 
 def native_kernels_apply(weight: torch.Tensor) -> bool:

@@ -57,6 +57,10 @@ SLOW_GENERATION_TOLERANCE = 2.0
 """A generation whose seconds per token are at least this many times both plain decoding's
 on the same question and the median of the other methods' on it is flagged
 (:func:`slow_generations`): one such generation can halve a group's speedup."""
+SLOW_GENERATION_SECONDS = 1.0
+"""...and only where it took at least this many seconds longer than at the slower of those two
+rates: a few milliseconds of scheduling noise on a short generation are not what moves a
+group's speedup."""
 HOST_SLACK_SECONDS = 0.0005
 """Per-cycle bookkeeping the calibration does not time (stop checks, stats), allowed on top."""
 
@@ -128,7 +132,8 @@ def never_drafted(summary: dict) -> list[str]:
 def slow_generations(results: BenchResults) -> list[dict]:
     """The generations at least :data:`SLOW_GENERATION_TOLERANCE` × slower a token than
     both plain decoding of the same question (the median over its repetitions) and the
-    median of the other methods' generations of it: each its question, group, method,
+    median of the other methods' generations of it, and at least
+    :data:`SLOW_GENERATION_SECONDS` longer in all: each its question, group, method,
     repetition and the three seconds-per-token figures. A method's own other repetitions
     do not count as "others", so a method that is slow on a question every time is flagged
     too (that is a result to look at, not noise to average away)."""
@@ -146,7 +151,9 @@ def slow_generations(results: BenchResults) -> list[dict]:
         plain = statistics.median(runs["plain"])
         others = [t for method, times in runs.items() if method != r.method for t in times]
         median = statistics.median(others)
-        if mine >= SLOW_GENERATION_TOLERANCE * max(plain, median):
+        expected = max(plain, median)
+        if mine >= SLOW_GENERATION_TOLERANCE * expected \
+                and (mine - expected) * r.num_tokens >= SLOW_GENERATION_SECONDS:
             found.append({"question_id": r.question_id, "group": r.group, "method": r.method,
                           "repetition": r.repetition, "seconds_per_token": mine,
                           "plain_seconds_per_token": plain,

@@ -173,7 +173,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     console = Console(stderr=True, soft_wrap=True)
     proposer_spec, flag = _proposer_spec(args)
     if proposer_spec.kind == "forced" and constraint is None:
-        parser.error(f"{flag} forced needs a constraint (it drafts only the tokens a "
+        parser.error(f"{flag} needs a constraint (it drafts only the tokens a "
                      "constraint forces): give --json-schema, --json-object, --regex, "
                      "--grammar or --choice")
     try:  # what can be checked before the (slow) loading

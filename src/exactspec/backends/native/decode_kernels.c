@@ -466,11 +466,14 @@ static void rows_portable_typed(const float *x, int64_t ldx, int64_t rows, int64
     }
 }
 
-/* The best instruction set this CPU runs: 2 AVX-512F, 1 AVX2 + FMA, 0 portable. */
+/* The best instruction set this CPU runs: 2 AVX-512 (F, BW and F16C, which the fused tiles
+ * use; a CPU with AVX-512F alone takes the AVX2 path), 1 AVX2 + FMA + F16C, 0 portable. */
 int es_best_isa(void) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return 2;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+               && __builtin_cpu_supports("f16c");
+    if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return 2;
+    if (avx2) return 1;
     return 0;
 }
 
