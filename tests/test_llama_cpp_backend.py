@@ -8,6 +8,7 @@ import re
 import sys
 import warnings
 
+import numpy as np
 import pytest
 
 from exactspec import SamplingParams, SpeculativeGenerator, PromptLookupProposer
@@ -79,6 +80,15 @@ def test_choose_backend(monkeypatch, tmp_path):
     expected = "native" if native.load() is not None else "llama_cpp"
     assert choose_backend(gguf, device="cpu") == expected
     assert choose_backend(other, device="cpu") == "llama_cpp"
+    k_quant = tmp_path / "k.gguf"  # an architecture it runs, a type it does not read yet
+    writer = gguf_package.GGUFWriter(str(k_quant), "llama")
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((1, 144), dtype=np.uint8), raw_shape=(1, 144),
+                      raw_dtype=gguf_package.GGMLQuantizationType.Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert choose_backend(k_quant, device="cpu") == "llama_cpp"
     assert choose_backend(folder, device="cpu") == "transformers"
     assert choose_backend(gguf, device="cpu", dtype="float32") == "transformers"
     assert choose_backend(gguf, "transformers", device="cpu") == "transformers"

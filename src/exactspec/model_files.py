@@ -215,9 +215,10 @@ def gguf_architecture_value(path: Path, key: str) -> int | None:
 
 
 def _gguf_header(path: Path) -> dict[str, object]:
-    """The scalar fields (strings, numbers) of the GGUF file's header by name, read once per
-    version of the file: ``gguf.GGUFReader`` parses every field, the tokenizer's arrays too
-    (seconds for the embedded model), and a command asks for them several times."""
+    """The scalar fields (strings, numbers) of the GGUF file's header by name, and its tensor
+    types under :data:`TENSOR_TYPES`, read once per version of the file:
+    ``gguf.GGUFReader`` parses every field, the tokenizer's arrays too (seconds for the
+    embedded model), and a command asks for them several times."""
     stat = Path(path).stat()
     return _read_gguf_header(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
 
@@ -226,8 +227,21 @@ def _gguf_header(path: Path) -> dict[str, object]:
 def _read_gguf_header(path: str, mtime_ns: int, size: int) -> dict[str, object]:
     import gguf
 
-    return {name: field.contents() for name, field in gguf.GGUFReader(path).fields.items()
-            if field.types and field.types[0] != gguf.GGUFValueType.ARRAY}
+    reader = gguf.GGUFReader(path)
+    header = {name: field.contents() for name, field in reader.fields.items()
+              if field.types and field.types[0] != gguf.GGUFValueType.ARRAY}
+    header[TENSOR_TYPES] = sorted({tensor.tensor_type.name for tensor in reader.tensors})
+    return header
+
+
+TENSOR_TYPES = "exactspec.tensor_types"
+"""The key :func:`_gguf_header` keeps the file's tensor types under (ggml's names, sorted)."""
+
+
+def gguf_tensor_types(path: Path) -> list[str]:
+    """The types of the GGUF file's tensors (ggml's names: ``Q4_K``, ``F32``, ...), sorted,
+    from its header (no weights are read)."""
+    return list(_gguf_header(path)[TENSOR_TYPES])
 
 
 def _and(parts: list[str]) -> str:

@@ -16,7 +16,7 @@ from exactspec.backends.native_backend import ARCHITECTURES, NativeBackend
 from exactspec.backends.transformers_backend import TransformersBackend, resolve_device
 from exactspec.load_options import BACKENDS
 from exactspec.model_files import (DEFAULT_MODEL, check_model_path, converted_gguf,
-                                   gguf_architecture)
+                                   gguf_architecture, gguf_tensor_types)
 from exactspec.proposers.spec import BACKENDS_NEEDED, ProposerSpec
 
 
@@ -76,8 +76,11 @@ def choose_backend(path: Path, backend: str = "auto", *, device: str = "auto",
 
 def _native_runs(path: Path) -> bool:
     """Whether the native backend runs this GGUF file here: its architecture is one the
-    backend knows and the kernels build (a header read, no weights)."""
-    return gguf_architecture(path) in ARCHITECTURES and native.load() is not None
+    backend knows, it reads every tensor type in it, and the kernels build (a header read,
+    no weights)."""
+    return (gguf_architecture(path) in ARCHITECTURES
+            and set(gguf_tensor_types(path)) <= set(native.WEIGHT_TYPES)
+            and native.load() is not None)
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",

@@ -859,7 +859,10 @@ void es_linear_q8(es_q8_rows q, int64_t rows, int64_t K, const uint8_t *packed, 
  * are taken in blocks of QUERY_BLOCK with the heads of their kv group, and each key of the
  * shared prefix is scored for the whole block while it is in L1, eight keys at a time with
  * their eight hsum8 side by side in one vector (only the order of independent dot products
- * changes, never one dot's arithmetic). The AVX2 path and the portable path give the same
+ * changes, never one dot's arithmetic), and each value row of the shared prefix is read
+ * once for the whole block in the weighted sum (WSUM_TILE below: R rows' accumulators of a
+ * few dims side by side; each dim of each row is still its own fma chain over j in order).
+ * The AVX2 path and the portable path give the same
  * bits, and so does the AVX-512 path, which differs from AVX2 only in the weighted sum's
  * width: 16 dims a vector (each dim is its own chain).
  *
@@ -1080,12 +1083,83 @@ static void weighted_sum_rows_portable(const float *e, int64_t n, const float *v
     }
 }
 
+/* The weighted sums of R rows of one block at once (rows r of e at e + r * lde, each seeing
+ * visible[r] keys: the P shared ones, then its own, extra[r] a tree path or NULL), NV
+ * vectors of dims at a time: each shared value row is loaded once for the R rows. Per row
+ * and dim the arithmetic is weighted_sum_rows_*'s: one fma chain over j in order from 0. */
+#define WSUM_TILE(ISA, TARGET, VEC, LANES, NV, ZERO, SET1, LOAD, FMADD, STORE, R)            \
+    TARGET static void wsum_##ISA##_##R(const float *e, int64_t lde, const int64_t *visible, \
+                                       const int64_t *const *extra, const float *v,         \
+                                       int64_t ldv, int64_t c, int64_t P, float *const *out) { \
+        VEC acc[R][NV];                                                                     \
+        for (int r = 0; r < R; r++)                                                         \
+            for (int i = 0; i < NV; i++) acc[r][i] = ZERO();                                \
+        for (int64_t j = 0; j < P; j++) {                                                   \
+            VEC row[NV];                                                                    \
+            for (int i = 0; i < NV; i++) row[i] = LOAD(v + j * ldv + c + i * LANES);        \
+            for (int r = 0; r < R; r++) {                                                   \
+                VEC w = SET1(e[r * lde + j]);                                               \
+                for (int i = 0; i < NV; i++) acc[r][i] = FMADD(w, row[i], acc[r][i]);       \
+            }                                                                               \
+        }                                                                                   \
+        for (int r = 0; r < R; r++) {                                                       \
+            for (int64_t j = P; j < visible[r]; j++) {                                      \
+                const float *row = v + (extra[r] ? key_row(j, P, extra[r]) : j) * ldv + c;  \
+                VEC w = SET1(e[r * lde + j]);                                               \
+                for (int i = 0; i < NV; i++)                                                \
+                    acc[r][i] = FMADD(w, LOAD(row + i * LANES), acc[r][i]);                 \
+            }                                                                               \
+            for (int i = 0; i < NV; i++) STORE(out[r] + c + i * LANES, acc[r][i]);          \
+        }                                                                                   \
+    }
+
+typedef void (*wsum_fn)(const float *e, int64_t lde, const int64_t *visible,
+                        const int64_t *const *extra, const float *v, int64_t ldv, int64_t c,
+                        int64_t P, float *const *out);
+
+#define AVX2_WSUM(R) WSUM_TILE(avx2, __attribute__((target("avx2,fma"))), __m256, 8, 2,      \
+                               _mm256_setzero_ps, _mm256_set1_ps, _mm256_loadu_ps,          \
+                               _mm256_fmadd_ps, _mm256_storeu_ps, R)
+#define AVX512_WSUM(R) WSUM_TILE(avx512, __attribute__((target("avx512f"))), __m512, 16, 2,  \
+                                 _mm512_setzero_ps, _mm512_set1_ps, _mm512_loadu_ps,        \
+                                 _mm512_fmadd_ps, _mm512_storeu_ps, R)
+#define WSUM_ROWS 6 /* AVX2: 12 accumulators + 2 rows of 8 in 16 registers; AVX-512: of 16 in 32 */
+AVX2_WSUM(1) AVX2_WSUM(2) AVX2_WSUM(3) AVX2_WSUM(4) AVX2_WSUM(5) AVX2_WSUM(6)
+AVX512_WSUM(1) AVX512_WSUM(2) AVX512_WSUM(3) AVX512_WSUM(4) AVX512_WSUM(5) AVX512_WSUM(6)
+static const wsum_fn wsum_avx2[WSUM_ROWS + 1] = {0, wsum_avx2_1, wsum_avx2_2, wsum_avx2_3,
+                                                 wsum_avx2_4, wsum_avx2_5, wsum_avx2_6};
+static const wsum_fn wsum_avx512[WSUM_ROWS + 1] = {0, wsum_avx512_1, wsum_avx512_2,
+                                                   wsum_avx512_3, wsum_avx512_4,
+                                                   wsum_avx512_5, wsum_avx512_6};
+
+/* The weighted sums of a block's rows (as WSUM_TILE's arguments, `rows` of them): WSUM_ROWS
+ * rows at a time over the dims the tiles cover (2 vectors of `lanes`), the rest of the dims
+ * row by row with `one` (weighted_sum_rows_*: the same chains). */
+static void weighted_sum_block(const wsum_fn *tiles, int64_t lanes,
+                               void (*one)(const float *, int64_t, const float *, int64_t,
+                                           int64_t, float *, int64_t, const int64_t *),
+                               const float *e, int64_t lde, int64_t rows,
+                               const int64_t *visible, const int64_t *const *extra,
+                               const float *v, int64_t ldv, int64_t d, int64_t P,
+                               float *const *out) {
+    int64_t c = 0;
+    if (tiles)
+        for (; c + 2 * lanes <= d; c += 2 * lanes)
+            for (int64_t r = 0; r < rows; r += WSUM_ROWS)
+                tiles[MIN(WSUM_ROWS, rows - r)](e + r * lde, lde, visible + r, extra + r, v,
+                                                ldv, c, P, out + r);
+    if (c < d)
+        for (int64_t r = 0; r < rows; r++)
+            one(e + r * lde, visible[r], v + c, ldv, d - c, out[r] + c,
+                extra[r] ? P : visible[r], extra[r]);
+}
+
 #define QUERY_BLOCK 8
 
 /* Kv head g of es_attention (below): its heads' queries, QUERY_BLOCK at a time;
  * e: QUERY_BLOCK * (H / Hkv) * L floats of scratch. One body, compiled for AVX2 (where the
  * dot products inline) and for the portable path. */
-#define ATTEND_KV_HEAD(NAME, TARGET, DOT, DOT8, EXP_SUM, WEIGHTED_SUM)                         \
+#define ATTEND_KV_HEAD(NAME, TARGET, DOT, DOT8, EXP_SUM, WSUM_TILES, WSUM_LANES, WEIGHTED_SUM) \
     TARGET static void NAME(                                                                  \
         const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq, int64_t sh,             \
         const float *k, const float *v, int64_t Hkv, int64_t L, int64_t skh, int64_t skj,     \
@@ -1107,33 +1181,39 @@ static void weighted_sum_rows_portable(const float *e, int64_t n, const float *v
                 for (int64_t r = 0; r < rows; r++)                                            \
                     e[r * L + j] = DOT(q + (i0 + r / W) * sq + (h0 + r % W) * sh, kj, d) * scale; \
             }                                                                                 \
+            int64_t visible[rows];                                                            \
+            const int64_t *extra[rows]; /* a tree node's path (see the header), or NULL */    \
+            float *o[rows], sum[rows];                                                        \
             for (int64_t r = 0; r < rows; r++) {                                              \
-                int64_t i = i0 + r / W, h = h0 + r % W, visible = P + 1 + i;                  \
-                const int64_t *extra = NULL; /* a tree node's path (see the header) */        \
+                int64_t i = i0 + r / W, h = h0 + r % W;                                       \
+                visible[r] = P + 1 + i, extra[r] = NULL;                                      \
                 if (tree_rows) {                                                              \
-                    extra = tree_rows + tree_offsets[i];                                      \
-                    visible = P + tree_offsets[i + 1] - tree_offsets[i];                      \
+                    extra[r] = tree_rows + tree_offsets[i];                                   \
+                    visible[r] = P + tree_offsets[i + 1] - tree_offsets[i];                   \
                 }                                                                             \
                 const float *qr = q + i * sq + h * sh;                                        \
                 float *er = e + r * L;                                                        \
-                for (int64_t j = P; j < visible; j++)                                         \
-                    er[j] = DOT(qr, kh + (extra ? key_row(j, P, extra) : j) * skj, d) * scale; \
+                for (int64_t j = P; j < visible[r]; j++)                                      \
+                    er[j] = DOT(qr, kh + (extra[r] ? key_row(j, P, extra[r]) : j) * skj, d)   \
+                            * scale;                                                          \
                 float m = -INFINITY;                                                          \
-                for (int64_t j = 0; j < visible; j++) m = er[j] > m ? er[j] : m;              \
-                float sum = EXP_SUM(er, visible, m);                                          \
-                float *o = out + i * so + h * soh;                                            \
-                WEIGHTED_SUM(er, visible, vh, svj, d, o, extra ? P : visible, extra);         \
-                for (int64_t c = 0; c < d; c++) o[c] = o[c] / sum;                            \
+                for (int64_t j = 0; j < visible[r]; j++) m = er[j] > m ? er[j] : m;           \
+                sum[r] = EXP_SUM(er, visible[r], m);                                          \
+                o[r] = out + i * so + h * soh;                                                \
             }                                                                                 \
+            weighted_sum_block(WSUM_TILES, WSUM_LANES, WEIGHTED_SUM, e, L, rows, visible,     \
+                               extra, vh, svj, d, P, o);                                      \
+            for (int64_t r = 0; r < rows; r++)                                                \
+                for (int64_t c = 0; c < d; c++) o[r][c] = o[r][c] / sum[r];                   \
         }                                                                                     \
     }
 
 ATTEND_KV_HEAD(attend_kv_head_avx2, __attribute__((target("avx2,fma"))), dot_avx2, dot8_avx2,
-               exp_sum_avx2, weighted_sum_rows_avx2)
+               exp_sum_avx2, wsum_avx2, 8, weighted_sum_rows_avx2)
 ATTEND_KV_HEAD(attend_kv_head_avx512, __attribute__((target("avx512f,avx2,fma"))), dot_avx2,
-               dot8_avx2, exp_sum_avx2, weighted_sum_rows_avx512)
+               dot8_avx2, exp_sum_avx2, wsum_avx512, 16, weighted_sum_rows_avx512)
 ATTEND_KV_HEAD(attend_kv_head_portable, , dot_portable, dot8_portable, exp_sum_portable,
-               weighted_sum_rows_portable)
+               NULL, 1, weighted_sum_rows_portable)
 
 /* Heads h0 .. h1 - 1 (all of kv head g's group, or part of it) of es_attention. */
 static void attend_kv_head(const float *q, int64_t nq, int64_t H, int64_t d, int64_t sq,
