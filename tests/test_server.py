@@ -609,6 +609,7 @@ def gated():
     proposer = GatedProposer()
     app = create_app(make_target(), proposer, model_name=MODEL,
                      speculation=SpeculationSettings(4, "constant"), max_queue=1)
+    proposer.worker = app.state.worker  # for the tests that wait on its jobs
     with serving(app) as url:
         yield url, proposer
         proposer.gate.set()
@@ -656,9 +657,12 @@ def test_disconnected_client_cancels_its_generation(gated):
         while metric(url, "exactspec:num_requests_running") < 1:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-    # the client is gone: the server notices at its next keep-alive; then the engine,
-    # released, must stop generating for it
-    time.sleep(3 * KEEPALIVE_SECONDS)
+    # the client is gone: the server notices at its next keep-alive (the job is cancelled);
+    # then the engine, released, must stop generating for it
+    deadline = time.monotonic() + 10 * KEEPALIVE_SECONDS
+    while not any(job.cancelled.is_set() for job, _ in list(proposer.worker._rows.values())):
+        assert time.monotonic() < deadline, "the server never noticed the client leave"
+        time.sleep(0.05)
     proposer.gate.set()
     deadline = time.monotonic() + 20
     while metric(url, "exactspec:request_aborted_total") < 1:

@@ -3,6 +3,10 @@
 
     python prefill.py LABEL [LENGTHS...]      # one JSON line per length on stdout
 
+LABEL llama.cpp runs llama-cpp-python; any other the native backend, on the kernels' C
+source named by $KERNEL_SOURCE (default: the installed one), so that two versions of the
+kernels can be compared in one interleaved run (run.sh).
+
 A prompt is Spec-Bench's turns (../shared/data) concatenated and cut to each length; each
 backend prefills it once to warm up, then REPEATS times, the best time kept."""
 
@@ -11,10 +15,13 @@ import sys
 import time
 from pathlib import Path
 
+import os
+
 import torch
 
 from exactspec import load_model
-from exactspec.models import EMBEDDED_MODELS, DEFAULT_MODEL
+from exactspec.backends import native
+from exactspec.model_files import DEFAULT_MODEL, EMBEDDED_MODELS
 
 REPEATS = 2
 label = sys.argv[1]
@@ -49,6 +56,8 @@ if label == "llama.cpp":
         llama._ctx.memory_clear(True) if hasattr(llama._ctx, "memory_clear") else None
         llama.eval(tokens)
 else:
+    if os.environ.get("KERNEL_SOURCE"):
+        native.SOURCE = Path(os.environ["KERNEL_SOURCE"])
     target = load_model(path, backend="native", threads=2)
     ids = target.tokenizer.encode(text, add_special_tokens=False)
 

@@ -856,8 +856,9 @@ void es_linear_q8(es_q8_rows q, int64_t rows, int64_t K, const uint8_t *packed, 
  *
  * so each query's arithmetic is that of a one-token step at its position, whatever the
  * other queries, their number or the thread split (threads take whole kv heads). Queries
- * are taken in blocks of QUERY_BLOCK with the heads of their kv group, and each key of the
- * shared prefix is scored for the whole block while it is in L1, eight keys at a time with
+ * are taken in blocks of QUERY_BLOCK with the heads of their kv group, and each key every
+ * query of the block sees (the cache's, and in a chain the new keys up to the block's first
+ * query) is scored for the whole block while it is in L1, eight keys at a time with
  * their eight hsum8 side by side in one vector (only the order of independent dot products
  * changes, never one dot's arithmetic), and each value row of the shared prefix is read
  * once for the whole block in the weighted sum (WSUM_TILE below: R rows' accumulators of a
@@ -1171,12 +1172,15 @@ static void weighted_sum_block(const wsum_fn *tiles, int64_t lanes,
         for (int64_t i0 = 0; i0 < nq; i0 += QUERY_BLOCK) {                                    \
             int64_t rows = MIN(QUERY_BLOCK, nq - i0) * W;                                     \
             /* row r: query i0 + r / W, head h0 + r % W; its scores at e + r * L */           \
-            int64_t j = 0; /* keys every query sees, eight at a time, once for the block */  \
-            for (; j + 8 <= P; j += 8)                                                        \
+            /* S keys every query of the block sees: the P before the new ones, and in a      \
+             * chain the new ones up to the block's first query */                            \
+            const int64_t S = tree_rows ? P : P + i0 + 1;                                     \
+            int64_t j = 0; /* eight at a time, once for the block */                          \
+            for (; j + 8 <= S; j += 8)                                                        \
                 for (int64_t r = 0; r < rows; r++)                                            \
                     DOT8(q + (i0 + r / W) * sq + (h0 + r % W) * sh, kh + j * skj, skj, d,     \
                          scale, e + r * L + j);                                               \
-            for (; j < P; j++) {                                                              \
+            for (; j < S; j++) {                                                              \
                 const float *kj = kh + j * skj;                                               \
                 for (int64_t r = 0; r < rows; r++)                                            \
                     e[r * L + j] = DOT(q + (i0 + r / W) * sq + (h0 + r % W) * sh, kj, d) * scale; \
@@ -1193,7 +1197,7 @@ static void weighted_sum_block(const wsum_fn *tiles, int64_t lanes,
                 }                                                                             \
                 const float *qr = q + i * sq + h * sh;                                        \
                 float *er = e + r * L;                                                        \
-                for (int64_t j = P; j < visible[r]; j++)                                      \
+                for (int64_t j = S; j < visible[r]; j++)                                      \
                     er[j] = DOT(qr, kh + (extra[r] ? key_row(j, P, extra[r]) : j) * skj, d)   \
                             * scale;                                                          \
                 float m = -INFINITY;                                                          \
@@ -1202,7 +1206,7 @@ static void weighted_sum_block(const wsum_fn *tiles, int64_t lanes,
                 o[r] = out + i * so + h * soh;                                                \
             }                                                                                 \
             weighted_sum_block(WSUM_TILES, WSUM_LANES, WEIGHTED_SUM, e, L, rows, visible,     \
-                               extra, vh, svj, d, P, o);                                      \
+                               extra, vh, svj, d, S, o);                                      \
             for (int64_t r = 0; r < rows; r++)                                                \
                 for (int64_t c = 0; c < d; c++) o[r][c] = o[r][c] / sum[r];                   \
         }                                                                                     \
