@@ -190,6 +190,12 @@ def test_greedy_trace_shows_argmax_matches():
     assert {"accepted", "rejected"} <= seen
     assert result.token_ids == SpeculativeGenerator(tiny_backend(2), None).generate(
         PROMPT, params).token_ids
+    # each cycle's timings, which add up to the generation's
+    assert all(c.verify_seconds > 0 and c.draft_seconds >= 0 for c in result.trace)
+    assert sum(c.verify_seconds for c in result.trace) == pytest.approx(
+        result.stats.verify_seconds, rel=1e-9)
+    assert sum(c.draft_seconds for c in result.trace) == pytest.approx(
+        result.stats.draft_seconds, rel=1e-9)
 
 
 def test_drafts_past_a_stop_are_marked_so_and_an_empty_draft_says_so(tmp_path):

@@ -69,6 +69,9 @@ class CycleTrace:
             the last committed token was drawn from: the residual after a rejection, else
             the target's p (greedy: its top processed probabilities).
         greedy: whether verification was greedy (argmax matches) or stochastic.
+        draft_seconds: the cycle's drafting time (seconds; 0 when nothing was drafted).
+        verify_seconds: its verification time: the target's forward over the block and
+            the rejection sampling (seconds), so that one slow cycle can be found.
     """
 
     index: int
@@ -78,6 +81,8 @@ class CycleTrace:
     committed: list[tuple[int, TokenKind]]
     final_top: list[tuple[int, float]] = field(default_factory=list)
     greedy: bool = True
+    draft_seconds: float | None = None
+    verify_seconds: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,7 +100,8 @@ def token_kinds(num_drafted: int, num_accepted: int, num_committed: int) -> list
 def trace_cycle(index: int, position: int, chosen_k: int, draft_token_ids: list[int],
                 draft_probs: torch.Tensor | None, processed: torch.Tensor,
                 target_probs: torch.Tensor | None, uniforms: torch.Tensor | None,
-                committed: list[int], num_accepted: int) -> CycleTrace:
+                committed: list[int], num_accepted: int, draft_seconds: float | None = None,
+                verify_seconds: float | None = None) -> CycleTrace:
     """Build one cycle's trace from what the verifier saw.
 
     Args:
@@ -106,6 +112,7 @@ def trace_cycle(index: int, position: int, chosen_k: int, draft_token_ids: list[
         uniforms: ``[k]`` float64, the verifier's acceptance uniforms (None when greedy).
         committed: the tokens the cycle emitted.
         num_accepted: drafts accepted by verification.
+        draft_seconds, verify_seconds: the cycle's timings (:class:`CycleTrace`).
     """
     k = len(draft_token_ids)
     greedy = target_probs is None
@@ -140,7 +147,7 @@ def trace_cycle(index: int, position: int, chosen_k: int, draft_token_ids: list[
             torch.tensor([num_accepted], device=p.device))[0]
         final_top = _top(final / final.sum())
     return CycleTrace(index, position, chosen_k, drafts, list(zip(committed, kinds)),
-                      final_top, greedy)
+                      final_top, greedy, draft_seconds, verify_seconds)
 
 
 def _top(probs: torch.Tensor) -> list[tuple[int, float]]:

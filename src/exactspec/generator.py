@@ -216,7 +216,7 @@ class SampleDecoding:
             self.trace.append(trace_cycle(
                 self.stats.cycles, generated, self.chosen_k, path_tokens, proposal.probs,
                 verified.processed, verified.target_probs, verified.uniforms,
-                committed[:num_emitted], num_accepted))
+                committed[:num_emitted], num_accepted, self.draft_seconds, verify_seconds))
         if self.num_speculative_tokens:
             self.proposer.observe(num_accepted)
             # the policy learns from its own drafts only, not from forced tokens (certain)
