@@ -385,3 +385,21 @@ def test_eos_comes_from_the_file(tmp_path):
     path = write_tiny_gguf(tiny_model(5), tmp_path / "eos.gguf", eos=7)
     assert native_backend(path).eos_token_ids == (7,)
     assert native_backend(path, eos_token_ids=[3, 4]).eos_token_ids == (3, 4)
+
+
+def test_exactspec_isa_caps_the_path_and_refuses_what_the_cpu_cannot_run(monkeypatch):
+    """``EXACTSPEC_ISA`` (read when the kernels load): unset or empty, the CPU's best path;
+    a lower one, that one; a higher one or an unknown name, an error naming the choices."""
+    for value, cpu, expected in (("", "avx2", "avx2"), ("portable", "avx512", "portable"),
+                                 (" AVX2 ", "avx512", "avx2"), ("avx512", "avx512", "avx512")):
+        monkeypatch.setenv(native.ISA_VARIABLE, value)
+        assert native.forced_isa(cpu) == expected
+    monkeypatch.setenv(native.ISA_VARIABLE, "avx512")
+    with pytest.raises(ValueError, match="EXACTSPEC_ISA='avx512' is more than this CPU runs: "
+                                         "choose one of portable, avx2"):
+        native.forced_isa("avx2")
+    monkeypatch.setenv(native.ISA_VARIABLE, "sse4")
+    with pytest.raises(ValueError, match="EXACTSPEC_ISA='sse4' is invalid: choose one of "
+                                         "portable, avx2, avx512"):
+        native.forced_isa("avx512")
+    assert KERNELS.paths == native.ISAS[:native.ISAS.index(KERNELS.best_isa) + 1]
