@@ -1093,3 +1093,31 @@ def test_structured_outputs_through_the_openai_client():
                 temperature=1.0, seed=4, max_new_tokens=30,
                 constraint=Constraint.choice(["abcd", "cab"])), n=2)
         assert [c.text for c in completion.choices] == [r.text for r in expected]
+
+
+@pytest.mark.parametrize("tree", [None, 6])
+def test_a_draft_head_serves_constrained_requests(tiny_head_file, tree):
+    """Issue 63: a draft head under a constraint that forces tokens answered HTTP 500. Each
+    structured output kind is served, with plain decoding's greedy tokens."""
+    from exactspec.constraints import Constraint
+    from exactspec.proposers.head import HeadProposer
+
+    from conftest import ALPHABET
+
+    target = tiny_backend(0, eos=[ALPHABET.index("?")], max_context=256)  # the head's model
+    app = create_app(target, HeadProposer(target, tiny_head_file, tree_nodes=tree),
+                     model_name=MODEL, speculation=SpeculationSettings(4, "constant"))
+    plain = SpeculativeGenerator(target, None)
+    cases = [({"regex": "(ab|cd)+e"}, Constraint.regex("(ab|cd)+e")),
+             ({"choice": ["abcdabcd1", "abcdabcd2"]},
+              Constraint.choice(["abcdabcd1", "abcdabcd2"])),
+             ({"grammar": 'start: "ab" ("," "cd")*'}, Constraint.grammar('start: "ab" ("," "cd")*'))]
+    with serving(app) as url:
+        for structured, constraint in cases:
+            response = httpx.post(url + "/v1/completions", json={
+                "model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+                "structured_outputs": structured})
+            assert response.status_code == 200, (structured, response.text)
+            expected = plain.generate(PROMPT, SamplingParams(max_new_tokens=12,
+                                                             constraint=constraint))
+            assert response.json()["choices"][0]["text"] == expected.text, structured
