@@ -55,11 +55,12 @@ COMPILE_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off")
 """-O3 unrolls the tiles' loops over rows and columns, so that the accumulators live in
 registers (at -O2 a 16-row product ran 3x slower); the source's intrinsics fix every
 rounding, and ``-ffp-contract=off`` keeps the compiler from fusing anything else."""
-WEIGHT_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "BF16": 30}
+WEIGHT_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
+                "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
 """The GGUF weight types the kernels read in place, by name: ggml's type numbers."""
 
 
-INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 """The block types with an int8-activation product (``es_linear_q8``; the C source's header
 gives its arithmetic)."""
 
@@ -71,8 +72,9 @@ class Weight(ctypes.Structure):
 
 
 class QuantizedRows(ctypes.Structure):
-    """``es_q8_rows``: rows quantised per block of 32 (int8 values, scales, sums)."""
-    _fields_ = [(name, ctypes.c_void_p) for name in ("xq", "dx", "sx", "dxs")]
+    """``es_q8_rows``: rows quantised per block of 32 (int8 values, scales, sums, sums of
+    each block's first 16)."""
+    _fields_ = [(name, ctypes.c_void_p) for name in ("xq", "dx", "sx", "dxs", "sxa")]
 
 
 class Layer(ctypes.Structure):
@@ -270,7 +272,8 @@ class NativeKernels:
         if not x.is_contiguous() or k % 32:
             raise ValueError("x must be contiguous [rows, K] with K a multiple of 32")
         buffers = [np.empty(rows * k, np.int8), np.empty(rows * k // 32, np.float32),
-                   np.empty(rows * k // 32, np.int32), np.empty(rows * k // 32, np.float32)]
+                   np.empty(rows * k // 32, np.int32), np.empty(rows * k // 32, np.float32),
+                   np.empty(rows * k // 32, np.int32)]
         quantized = QuantizedRows(*(b.ctypes.data for b in buffers))
         self._lib.es_quantize_rows(x.data_ptr(), k, 0, rows, k, quantized,
                                    ISAS.index(self.isa))
