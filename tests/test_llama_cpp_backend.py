@@ -82,8 +82,8 @@ def test_choose_backend(monkeypatch, tmp_path):
     assert choose_backend(other, device="cpu") == "llama_cpp"
     k_quant = tmp_path / "k.gguf"  # an architecture it runs, a type it does not read yet
     writer = gguf_package.GGUFWriter(str(k_quant), "llama")
-    writer.add_tensor("blk.0.attn_q.weight", np.zeros((1, 144), dtype=np.uint8), raw_shape=(1, 144),
-                      raw_dtype=gguf_package.GGMLQuantizationType.Q4_K)
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((1, 84), dtype=np.uint8), raw_shape=(1, 84),
+                      raw_dtype=gguf_package.GGMLQuantizationType.Q2_K)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

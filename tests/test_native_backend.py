@@ -19,9 +19,6 @@ gguf = pytest.importorskip("gguf")
 KERNELS = native.load()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="the native kernels cannot be built")
 
-TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
-
-
 @pytest.fixture
 def isa_path(request):
     """Run the test body on one instruction-set path, restoring the best afterwards."""
@@ -30,13 +27,39 @@ def isa_path(request):
     KERNELS.isa = best
 
 
+BLOCKS = {"Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q5_0": (32, 22, (0,)),
+          "Q5_1": (32, 24, (0, 2)), "Q8_0": (32, 34, (0,)), "Q4_K": (256, 144, (0, 2)),
+          "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,))}
+"""Block types: weights per block, bytes per block, where its float16 scales sit."""
+NO_QUANTISER = ("Q4_K", "Q5_K", "Q6_K")
+"""Types gguf-py dequantises but cannot quantise: random blocks instead."""
+
+
+TYPES = ["F32", "F16", "BF16", *BLOCKS]
+
+
 def quantised(weight_type: str, rows: int = 52, cols: int = 96, seed: int = 0):
-    """A random ``[rows, cols]`` matrix in ``weight_type``'s blocks (gguf-py's quantiser) and
-    gguf-py's float32 dequantisation of it."""
-    values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    """A random ``[rows, cols]`` matrix in ``weight_type``'s blocks (gguf-py's quantiser, or
+    for the K types random bytes with scales drawn in [0.001, 0.05]) and gguf-py's float32
+    dequantisation of it."""
+    rng = np.random.default_rng(seed)
     qtype = gguf.GGMLQuantizationType[weight_type]
-    blocks = gguf.quants.quantize(values, qtype)
+    if weight_type in NO_QUANTISER:
+        size, nbytes, halves = BLOCKS[weight_type]
+        raw = rng.integers(0, 256, (rows, cols // size, nbytes), dtype=np.uint8)
+        for at in halves:
+            scales = rng.uniform(0.001, 0.05, (rows, cols // size)).astype(np.float16)
+            raw[:, :, at:at + 2] = scales.view(np.uint8).reshape(rows, cols // size, 2)
+        blocks = raw.reshape(rows, -1)
+    else:
+        values = rng.standard_normal((rows, cols)).astype(np.float32)
+        blocks = gguf.quants.quantize(values, qtype)
     return np.ascontiguousarray(blocks), gguf.quants.dequantize(blocks, qtype).astype(np.float32)
+
+
+def shape_for(weight_type: str) -> tuple[int, int]:
+    """52 columns (a partial group of 16) and K: 3 blocks, or 2 super-blocks of 256."""
+    return 52, 512 if BLOCKS[weight_type][0] == 256 else 96
 
 
 def available_isas() -> list[str]:
@@ -49,7 +72,8 @@ def test_block_products_equal_float32_products_of_the_reference_dequantisation(w
     """Dequantising is exact (or, for Q4_1, one rounding as gguf-py's): the product over the
     blocks is bit for bit the float32 kernel's over gguf-py's dequantised matrix, on every
     path, for 1..9 rows."""
-    blocks, reference = quantised(weight_type)
+    blocks, reference = quantised(weight_type, *(shape_for(weight_type) if weight_type in BLOCKS
+                                                 else (52, 96)))
     x = torch.randn(9, reference.shape[1])
     for isa in available_isas():
         KERNELS.isa = isa
@@ -92,22 +116,60 @@ def fma32(a, b, c):
     return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
 
 
+def unsigned_weights(blocks: np.ndarray, weight_type: str, n: int, k: int):
+    """The blocks decoded (ggml-common.h's bit layouts, in numpy): per output j and block b
+    of 32, the unsigned integers u [n, k / 32, 32] and what scales them: d, m (or dmin) and,
+    for the K types, the sub-block's scales (Q6_K: two per block of 32, one per 16) and
+    mins. w = (u - offset) d, u d + m, d sc u - dmin mn or d sc (u - 32) by type."""
+    size, nbytes, _ = BLOCKS[weight_type]
+    raw = blocks.reshape(n, k // size, nbytes).view(np.uint8)
+    half = lambda at: raw[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+    per_block = lambda a: np.repeat(a, size // 32, axis=1)  # one value a super-block
+    sc = mn = np.zeros((n, k // 32), np.int64)
+    if weight_type == "Q8_0":
+        u, d, m = raw[..., 2:].view(np.int8).astype(np.int64) + 128, half(0), 0 * half(0)
+    elif weight_type in ("Q4_0", "Q4_1"):
+        nib = raw[..., 4:] if weight_type == "Q4_1" else raw[..., 2:]
+        u = np.concatenate([nib & 15, nib >> 4], axis=-1).astype(np.int64)
+        d, m = half(0), half(2) if weight_type == "Q4_1" else 0 * half(0)
+    elif weight_type in ("Q5_0", "Q5_1"):
+        at = 4 if weight_type == "Q5_1" else 2
+        qh = raw[..., at:at + 4].copy().view(np.uint32)[..., 0].astype(np.int64)
+        nib = raw[..., at + 4:].astype(np.int64)
+        high = (qh[..., None] >> np.arange(32)) & 1
+        u = np.concatenate([nib & 15, nib >> 4], axis=-1) | high << 4
+        d, m = half(0), half(2) if weight_type == "Q5_1" else 0 * half(0)
+    elif weight_type in ("Q4_K", "Q5_K"):
+        q = raw[..., 4:16].astype(np.int64)
+        sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 15) | (q[..., 0:4] >> 6) << 4], -1)
+        mn = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | (q[..., 4:8] >> 6) << 4], -1)
+        qs = raw[..., 48:] if weight_type == "Q5_K" else raw[..., 16:]
+        chunks = qs.reshape(n, -1, 4, 32).astype(np.int64)  # 4 chunks of 64 weights
+        u = np.stack([chunks & 15, chunks >> 4], axis=3)  # [n, sb, chunk, low/high, 32]
+        if weight_type == "Q5_K":
+            qh = raw[..., 16:48].astype(np.int64)  # bit 2c (low) / 2c + 1 (high) of qh[l]
+            bits = (qh[:, :, None, None, :] >> (2 * np.arange(4)[:, None] + np.arange(2))[..., None]) & 1
+            u = u | bits << 4
+        sc, mn, d, m = sc.reshape(n, -1), mn.reshape(n, -1), per_block(half(0)), per_block(half(2))
+    else:  # Q6_K
+        ql = raw[..., :128].reshape(n, -1, 2, 2, 32).astype(np.int64)  # [.., half, l/l+32, 32]
+        qh = raw[..., 128:192].reshape(n, -1, 2, 1, 32).astype(np.int64)
+        low = np.concatenate([ql & 15, ql >> 4], axis=3)  # quarters of 32: a&15, b&15, a>>4, b>>4
+        high = (qh >> (2 * np.arange(4))[:, None]) & 3
+        u = low | high << 4
+        sc = raw[..., 192:208].view(np.int8).astype(np.int64).reshape(n, -1, 2)
+        d, m = per_block(half(208)), 0 * per_block(half(208))
+    return u.reshape(n, k // 32, 32), d, m, sc, mn
+
+
 def int8_reference(x: np.ndarray, blocks: np.ndarray, weight_type: str, n: int,
                    rounding=np.rint) -> np.ndarray:
     """The C header's int8 product, step by step in numpy (the quantised inputs, exact
     integer dot products per block, then each output's float32 sequence)."""
     rows, k = x.shape
     nb = k // 32
-    raw = blocks.reshape(n, nb, -1).view(np.uint8)
-    d = raw[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if weight_type == "Q8_0":
-        q = raw[:, :, 2:].view(np.int8).astype(np.int64)
-    else:
-        nib = raw[:, :, 4:] if weight_type == "Q4_1" else raw[:, :, 2:]
-        q = np.concatenate([nib & 15, nib >> 4], axis=-1).astype(np.int64)
-        if weight_type == "Q4_0":
-            q -= 8
-    m = raw[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    u, d, m, sc, mn = unsigned_weights(blocks, weight_type, n, k)
+    offset = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128}.get(weight_type, 0)
     out = np.zeros((rows, n), np.float32)
     for r in range(rows):
         xb = x[r].reshape(nb, 32)
@@ -115,29 +177,60 @@ def int8_reference(x: np.ndarray, blocks: np.ndarray, weight_type: str, n: int,
         dx = (amax / np.float32(127)).astype(np.float32)
         inv = np.where(dx != 0, np.float32(1) / np.where(dx != 0, dx, 1), 0).astype(np.float32)
         xq = rounding((xb * inv[:, None]).astype(np.float32)).astype(np.int64)
-        sx = xq.sum(axis=1)
+        sx, sxa = xq.sum(axis=1), xq[:, :16].sum(axis=1)
+        dxs = (dx * sx.astype(np.float32)).astype(np.float32)
         for j in range(n):
             acc = np.float32(0)
             for b in range(nb):
-                i = int((q[j, b] * xq[b]).sum())
-                acc = fma32(np.float32(i), np.float32(d[j, b] * dx[b]), acc)
-                if weight_type == "Q4_1":
-                    acc = fma32(m[j, b], np.float32(dx[b] * np.float32(sx[b])), acc)
+                products = u[j, b] * xq[b]
+                if weight_type == "Q6_K":
+                    i = (sc[j, b, 0] * (products[:16].sum() - 32 * sxa[b])
+                         + sc[j, b, 1] * (products[16:].sum() - 32 * (sx[b] - sxa[b])))
+                    acc = fma32(np.float32(i), np.float32(d[j, b] * dx[b]), acc)
+                elif weight_type in ("Q4_K", "Q5_K"):
+                    scale = np.float32(d[j, b] * np.float32(sc[j, b]))
+                    acc = fma32(np.float32(products.sum()), np.float32(scale * dx[b]), acc)
+                    acc = fma32(-np.float32(m[j, b] * np.float32(mn[j, b])), dxs[b], acc)
+                else:
+                    i = int(products.sum()) - offset * int(sx[b])
+                    acc = fma32(np.float32(i), np.float32(d[j, b] * dx[b]), acc)
+                    if weight_type in ("Q4_1", "Q5_1"):
+                        acc = fma32(m[j, b], dxs[b], acc)
             out[r, j] = acc
     return out
+
+
+def test_the_replays_decoding_is_gguf_pys():
+    """The replay's own decoding (above) gives gguf-py's dequantised weights, for every
+    block type, so the replay below checks the C code against an independent reading."""
+    for weight_type in BLOCKS:
+        n, k = shape_for(weight_type)
+        blocks, reference = quantised(weight_type, n, k)
+        u, d, m, sc, mn = unsigned_weights(blocks, weight_type, n, k)
+        u, d, m = u.astype(np.float64), d[..., None], m[..., None]
+        if weight_type == "Q6_K":
+            w = d * np.repeat(sc, 16, axis=-1) * (u - 32)
+        elif weight_type in ("Q4_K", "Q5_K"):
+            w = d * sc[..., None] * u - m * mn[..., None]
+        else:
+            w = (u - {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128}.get(weight_type, 0)) * d + m
+        # w is exact in float64; gguf-py rounds at most once to float32 (the subtraction or
+        # addition of m): within half an ulp, 2^-24 |w|
+        assert np.allclose(w.reshape(n, k), reference, rtol=2.0 ** -23, atol=0), weight_type
 
 
 @pytest.mark.parametrize("weight_type", native.INT8_TYPES)
 def test_int8_products_are_the_stated_arithmetic_with_the_same_bits_everywhere(weight_type,
                                                                             isa_path):
-    """The int8-activation product (the native forward's over Q4_0, Q4_1 and Q8_0) is the C
+    """The int8-activation product (the native forward's over every block type) is the C
     header's arithmetic bit for bit (a numpy replay), the same bits on every instruction-set
     path, for 1..16 rows alone or together, 1 or 2 threads, and 52 columns (a partial group
     of 16); a replay that rounds toward zero instead of to nearest even is caught."""
-    blocks, _ = quantised(weight_type, rows=52, cols=96)
+    n, k = shape_for(weight_type)
+    blocks, _ = quantised(weight_type, n, k)
     number = native.WEIGHT_TYPES[weight_type]
-    packed = KERNELS.repack(blocks, number, 52, 96)
-    x = torch.randn(16, 96)
+    packed = KERNELS.repack(blocks, number, n, k)
+    x = torch.randn(16, k)
     expected = int8_reference(x.numpy(), blocks, weight_type, 52)
     for isa in available_isas():
         KERNELS.isa = isa
@@ -352,11 +445,11 @@ def test_other_architectures_and_types_are_refused_by_name(tmp_path):
         GGUFModel(path)
 
 
-def test_a_q4_k_tensor_is_refused_naming_the_supported_types(tiny_gguf, tmp_path):
+def test_a_q2_k_tensor_is_refused_naming_the_supported_types(tiny_gguf, tmp_path):
     from exactspec.backends.native_backend import GGUFModel
 
     reader = gguf.GGUFReader(tiny_gguf)
-    path = tmp_path / "q4k.gguf"
+    path = tmp_path / "q2k.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
@@ -365,17 +458,18 @@ def test_a_q4_k_tensor_is_refused_naming_the_supported_types(tiny_gguf, tmp_path
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
     for tensor in reader.tensors:
         data = np.array(tensor.data)
-        if tensor.name == "blk.0.ffn_down.weight":  # 32 rows of one Q4_K block (144 bytes)
-            writer.add_tensor(tensor.name, np.zeros((32, 144), dtype=np.uint8),
-                              raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        if tensor.name == "blk.0.ffn_down.weight":  # 32 rows of one Q2_K block (84 bytes)
+            writer.add_tensor(tensor.name, np.zeros((32, 84), dtype=np.uint8),
+                              raw_dtype=gguf.GGMLQuantizationType.Q2_K)
             continue
         writer.add_tensor(tensor.name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedModelError, match="blk.0.ffn_down.weight is Q4_K; the native "
-                                                    "backend reads F32, F16, Q4_0, Q4_1, Q8_0, BF16"):
+    with pytest.raises(UnsupportedModelError, match="blk.0.ffn_down.weight is Q2_K; the native "
+                                                    "backend reads F32, F16, Q4_0, Q4_1, Q5_0, "
+                                                    "Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16"):
         GGUFModel(path)
 
 

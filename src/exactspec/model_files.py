@@ -216,20 +216,19 @@ def gguf_architecture_value(path: Path, key: str) -> int | None:
 
 def _gguf_header(path: Path) -> dict[str, object]:
     """The scalar fields (strings, numbers) of the GGUF file's header by name, and its tensor
-    types under :data:`TENSOR_TYPES`, read once per version of the file:
-    ``gguf.GGUFReader`` parses every field, the tokenizer's arrays too (seconds for the
-    embedded model), and a command asks for them several times."""
+    types under :data:`TENSOR_TYPES`, read once per version of the file (a command asks for
+    them several times)."""
     stat = Path(path).stat()
     return _read_gguf_header(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
 
 
 @functools.lru_cache(maxsize=8)
 def _read_gguf_header(path: str, mtime_ns: int, size: int) -> dict[str, object]:
-    import gguf
+    from exactspec.gguf_file import GGUFFile
 
-    reader = gguf.GGUFReader(path)
-    header = {name: field.contents() for name, field in reader.fields.items()
-              if field.types and field.types[0] != gguf.GGUFValueType.ARRAY}
+    reader = GGUFFile(path)
+    header = {name: value for name, value in reader.fields.items()
+              if not isinstance(value, list)}
     header[TENSOR_TYPES] = sorted({tensor.tensor_type.name for tensor in reader.tensors})
     return header
 

@@ -1,6 +1,6 @@
 """The native backend: Llama-family GGUF models on exactspec's own kernels.
 
-The GGUF file's tensors are memory-mapped (``gguf.GGUFReader``) and read in their own block
+The GGUF file's tensors are memory-mapped (:class:`~exactspec.gguf_file.GGUFFile`) and read in their own block
 formats (:data:`~exactspec.backends.native.WEIGHT_TYPES`: Q4_0, Q4_1, Q8_0, F16, BF16,
 F32), never copied to float32; one call of the compiled ``es_forward``
 (``native/decode_kernels.c``, whose header gives the arithmetic) runs a whole forward pass
@@ -34,6 +34,7 @@ from exactspec.backends.base import (PREFILL_CHUNK_SIZE, TargetTensors, Unsuppor
                                      check_retain, check_rows, check_sequence_invariance,
                                      check_tree)
 from exactspec.backends.transformers_backend import HFTokenizer
+from exactspec.gguf_file import GGUFFile
 from exactspec.model_files import check_gguf_file, gguf_tokenizer
 from exactspec.threads import ThreadChooser
 from exactspec.trees import TreePaths
@@ -83,12 +84,11 @@ class GGUFModel:
                              f"{', '.join(ACTIVATIONS)}")
         self.path, self.activations = Path(path), activations
         try:
-            reader = gguf.GGUFReader(self.path, "r")
+            reader = GGUFFile(self.path)
         except (ValueError, OSError) as error:
             raise ValueError(f"{self.path} is not a readable GGUF file: {error}") from error
         self._reader = reader  # keeps the memory map open
-        fields = {name: field for name, field in reader.fields.items()}
-        self.metadata = {name: field.contents() for name, field in fields.items()
+        self.metadata = {name: value for name, value in reader.fields.items()
                          if name not in _VOCABULARY_ARRAYS}
         arch = self.metadata.get("general.architecture")
         if arch not in ARCHITECTURES:

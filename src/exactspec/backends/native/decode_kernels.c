@@ -701,9 +701,10 @@ int64_t es_repacked_bytes(int type, int64_t N, int64_t K) {
 void es_repack(const uint8_t *w, int type, int64_t N, int64_t K, uint8_t *out) {
     const q8_layout L = q8_layout_of(type);
     const int64_t nsb = K / (32 * L.sub), row_bytes = es_row_bytes(type, K);
-    q8_block c;
+#pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < (N + 15) / 16; g++)
         for (int64_t B = 0; B < nsb; B++) {
+            q8_block c;
             uint8_t *o = out + (g * nsb + B) * L.bytes;
             __builtin_memset(o, 0, L.bytes);
             for (int64_t j = 0; j < 16 && g * 16 + j < N; j++) {
