@@ -1099,10 +1099,22 @@ q8_avx2_body(const int type, es_q8_rows q, int R, int64_t K, const uint8_t *wg,
 
 /* One tile function per type and path (the type a constant in each). */
 typedef void (*q8_tile_fn)(es_q8_rows, int, int64_t, const uint8_t *, int64_t, float *, int64_t);
+/* VNNI: R a constant too (a case per row count), so that the R accumulators stay in
+ * registers (32 of them: 8 for the weights, up to 16 for the rows); AVX2's 16 registers
+ * cannot hold them anyway, so R stays a variable there. */
+#define Q8_VNNI_ROWS(R) case R: q8_vnni_body(type, q, R, K, wg, columns, y, ldy); break;
 #define Q8_TILES(NAME, TYPE)                                                                 \
     __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) static void q8_vnni_##NAME(  \
         es_q8_rows q, int R, int64_t K, const uint8_t *wg, int64_t columns, float *y,        \
-        int64_t ldy) { q8_vnni_body(TYPE, q, R, K, wg, columns, y, ldy); }                   \
+        int64_t ldy) {                                                                       \
+        const int type = TYPE;                                                               \
+        switch (R) {                                                                         \
+            Q8_VNNI_ROWS(1) Q8_VNNI_ROWS(2) Q8_VNNI_ROWS(3) Q8_VNNI_ROWS(4) Q8_VNNI_ROWS(5)  \
+            Q8_VNNI_ROWS(6) Q8_VNNI_ROWS(7) Q8_VNNI_ROWS(8) Q8_VNNI_ROWS(9) Q8_VNNI_ROWS(10) \
+            Q8_VNNI_ROWS(11) Q8_VNNI_ROWS(12) Q8_VNNI_ROWS(13) Q8_VNNI_ROWS(14)              \
+            Q8_VNNI_ROWS(15) Q8_VNNI_ROWS(16)                                                \
+        }                                                                                    \
+    }                                                                                        \
     __attribute__((target("avx2,fma,f16c"))) static void q8_avx2_##NAME(                     \
         es_q8_rows q, int R, int64_t K, const uint8_t *wg, int64_t columns, float *y,        \
         int64_t ldy) { q8_avx2_body(TYPE, q, R, K, wg, columns, y, ldy); }
