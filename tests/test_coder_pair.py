@@ -60,7 +60,7 @@ def test_greedy_draft_model_speculation_is_plain_decoding(target):
 def teacher_forced(backend, ids):
     sequence = new_sequence_id()
     backend.prefill(sequence, ids[:1])
-    logits = torch.cat([backend.forward([(sequence, ids[at:at + 16])])
+    logits = torch.cat([backend.forward([(sequence, ids[at:at + 16])])[0]
                         for at in range(1, len(ids), 16)])
     backend.release(sequence)
     return logits.double()

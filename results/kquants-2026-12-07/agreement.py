@@ -40,7 +40,7 @@ def teacher_forced(backend, ids):
     seq = new_sequence_id()
     backend.prefill(seq, ids[:1])
     for at in range(1, len(ids), CHUNK):
-        yield backend.forward([(seq, ids[at:at + CHUNK])]).double()
+        yield backend.forward([(seq, ids[at:at + CHUNK])])[0].double()
     backend.release(seq)
 
 
@@ -62,7 +62,7 @@ def greedy(backend, ids):
     backend.prefill(seq, ids[:-1])
     token, logits_seen = ids[-1], []
     for _ in range(NEW_TOKENS):
-        logits = backend.forward([(seq, [token])])[0]
+        logits = backend.forward([(seq, [token])])[0][0]
         logits_seen.append(logits)
         token = int(logits.argmax())
         out.append(token)
