@@ -245,7 +245,8 @@ def test_model_folder_without_model_files_is_named(tmp_path, capsys, no_loading)
     assert " ".join(err.split()) == (
         f"error: --model: model folder '{tmp_path}' lacks config.json, weights (*.safetensors "
         "or *.bin) and a tokenizer (tokenizer.json, tokenizer.model or vocab.json): a model is "
-        "an embedded model name (smollm2-135m-instruct), a Hugging Face model folder "
+        "an embedded model name (smollm2-135m-instruct, qwen2.5-coder-1.5b-instruct, "
+        "qwen2.5-coder-0.5b-instruct), a Hugging Face model folder "
         "(config.json, *.safetensors or *.bin weights, tokenizer.json or tokenizer.model) or a "
         ".gguf file")
 
@@ -268,7 +269,8 @@ def test_missing_draft_model_is_named_before_loading_the_target(model_folder, tm
     assert code == 1
     assert " ".join(err.split()) == (
         f"error: --draft-model: model '{tmp_path / 'nope'}' is neither an embedded model "
-        "(smollm2-135m-instruct) nor an existing folder or .gguf file")
+        "(smollm2-135m-instruct, qwen2.5-coder-1.5b-instruct, "
+        "qwen2.5-coder-0.5b-instruct) nor an existing folder or .gguf file")
 
 
 def test_missing_draft_model_in_a_proposer_spec_is_named_before_loading(model_folder, tmp_path,
@@ -277,7 +279,8 @@ def test_missing_draft_model_in_a_proposer_spec_is_named_before_loading(model_fo
     assert code == 1
     assert " ".join(err.split()) == (
         f"error: --proposer draft:{tmp_path}/nope: model '{tmp_path}/nope' is neither an "
-        "embedded model (smollm2-135m-instruct) nor an existing folder or .gguf file")
+        "embedded model (smollm2-135m-instruct, qwen2.5-coder-1.5b-instruct, "
+        "qwen2.5-coder-0.5b-instruct) nor an existing folder or .gguf file")
     assert cli.main(["audit", "--model", str(model_folder), "--proposer",
                      f"draft:{tmp_path}/nope"]) == 1
     assert f"error: --proposer draft:{tmp_path}/nope: model" in capsys.readouterr().err
@@ -424,7 +427,8 @@ def test_bench_checks_method_models_before_loading(model_folder, tmp_path, capsy
     code, _, err = bench(capsys, tmp_path, model_folder, "--method", f"draft:{tmp_path}/nope")
     assert code == 1 and " ".join(err.split()) == (
         f"error: --method draft:{tmp_path}/nope: model '{tmp_path}/nope' is neither an embedded "
-        "model (smollm2-135m-instruct) nor an existing folder or .gguf file")
+        "model (smollm2-135m-instruct, qwen2.5-coder-1.5b-instruct, "
+        "qwen2.5-coder-0.5b-instruct) nor an existing folder or .gguf file")
     code, _, err = bench(capsys, tmp_path, model_folder, "--method", "early-exit:0")
     assert code == 1 and "error: method 'early-exit:0' is invalid: L = 0 must be ≥ 1" in err
     code, _, err = bench(capsys, tmp_path, model_folder, "--method",

@@ -14,7 +14,8 @@ from exactspec.model_files import ModelNotFoundError, check_model_path, layer_co
 
 from conftest import tiny_model
 
-FORMS = ("a model is an embedded model name (smollm2-135m-instruct), a Hugging Face model "
+FORMS = ("a model is an embedded model name (smollm2-135m-instruct, qwen2.5-coder-1.5b-instruct, "
+         "qwen2.5-coder-0.5b-instruct), a Hugging Face model "
          "folder (config.json, *.safetensors or *.bin weights, tokenizer.json or "
          "tokenizer.model) or a .gguf file")
 
@@ -57,16 +58,15 @@ def test_layer_count_from_config_and_gguf_metadata(tmp_path):
 
 
 def test_a_gguf_header_is_read_once_per_version_of_the_file(tmp_path, monkeypatch):
-    """The header is parsed once per file version: gguf's reader parses every field (the
+    """The header is parsed once per file version: the reader parses every field (the
     tokenizer's arrays too), and a command asks for the architecture several times."""
-    import gguf
-
+    from exactspec import gguf_file
     from exactspec.model_files import gguf_architecture, gguf_architecture_value
     from tiny_gguf import write_tiny_gguf
 
     path = write_tiny_gguf(tiny_model(0), tmp_path / "tiny.gguf")
-    reads, reader = [], gguf.GGUFReader
-    monkeypatch.setattr(gguf, "GGUFReader", lambda *args: reads.append(args) or reader(*args))
+    reads, reader = [], gguf_file.GGUFFile
+    monkeypatch.setattr(gguf_file, "GGUFFile", lambda *args: reads.append(args) or reader(*args))
     assert gguf_architecture(path) == gguf_architecture(tmp_path / "." / "tiny.gguf")
     assert gguf_architecture_value(path, "block_count") == 2
     assert gguf_architecture_value(path, "no_such_key") is None
