@@ -260,3 +260,44 @@ def test_the_native_kernels_build_wherever_a_c_compiler_is_found():
     if os.environ.get("EXACTSPEC_NATIVE_KERNELS", "1") == "0":
         pytest.skip("the native kernels are switched off (EXACTSPEC_NATIVE_KERNELS=0)")
     assert native.load() is not None
+
+
+def test_the_kernels_build_hashes_every_source_and_names_a_compile_error(tmp_path, monkeypatch):
+    """One library per version of all the files (the header too); a file that does not
+    compile is the compiler's error line, not a bare exit status."""
+    import shutil
+    import subprocess
+
+    from exactspec.backends import native
+
+    if not shutil.which("cc") and not shutil.which("gcc"):
+        pytest.skip("no C compiler on this machine")
+    monkeypatch.setenv("EXACTSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    header, source = tmp_path / "kernels.h", tmp_path / "one.c"
+    header.write_text("#define VALUE 1\n")
+    source.write_text('#include "kernels.h"\nint es_value(void) { return VALUE; }\n')
+    monkeypatch.setattr(native, "HEADER", header)
+    monkeypatch.setattr(native, "SOURCES", (source,))
+    first = native._compile()
+    assert native._compile() == first  # built once
+    header.write_text("#define VALUE 2\n")
+    second = native._compile()
+    assert second != first and first.exists() and second.exists()
+    source.write_text("int es_value(void) { return nothing; }\n")
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        native._compile()
+    assert "one.c" in native._last_line(failed.value)
+    assert "error" in native._last_line(failed.value)
+
+
+def test_scratch_memory_that_cannot_be_allocated_is_a_memory_error():
+    """The entry points with scratch memory return -1 when it cannot be had, before
+    touching any tensor (here: attention over 2^50 keys), and Python raises."""
+    from exactspec.backends import native
+
+    kernels = native.load()
+    if kernels is None:
+        pytest.skip("the native kernels cannot be built here")
+    with pytest.raises(MemoryError, match="es_attention: the kernels' scratch memory"):
+        kernels._lib.es_attention(None, 1, 2, 64, 128, 64, None, None, 1, 2 ** 50, 0, 64, 0,
+                                  64, 0.125, None, 128, 64, 1, 0, None, None)

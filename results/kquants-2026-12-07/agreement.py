@@ -3,7 +3,7 @@
    own source, and Spec-Bench questions as prose): top-1 agreement and mean total variation
    0.5 sum |p - q| (softmax of each backend's logits, float64);
 2. greedy 128-token answers to 20 prompts (10 code tasks, 10 Spec-Bench questions, chat
-   template), plain decoding on each backend: the fraction identical, and at each first
+   template), plain decoding on each backend until an end-of-sequence token: the fraction identical, and at each first
    divergence the two tokens' logit margin on each backend (a near-tie when both are small).
 Usage: python agreement.py MODEL QUESTIONS_JSONL   (prints JSON)"""
 import json, sys
@@ -48,7 +48,7 @@ report = {"model": name, "teacher_forced": {}, "greedy": []}
 for kind, text in texts.items():
     ids = native.tokenizer.encode(text)[:POSITIONS + 1]
     agree = tv = count = 0
-    for a, b in zip(teacher_forced(native, ids), teacher_forced(llama, ids)):
+    for a, b in zip(teacher_forced(native, ids), teacher_forced(llama, ids), strict=True):
         p, q = torch.softmax(a, -1), torch.softmax(b, -1)
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())
         tv += float(0.5 * (p - q).abs().sum(-1).sum())
@@ -66,6 +66,8 @@ def greedy(backend, ids):
         logits_seen.append(logits)
         token = int(logits.argmax())
         out.append(token)
+        if token in backend.eos_token_ids:
+            break
     backend.release(seq)
     return out, logits_seen
 

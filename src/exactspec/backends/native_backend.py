@@ -1,9 +1,9 @@
 """The native backend: Llama-family GGUF models on exactspec's own kernels.
 
 The GGUF file's tensors are memory-mapped (:class:`~exactspec.gguf_file.GGUFFile`) and read in their own block
-formats (:data:`~exactspec.backends.native.WEIGHT_TYPES`: Q4_0, Q4_1, Q8_0, F16, BF16,
-F32), never copied to float32; one call of the compiled ``es_forward``
-(``native/decode_kernels.c``, whose header gives the arithmetic) runs a whole forward pass
+formats (:data:`~exactspec.backends.native.WEIGHT_TYPES`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the
+K-quants Q4_K, Q5_K, Q6_K, F16, BF16, F32), never copied to float32; one call of the
+compiled ``es_forward`` (``native/forward.c``, whose header gives the arithmetic) runs a whole forward pass
 over any number of rows of any number of sequences, each with a static float32 KV cache
 that grows by doubling. Every output element of every product is reduced in one fixed
 order whatever the rows, so verification blocks, packed sequences, token trees and prefill

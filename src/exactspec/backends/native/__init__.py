@@ -1,21 +1,22 @@
 """exactspec's compiled batch-invariant decode kernels, built on first use.
 
-``decode_kernels.c`` (beside this file) holds a matrix product that reads the weights once
-for all rows and reduces every output element in one fixed order, whatever the number of
-rows, the other rows or the thread split (its header gives the order), the same product
-over GGUF weight blocks, attention, and the native backend's whole forward pass
-(``es_forward``, :mod:`exactspec.backends.native_backend`); this module compiles
-it once per source version with the machine's C compiler into exactspec's cache
-(``$EXACTSPEC_CACHE_DIR/kernels``, 2–3 seconds), loads it with ctypes and picks the
-instruction set at run time: AVX-512F, AVX2 + FMA, or portable C (``fmaf``; the same bits
-as AVX2). Each path is batch-invariant on its own; one process uses one path. The float32
-products sum in 16 lanes on AVX-512 (other bits than AVX2's); attention and the products
-with int8 activations (``es_linear_q8``, AVX-512 VNNI where the CPU has it) give the same
-bits on all three.
+The C sources beside this file (``kernels.h`` says which file holds what) give a matrix
+product that reads the weights once for all rows and reduces every output element in one
+fixed order, whatever the number of rows, the other rows or the thread split (each file's
+header gives the order), the same product over GGUF weight blocks and with int8
+activations, attention, and the native backend's whole forward pass (``es_forward``,
+:mod:`exactspec.backends.native_backend`); this module compiles them once per version of
+the sources with the machine's C compiler into exactspec's cache
+(``$EXACTSPEC_CACHE_DIR/kernels``; the files compile side by side, ≈ 5 seconds on 2 cores),
+loads the library with ctypes and picks the instruction set at run time: AVX-512F, AVX2 +
+FMA, or portable C (``fmaf``; the same bits as AVX2). Each path is batch-invariant on its
+own; one process uses one path. The float32 products sum in 16 lanes on AVX-512 (other bits
+than AVX2's); attention and the products with int8 activations (``es_linear_q8``, AVX-512
+VNNI where the CPU has it) give the same bits on all three.
 
 Why compiled on first use rather than at ``pip install``: the project installs as pure
 Python (``pip install -e .``, no build step to fail on a machine without a compiler), the
-source is one C file with no Python or PyTorch headers (compiles in 2–3 seconds, where a
+sources are plain C with no Python or PyTorch headers (seconds to compile, where a
 ``torch.utils.cpp_extension`` build takes a minute), and a machine without a compiler loses
 only speed: :func:`load` returns None and the backend keeps PyTorch's kernels, saying so
 once (docs/design.md, "Batch-invariant kernels that read the weights once").
@@ -44,14 +45,17 @@ from exactspec.trees import TreePaths
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_kernels.c")
+HEADER = Path(__file__).with_name("kernels.h")
+SOURCES = tuple(HEADER.with_name(name) for name in (
+    "blocks.c", "float_product.c", "int8_product.c", "attention.c", "forward.c"))
+"""The kernels' C files, one per concern (:data:`HEADER` says which holds what)."""
 ISAS = ("portable", "avx2", "avx512")
 """The instruction-set paths, by the number ``es_best_isa`` returns."""
 ISA_VARIABLE = "EXACTSPEC_ISA"
 """The environment variable that caps the path: one of :data:`ISAS`, at most what the CPU
 runs (the tests then also run that path and the ones below it only)."""
 
-COMPILE_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off")
+COMPILE_FLAGS = ("-O3", "-fPIC", "-fopenmp", "-ffp-contract=off")
 """-O3 unrolls the tiles' loops over rows and columns, so that the accumulators live in
 registers (at -O2 a 16-row product ran 3x slower); the source's intrinsics fix every
 rounding, and ``-ffp-contract=off`` keeps the compiler from fusing anything else."""
@@ -143,17 +147,20 @@ class NativeKernels:
         library.es_attention.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64,
                                          i64, i64, i64, ctypes.c_float, ptr, i64, i64,
                                          ctypes.c_int, ctypes.c_int, ptr, ptr]
-        library.es_attention.restype = None
+        library.es_attention.restype = ctypes.c_int
+        library.es_attention.errcheck = _scratch_allocated
         self._attention = library.es_attention
         library.es_linear_typed.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int, i64, ptr, i64,
                                             ctypes.c_int, ctypes.c_int]
-        library.es_linear_typed.restype = None
+        library.es_linear_typed.restype = ctypes.c_int
+        library.es_linear_typed.errcheck = _scratch_allocated
         library.es_row_bytes.argtypes = [ctypes.c_int, i64]
         library.es_row_bytes.restype = i64
         library.es_forward.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Segment), i64, ptr,
                                        ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int,
                                        ctypes.c_int]
-        library.es_forward.restype = None
+        library.es_forward.restype = ctypes.c_int
+        library.es_forward.errcheck = _scratch_allocated
         library.es_repacked_bytes.argtypes = [ctypes.c_int, i64, i64]
         library.es_repacked_bytes.restype = i64
         library.es_repack.argtypes = [ptr, ctypes.c_int, i64, i64, ptr]
@@ -166,7 +173,8 @@ class NativeKernels:
         library.es_linear_q8.restype = None
         library.es_head_step.argtypes = [ctypes.POINTER(Head), ptr, ptr, i64, i64, ptr, ptr, ptr,
                                          ptr, ptr, ctypes.c_int, ctypes.c_int]
-        library.es_head_step.restype = None
+        library.es_head_step.restype = ctypes.c_int
+        library.es_head_step.errcheck = _scratch_allocated
         self.head_step = library.es_head_step
         """``es_head_step`` (the C source's header gives its arguments and arithmetic)."""
         self.row_bytes = library.es_row_bytes
@@ -373,19 +381,30 @@ def _build_and_load() -> NativeKernels | None:
     except (OSError, subprocess.CalledProcessError, RuntimeError) as error:
         logger.warning("exactspec's native kernels could not be built or loaded (%s); "
                        "PyTorch's batch-invariant kernels are used instead (slower for "
-                       "several tokens)", str(error).strip().splitlines()[-1][:300])
+                       "several tokens)", _last_line(error))
         return None
 
 
+def _last_line(error: Exception) -> str:
+    """The line of a failed build that says why (the compiler's output where there is one)."""
+    text = getattr(error, "output", None) or getattr(error, "stderr", None) or str(error)
+    lines = [line for line in str(text).strip().splitlines() if line.strip()] or [repr(error)]
+    errors = [line for line in lines if "error" in line]
+    return (errors or lines)[-1][:300]
+
+
 def _compile() -> Path:
-    """The shared library for this source, compiled into the cache if absent."""
-    source = SOURCE.read_bytes()
+    """The shared library for these sources, compiled into the cache if absent: each file
+    to an object on its own (side by side), then linked."""
     gomp = _torch_libgomp()
     # link against PyTorch's own OpenMP runtime where it ships one, so both share a pool
     omp = [str(gomp), f"-Wl,-rpath,{gomp.parent}"] if gomp else []
-    flags = [*COMPILE_FLAGS, *omp, "-lm"]
-    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"decode_kernels-{digest}.so"
+    link_flags = ["-shared", "-fopenmp", *omp, "-lm"]
+    digest = hashlib.sha256()
+    for path in (HEADER, *SOURCES):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(" ".join([*COMPILE_FLAGS, *link_flags]).encode())
+    target = cache_root() / "kernels" / f"decode_kernels-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -393,11 +412,28 @@ def _compile() -> Path:
         raise RuntimeError("no C compiler found (cc, gcc, or $CC)")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        runs = [subprocess.Popen([compiler, "-c", "-o", str(obj), str(source), *COMPILE_FLAGS],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for source, obj in zip(SOURCES, objects)]
+        for run in runs:
+            output = run.communicate()[0]
+            if run.returncode:
+                raise subprocess.CalledProcessError(run.returncode, run.args, output)
         built = Path(tmp) / target.name
-        subprocess.run([compiler, "-o", str(built), str(SOURCE), *flags],
+        subprocess.run([compiler, "-o", str(built), *map(str, objects), *link_flags],
                        check=True, capture_output=True, text=True)
         os.replace(built, target)  # atomic: another process may be compiling too
     return target
+
+
+def _scratch_allocated(status: int, function, arguments) -> int:
+    """ctypes' check of an entry point that returns -1 when its scratch memory could not be
+    allocated (kernels.h)."""
+    if status != 0:
+        raise MemoryError(f"{function.__name__}: the kernels' scratch memory could not be "
+                          "allocated")
+    return status
 
 
 def _torch_libgomp() -> Path | None:
