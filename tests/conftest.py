@@ -334,3 +334,24 @@ def write_corpus_wheel(path, news, pages):
         archive.writestr(second, news[-1].encode("latin-1"))
         archive.writestr(CORPUS_FILES["wikipedia"][0], bz2.compress(dump))
     return path
+
+
+class RestrictedLogits:
+    """Any backend with :meth:`NativeBackend.restrict_logits`'s contract (logits of some
+    tokens' columns only), for the draft-vocabulary tests on transformers models: the
+    columns are sliced out of the whole vocabulary's logits."""
+
+    def __init__(self, backend) -> None:
+        self._backend, self.token_ids = backend, None
+        self.vocab_size = backend.vocab_size
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def restrict_logits(self, token_ids) -> None:
+        self.token_ids = torch.tensor(list(token_ids))
+        self.vocab_size = len(self.token_ids)
+
+    def forward(self, rows, num_logits=None):
+        return [logits if self.token_ids is None else logits[:, self.token_ids]
+                for logits in self._backend.forward(rows, num_logits)]

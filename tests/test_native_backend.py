@@ -341,6 +341,33 @@ def test_converted_weights_run_batch_invariant_and_close_to_float32(tiny_gguf, w
     assert torch.allclose(got, expected, atol=0.1 * float(expected.abs().max()))
 
 
+@pytest.mark.parametrize("weight_type", [None, "Q8_0", "F16"])
+def test_restricted_logits_are_those_columns_of_the_whole_vocabulary_bit_for_bit(
+        tiny_gguf, weight_type, tmp_path, monkeypatch, isa_path):
+    """A draft vocabulary's logits are its tokens' columns of the whole vocabulary's, bit for
+    bit, for one row and a block, on every path and over the float32 and int8 products."""
+    from exactspec.model_files import converted_gguf
+
+    monkeypatch.setenv("EXACTSPEC_CACHE_DIR", str(tmp_path))
+    path = tiny_gguf if weight_type is None else converted_gguf(tiny_gguf, weight_type)
+    ids = [0, 2, 3, 17, 40, 63]
+    for isa in available_isas():
+        KERNELS.isa = isa
+        whole, restricted = native_backend(path), native_backend(path)
+        restricted.restrict_logits(ids)
+        assert restricted.vocab_size == len(ids) and whole.vocab_size == 64
+        for backend in (whole, restricted):
+            backend.prefill(1, [1, 2, 3])
+        for block in ([4], [5, 6, 7]):
+            expected = forward_one(whole, 1, block)[:, ids]
+            got = forward_one(restricted, 1, block)
+            assert got.shape == (len(block), len(ids)) and torch.equal(got, expected), isa
+        forward_one(restricted, 1, [63])  # the tokens in still range over the whole vocabulary
+    for bad in ([], [1, 1], [64], [-1]):
+        with pytest.raises(ValueError, match="distinct token ids in \\[0, 64\\)"):
+            native_backend(tiny_gguf).restrict_logits(bad)
+
+
 def test_trees_score_each_node_as_its_path(tiny_gguf):
     backend = native_backend(tiny_gguf)
     backend.prefill(1, [1, 2])

@@ -24,6 +24,10 @@ from conftest import tiny_backend
     ("draft:some/model", ProposerSpec("draft:some/model", "draft", model="some/model")),
     ("draft:C:/models/x.gguf", ProposerSpec("draft:C:/models/x.gguf", "draft",
                                            model="C:/models/x.gguf")),
+    ("draft:m.gguf:vocab=4096", ProposerSpec("draft:m.gguf:vocab=4096", "draft",
+                                             model="m.gguf", vocab=4096)),
+    ("draft:m.gguf:vocab=all", ProposerSpec("draft:m.gguf:vocab=all", "draft", model="m.gguf",
+                                            vocab="all")),
     ("head:h.safetensors:tree=6:weights=q4_0", ProposerSpec(
         "head:h.safetensors:tree=6:weights=q4_0", "head", head="h.safetensors", tree=6,
         weights="q4_0")),
@@ -42,7 +46,7 @@ def test_former_kind_names_are_refused_naming_the_one_name(spec, name):
 
 @pytest.mark.parametrize("spec, reason", [
     ("magic", "use one of plain, forced, prompt-lookup[:ngram=MIN-MAX], "
-              "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL"),
+              "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL[:vocab=N]"),
     ("prompt-lookup:corpus=100", "use one of"),  # the corpus is suffix drafting's
     ("suffix:corpus=0", "corpus = 0 must be ≥ 1"),
     ("suffix:corpus=many", "corpus = 'many' is not an integer"),
@@ -59,6 +63,9 @@ def test_former_kind_names_are_refused_naming_the_one_name(spec, name):
     ("prompt-lookup:ngram=x", "ngram 'x' is invalid: give MIN-MAX n-gram sizes, e.g. 1-3"),
     ("head:weights=q2", "weights = 'q2' must be one of q8_0, q4_0, bf16"),
     ("suffix:weights=q4_0", "use one of"),  # weights belong to a head
+    ("draft:m:vocab=1", "vocab = '1' must be a number of tokens ≥ 2 or 'all'"),
+    ("draft:m:vocab=some", "vocab = 'some' must be a number of tokens ≥ 2 or 'all'"),
+    ("head:vocab=100", "use one of"),  # a draft vocabulary is a draft model's
 ])
 def test_bad_proposer_specs_are_named_with_the_allowed_forms(spec, reason):
     with pytest.raises(ValueError) as error:

@@ -246,3 +246,56 @@ def test_suffix_then_a_draft_model_keeps_the_greedy_output():
         result = speculative.generate(prompt, params)
         assert result.token_ids == plain.generate(prompt, params).token_ids
         assert result.stats.accepted_tokens > 0
+
+
+def test_a_draft_vocabulary_drafts_only_its_tokens_with_q_normalised_over_them():
+    """The draft scores its vocabulary's columns only: every drafted token is in it, q is
+    zero outside it and sums to 1 over it; greedy drafting (the argmax from the draft's
+    own logits) keeps the greedy output."""
+    from conftest import RestrictedLogits
+
+    target = tiny_backend(0)
+    vocabulary = [*range(0, target.vocab_size, 2), *target.eos_token_ids]
+    proposer = DraftModelProposer(RestrictedLogits(tiny_backend(3)), target,
+                                  draft_vocabulary=vocabulary)
+    assert proposer.draft_token_ids.tolist() == sorted(set(vocabulary))
+    params = SamplingParams(temperature=1.0, seed=0)
+    pipeline = LogitsPipeline(params, [1, 2, 3], target.vocab_size)
+    drafted = []
+    for seed in range(20):
+        proposal = proposer.propose([1, 2, 3, seed % 7], 4, pipeline, make_rng(seed))
+        outside = [i for i in range(target.vocab_size) if i not in set(vocabulary)]
+        assert proposal.probs.shape == (4, target.vocab_size)
+        assert torch.all(proposal.probs[:, outside] == 0)
+        assert torch.allclose(proposal.probs.sum(-1), torch.ones(4))
+        drafted += proposal.token_ids
+    assert set(drafted) <= set(vocabulary) and len(set(drafted)) > 5
+    speculative = SpeculativeGenerator(target, DraftModelProposer(
+        RestrictedLogits(tiny_backend(model=target.model)), target, draft_vocabulary=vocabulary),
+        3, "constant")
+    plain = SpeculativeGenerator(target, None, 0)
+    greedy = SamplingParams(max_new_tokens=30)
+    result = speculative.generate([1, 2, 3, 4, 5], greedy)
+    assert result.token_ids == plain.generate([1, 2, 3, 4, 5], greedy).token_ids
+    assert 0 < result.stats.accepted_tokens < result.stats.drafted_tokens  # odd ids: recovered
+
+
+def test_a_draft_vocabulary_that_cannot_be_had_is_refused():
+    """A draft vocabulary needs a backend that restricts its logits, and a size N a table
+    for the tokenizer; the default is then the whole vocabulary, silently."""
+    from conftest import RestrictedLogits
+
+    from exactspec.backends.base import UnsupportedModelError
+
+    target = tiny_backend(0)
+    assert DraftModelProposer(tiny_backend(1), target).draft_token_ids is None
+    assert DraftModelProposer(RestrictedLogits(tiny_backend(1)), target).draft_token_ids is None
+    assert DraftModelProposer(tiny_backend(1), target, "all").draft_token_ids is None
+    with pytest.raises(UnsupportedModelError, match="needs the native backend"):
+        DraftModelProposer(tiny_backend(1), target, draft_vocabulary=[0, 1, 2])
+    with pytest.raises(UnsupportedModelError, match="needs a token-frequency table"):
+        DraftModelProposer(RestrictedLogits(tiny_backend(1)), target, draft_vocabulary=16)
+    with pytest.raises(ValueError, match="a draft vocabulary holds token ids in \\[0, 64\\)"):
+        DraftModelProposer(RestrictedLogits(tiny_backend(1)), target, draft_vocabulary=[64])
+    with pytest.raises(ValueError, match="vocab = 'some' is invalid"):
+        DraftModelProposer(RestrictedLogits(tiny_backend(1)), target, draft_vocabulary="some")

@@ -150,6 +150,28 @@ class GGUFModel:
         self._keep.append(layers)
         self.n_ff = n_ff
         self._output_tensors = (embeddings, self._tensor(tensors, "output_norm.weight"), output)
+        self.output_token_ids: np.ndarray | None = None
+
+    def restrict_output(self, token_ids: Sequence[int]) -> None:
+        """Score only the LM head's rows of ``token_ids`` from now on (a draft vocabulary,
+        FR-Spec: Zhao et al. 2025, arXiv 2502.14856): the forward's logits are then
+        ``[rows, len(token_ids)]``, column i token ``token_ids[i]``'s logit, computed exactly
+        as over the whole vocabulary (the same bytes of those rows, copied once and repacked;
+        each column's arithmetic does not depend on the others).
+
+        Raises:
+            ValueError: for an empty, repeated or out-of-range id list.
+        """
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if (ids.ndim != 1 or not ids.size or len(np.unique(ids)) != ids.size
+                or ids.min() < 0 or ids.max() >= self.n_vocab):
+            raise ValueError(f"a restricted output takes distinct token ids in [0, "
+                             f"{self.n_vocab}); got {ids.size} ids")
+        output = self._output_tensors[2]
+        rows = np.ascontiguousarray(output.data.reshape(self.n_vocab, -1)[ids])
+        self.c_model.output = self._matrix(output, len(ids), self.n_embd, data=rows)
+        self.c_model.n_vocab = len(ids)
+        self.output_token_ids = ids
 
     @functools.cached_property
     def target_tensors(self) -> TargetTensors:
@@ -185,10 +207,15 @@ class GGUFModel:
         self._keep.append(data)
         return data.ctypes.data
 
-    def _matrix(self, tensor, rows: int, cols: int, product: bool = True) -> native.Weight:
-        """The ``es_weight`` of a ``[rows, cols]`` matrix tensor, read in place, and for a
-        ``product`` with int8 activations its repacked copy (the same bytes reordered)."""
-        self._count(tensor)
+    def _matrix(self, tensor, rows: int, cols: int, product: bool = True,
+                data: np.ndarray | None = None) -> native.Weight:
+        """The ``es_weight`` of a ``[rows, cols]`` matrix tensor, read in place (or ``data``:
+        some of its rows, :meth:`restrict_output`), and for a ``product`` with int8
+        activations its repacked copy (the same bytes reordered)."""
+        whole = data is None
+        if whole:
+            self._count(tensor)
+            data = tensor.data
         type_name = tensor.tensor_type.name
         type_number = native.WEIGHT_TYPES.get(type_name)
         shape = [int(n) for n in tensor.shape]  # GGUF order: [cols, rows]
@@ -198,17 +225,18 @@ class GGUFModel:
                 f"tensor {tensor.name} is {type_name}; the native backend reads "
                 f"{', '.join(native.WEIGHT_TYPES)} (with rows a multiple of 32 weights for "
                 "the block types): use --backend llama_cpp, or convert the file")
-        if shape != [cols, rows] or tensor.data.nbytes != rows * kernels.row_bytes(type_number, cols):
+        if ((whole and shape != [cols, rows]) or shape[0] != cols
+                or data.nbytes != rows * kernels.row_bytes(type_number, cols)):
             raise UnsupportedModelError(f"tensor {tensor.name} has shape {shape}; the native "
                                         f"backend expects [{cols}, {rows}]")
-        if not tensor.data.flags.c_contiguous:
+        if not data.flags.c_contiguous:
             raise UnsupportedModelError(f"tensor {tensor.name} is not stored contiguously")
-        self._keep.append(tensor.data)
+        self._keep.append(data)
         packed = None
         if product and self.activations == "int8" and type_name in native.INT8_TYPES:
-            packed = kernels.repack(tensor.data, type_number, rows, cols)
+            packed = kernels.repack(data, type_number, rows, cols)
             self._keep.append(packed)
-        return native.Weight(data=tensor.data.ctypes.data, type=type_number,
+        return native.Weight(data=data.ctypes.data, type=type_number,
                              packed=None if packed is None else packed.ctypes.data)
 
 
@@ -331,6 +359,19 @@ class NativeBackend:
         model = GGUFModel(path, activations)
         return cls(model, HFTokenizer(gguf_tokenizer(path)), threads=threads,
                    max_context_length=max_model_len)
+
+    def restrict_logits(self, token_ids: Sequence[int]) -> None:
+        """Logits of ``token_ids`` only from now on (a draft model's draft vocabulary,
+        :mod:`exactspec.proposers.draft_vocabulary`): :meth:`forward`'s logits are then
+        ``[rows, len(token_ids)]``, column i token ``token_ids[i]``'s (bit for bit its
+        logit over the whole vocabulary, :meth:`GGUFModel.restrict_output`), and
+        :attr:`vocab_size` their width; token ids in still range over the whole vocabulary.
+
+        Raises:
+            ValueError: for an empty, repeated or out-of-range id list.
+        """
+        self.model.restrict_output(token_ids)
+        self.vocab_size = len(token_ids)
 
     def reserve(self, num_sequences: int) -> None:
         check_reserve(self, num_sequences)
@@ -468,13 +509,13 @@ class NativeBackend:
                 keep.append(tree)
                 segment.tree_rows, segment.tree_offsets = (tree.rows.data_ptr(),
                                                            tree.offsets.data_ptr())
-        if tokens and not 0 <= min(tokens) <= max(tokens) < self.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {self.vocab_size}); got "
+        if tokens and not 0 <= min(tokens) <= max(tokens) < self.model.n_vocab:
+            raise ValueError(f"token ids must lie in [0, {self.model.n_vocab}); got "
                              f"{min(tokens)} .. {max(tokens)}")
         vocab_ids = torch.tensor(tokens, dtype=torch.int64)
         position_ids = torch.tensor(positions, dtype=torch.int64)
         logit_ids = torch.tensor(logit_rows, dtype=torch.int64)
-        logits = torch.empty(len(logit_rows), self.vocab_size)
+        logits = torch.empty(len(logit_rows), self.model.c_model.n_vocab)
         features = torch.empty(len(tokens), features_width)
         threads = self.threads.choose(len(tokens))
         start = time.perf_counter()

@@ -47,7 +47,8 @@ def build_proposer(proposer_spec: ProposerSpec, target: Backend,
     if proposer_spec.kind == "early-exit":
         return EarlyExitProposer(target, proposer_spec.layers)
     if proposer_spec.kind == "draft":
-        return DraftModelProposer(load_model(proposer_spec.model), target)
+        return DraftModelProposer(load_model(proposer_spec.model), target,
+                                  draft_vocabulary=proposer_spec.vocab)
     if proposer_spec.kind == "head":
         return HeadProposer(target, proposer_spec.head, tree_nodes=proposer_spec.tree,
                             weights=proposer_spec.weights or "q4_0")

@@ -7,6 +7,13 @@ min(1, p/q) and the residual. With temperature 0 the draft is greedy and q is a 
 Vocabularies: a draft whose logits are wider or narrower than the target's (padding rows
 of the LM head differ) is mapped onto the target's vocabulary; ids beyond the shared
 tokenizer's size are padding and never drafted. Genuinely different tokenizers are refused.
+On the native backend the draft scores only a draft vocabulary by default (the tokens its
+target writes most, :mod:`exactspec.proposers.draft_vocabulary`; exact, q is zero outside
+it), where a table for the tokenizer is shipped.
+
+Greedy drafting under a request that changes no logit (no penalty, bias, ban or
+constraint) takes the draft's argmax straight from its logits: no full-vocabulary tensor
+is built per drafted token.
 
 The draft keeps its own KV cache; before each proposal it is rolled back to the longest
 common prefix with the engine's context, so rejected drafts never leak into the next cycle.
@@ -19,11 +26,17 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+import numpy as np
 import torch
 
 from exactspec.backends.base import Backend, UnsupportedModelError, forward_one, new_sequence_id
 from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer, draw_draft_token
+from exactspec.proposers.draft_vocabulary import draft_vocabulary
 from exactspec.logits_pipeline import LogitsPipeline, check_finite
+
+DEFAULT_DRAFT_VOCAB_SIZE = 32768
+"""The draft vocabulary's size where the draft runs on the native backend and a table fits
+the tokenizer (chosen by measurement: docs/design.md, "Draft vocabularies")."""
 
 
 class DraftModelProposer(Proposer):
@@ -32,17 +45,29 @@ class DraftModelProposer(Proposer):
     Args:
         draft: the draft model's backend.
         target: the target's backend (for its vocabulary and tokenizer).
+        draft_vocabulary: the tokens the draft scores and may draft: None,
+            :data:`DEFAULT_DRAFT_VOCAB_SIZE` of them where the draft can restrict its logits
+            (native backend) and a table fits the tokenizer, else all; ``"all"``: the whole
+            vocabulary; N: the N its target writes most (the shipped table); or the token
+            ids themselves.
+    Attributes:
+        draft_token_ids: ``[Vd]`` the target's token id of each column of the draft's
+            logits (ascending), or None: column i is token i.
     Raises:
-        ValueError: if ``draft`` is ``target`` (they would share one KV cache).
+        ValueError: if ``draft`` is ``target`` (they would share one KV cache), or for a bad
+            ``draft_vocabulary``.
         UnsupportedModelError: if the two tokenizers differ (a cross-tokenizer translator
-            is not implemented yet).
+            is not implemented yet), or a draft vocabulary is asked for where the draft's
+            backend cannot restrict its logits, or a size N where no table fits the
+            tokenizer.
     """
 
     supports_min_confidence = True
     """Drafting stops once the draft's top probability falls below ``min_confidence``: a
     draft-side rule, so exactness is unaffected."""
 
-    def __init__(self, draft: Backend, target: Backend) -> None:
+    def __init__(self, draft: Backend, target: Backend,
+                 draft_vocabulary: int | str | Sequence[int] | None = None) -> None:
         if draft is target:
             raise ValueError("the draft must be a separate backend with its own KV cache; to "
                              "draft with the target's own weights, wrap its model in a second "
@@ -60,8 +85,41 @@ class DraftModelProposer(Proposer):
             raise UnsupportedModelError(
                 f"the tokenizer has {self.num_real_tokens} tokens but the draft's logits have "
                 f"{draft.vocab_size} and the target's {target.vocab_size}")
+        self.draft_token_ids = self._restrict(draft, target, draft_vocabulary)
         self.sequence_id = new_sequence_id()  # the draft's sequence this proposer uses
         self._cached: list[int] = []  # the tokens in its KV cache
+
+    def _restrict(self, draft: Backend, target: Backend,
+                  vocabulary: int | str | Sequence[int] | None) -> torch.Tensor | None:
+        """The draft vocabulary (see the class docstring), set on the draft's backend."""
+        size = vocabulary if isinstance(vocabulary, int) and not isinstance(vocabulary, bool) else None
+        if vocabulary == "all" or (size is not None and size >= self.num_real_tokens):
+            return None
+        restrict = getattr(draft, "restrict_logits", None)
+        if vocabulary is None or size is not None:
+            ids = draft_vocabulary(target.tokenizer, size or DEFAULT_DRAFT_VOCAB_SIZE,
+                                   target.eos_token_ids) if restrict else None
+            if ids is None and vocabulary is None:
+                return None
+            if ids is None and restrict is not None:
+                raise UnsupportedModelError(
+                    f"vocab = {size} needs a token-frequency table for this tokenizer; "
+                    "exactspec ships one for Qwen2.5's (scripts/draft_vocabulary.py makes one), "
+                    "or leave vocab out")
+        elif isinstance(vocabulary, str):
+            raise ValueError(f"vocab = {vocabulary!r} is invalid: give a number of tokens, "
+                             "'all' or the token ids")
+        else:
+            ids = np.array(sorted(set(int(t) for t in vocabulary)), dtype=np.int64)
+            if not ids.size or ids[0] < 0 or ids[-1] >= self.num_real_tokens:
+                raise ValueError(f"a draft vocabulary holds token ids in [0, "
+                                 f"{self.num_real_tokens}); got {len(ids)} ids")
+        if restrict is None:
+            raise UnsupportedModelError(
+                "a draft vocabulary needs the native backend for the draft model (its logits "
+                "restricted to the vocabulary's rows); or leave vocab out")
+        restrict(ids.tolist())
+        return torch.from_numpy(ids)
 
     def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
                 rng: torch.Generator, min_confidence: float = 0.0) -> Proposal:
@@ -72,11 +130,19 @@ class DraftModelProposer(Proposer):
         pending = self._sync_cache(token_ids)
         drafted: list[int] = []
         probs: list[torch.Tensor] = []
+        argmax = pipeline.params.greedy and pipeline.is_identity and not min_confidence
         for _ in range(k):
-            logits = self._to_target_vocab(forward_one(self.draft, self.sequence_id, pending,
-                                                       num_logits=1))  # [1, V]
+            logits = forward_one(self.draft, self.sequence_id, pending, num_logits=1)  # [1, Vd]
             self._cached.extend(pending)
-            draw = draw_draft_token(logits, [*token_ids, *drafted], pipeline, rng, min_confidence)
+            if argmax:  # the draw's greedy choice, without the full-vocabulary tensor
+                check_finite(logits)
+                column = int(logits[0, :self.num_real_tokens].argmax())
+                token = column if self.draft_token_ids is None else int(self.draft_token_ids[column])
+                drafted.append(token)
+                pending = [token]
+                continue
+            draw = draw_draft_token(self._to_target_vocab(logits), [*token_ids, *drafted],
+                                    pipeline, rng, min_confidence)
             if draw is None:
                 break
             drafted.append(draw.token)
@@ -112,9 +178,12 @@ class DraftModelProposer(Proposer):
         return list(token_ids[common:])
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[n, draft_vocab]`` → ``[n, target_vocab]``; padding ids get -inf so they are
-        never drafted."""
+        """``[n, Vd]`` → ``[n, target_vocab]``; padding ids and tokens outside the draft
+        vocabulary get -inf so they are never drafted."""
         check_finite(logits)
         mapped = logits.new_full((logits.shape[0], self.target_vocab_size), float("-inf"))
-        mapped[:, : self.num_real_tokens] = logits[:, : self.num_real_tokens]
+        if self.draft_token_ids is None:
+            mapped[:, : self.num_real_tokens] = logits[:, : self.num_real_tokens]
+        else:
+            mapped[:, self.draft_token_ids] = logits
         return mapped

@@ -24,8 +24,11 @@ A spec is ``[PEER-]KIND[:ARG][:key=value...]``::
                                  a chain, its depth at most k (one sequence at a time);
                                  weights=W how the native kernels hold its weights (q4_0,
                                  the default, q8_0 or bf16; see exactspec.draft_head.kernels)
-    draft:MODEL                  a smaller model on the same tokenizer (embedded name, model
-                                 folder or .gguf)
+    draft:MODEL[:vocab=N]        a smaller model on the same tokenizer (embedded name, model
+                                 folder or .gguf); vocab=N scores and drafts only the N
+                                 tokens its target writes most (a draft vocabulary, FR-Spec;
+                                 native backend; default 32768 where a table fits the
+                                 tokenizer, vocab=all for the whole)
     MATCHER+MODEL                a matcher (prompt-lookup or suffix, each with its options)
                                  drafts when it has a match, the model proposer (head,
                                  draft or early-exit) in the cycles it has none, e.g.
@@ -70,7 +73,7 @@ RENAMED = {"none": "plain", "assistant": "draft"}
 ARGUMENT = {"early-exit": "L", "draft": "MODEL"}
 """Kinds that take a positional argument, and its name."""
 FORMS = ("plain, forced, prompt-lookup[:ngram=MIN-MAX], "
-         "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL, "
+         "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL[:vocab=N], "
          "head[:PATH][:tree=N][:weights=W], MATCHER+MODEL (e.g. suffix+head)")
 """The allowed forms, for messages."""
 BACKENDS_NEEDED = {"early-exit": (("transformers",), "drafts with the target's own layers"),
@@ -101,6 +104,8 @@ class ProposerSpec:
         head: a draft head file (``head:PATH``), None for the shipped head or other kinds.
         tree: head only: ``tree=`` (most nodes of a drafted token tree), None: a chain.
         weights: head only: ``weights=`` (:data:`HEAD_WEIGHTS`), None: the default.
+        vocab: draft only: ``vocab=`` (a draft vocabulary's size, or ``"all"``), None: the
+            default (:data:`~exactspec.proposers.draft_model.DEFAULT_DRAFT_VOCAB_SIZE`).
         k: ``k=`` if given, else None (the command's default).
         policy: ``policy=`` if given, else None (the command's default).
         peer: the peer prefix (``hf``, ``llama``), None for exactspec itself.
@@ -118,6 +123,7 @@ class ProposerSpec:
     head: str | None = None
     tree: int | None = None
     weights: str | None = None
+    vocab: int | str | None = None
     k: int | None = None
     policy: str | None = None
     peer: str | None = None
@@ -144,7 +150,8 @@ class ProposerSpec:
                 "suffix": "suffix {0}:{1}".format(*self.ngram) + (
                     f" with a corpus of {self.corpus} tokens" if self.corpus else ""),
                 "early-exit": f"early-exit self-draft, {self.layers} layers",
-                "draft": f"draft model {self.model}",
+                "draft": f"draft model {self.model}" + (
+                    f", draft vocabulary {self.vocab}" if self.vocab else ""),
                 "head": f"draft head {self.head or '(shipped)'}" + (
                     f", trees of {self.tree} nodes" if self.tree else "")}[self.kind]
 
@@ -187,13 +194,14 @@ def parse_proposer(spec: str, *, what: str = "proposer", options: Collection[str
                          f"name per kind: {FORMS})")
     keys = dict(part.split("=", 1) for part in parts if "=" in part)
     positional = [part for part in parts if "=" not in part]
-    allowed_keys = {"ngram", "corpus", "tree", "weights", *options}
+    allowed_keys = {"ngram", "corpus", "tree", "weights", "vocab", *options}
     if (kind not in KINDS or (len(positional) != (kind in ARGUMENT)
                               and kind not in ("draft", "head"))
             or (kind == "draft" and not any(positional)) or set(keys) - allowed_keys
             or ("ngram" in keys and kind not in NGRAM_DEFAULTS)
             or ("corpus" in keys and kind != "suffix")
-            or (("tree" in keys or "weights" in keys) and kind != "head")):
+            or (("tree" in keys or "weights" in keys) and kind != "head")
+            or ("vocab" in keys and kind != "draft")):
         extras = [f":{key}={OPTION_VALUES[key]}" for key in options] + (
             [f"a peer prefix {' or '.join(f'{p}-' for p in peers)}"] if peers else [])
         raise ValueError(f"{prefix}: use one of {FORMS}" + (
@@ -226,11 +234,17 @@ def parse_proposer(spec: str, *, what: str = "proposer", options: Collection[str
                          f"{', '.join(HEAD_WEIGHTS)}")
     if layers is not None and layers < 1:
         raise ValueError(f"{prefix}: L = {layers} must be ≥ 1")
+    vocab = keys.get("vocab")
+    if vocab is not None and vocab != "all":
+        if not vocab.isdigit() or int(vocab) < 2:
+            raise ValueError(f"{prefix}: vocab = {vocab!r} must be a number of tokens ≥ 2 or "
+                             "'all'")
+        vocab = int(vocab)
     policy = keys.get("policy")  # checked by the caller that takes it (bench methods)
     model = ":".join(positional) if kind == "draft" else None  # a path may hold colons
     head = ":".join(positional) or None if kind == "head" else None
-    return ProposerSpec(spec, kind, ngram, layers, model, corpus, head, tree, weights, k, policy,
-                        peer)
+    return ProposerSpec(spec, kind, ngram, layers, model, corpus, head, tree, weights, vocab, k,
+                        policy, peer)
 
 
 def _split_combination(spec: str) -> tuple[str, str] | None:
