@@ -315,6 +315,7 @@ class NativeBackend:
         self._kernels = _kernels()
         self.model, self.tokenizer = model, tokenizer
         self.vocab_size = model.n_vocab
+        self.whole_vocab_size = model.n_vocab  # vocab_size before restrict_logits
         if max_context_length is not None and not 1 <= max_context_length <= model.context_length:
             raise ValueError(f"max_model_len = {max_context_length} is invalid: the model's "
                              f"context holds {model.context_length} tokens")

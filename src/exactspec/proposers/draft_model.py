@@ -81,7 +81,8 @@ class DraftModelProposer(Proposer):
         self.draft = draft
         self.target_vocab_size = target.vocab_size
         self.num_real_tokens = max(target_vocab.values()) + 1
-        if self.num_real_tokens > min(draft.vocab_size, target.vocab_size):
+        if self.num_real_tokens > min(getattr(draft, "whole_vocab_size", draft.vocab_size),
+                                      target.vocab_size):
             raise UnsupportedModelError(
                 f"the tokenizer has {self.num_real_tokens} tokens but the draft's logits have "
                 f"{draft.vocab_size} and the target's {target.vocab_size}")
