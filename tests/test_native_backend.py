@@ -219,6 +219,51 @@ def test_the_replays_decoding_is_gguf_pys():
         assert np.allclose(w.reshape(n, k), reference, rtol=2.0 ** -23, atol=0), weight_type
 
 
+def stated_q4_0(x: np.ndarray) -> np.ndarray:
+    """blocks.c's re-quantisation to Q4_0 in numpy, float32 throughout: per block of 32 the
+    value a of largest magnitude (the first of equals; +0 for an all-zero block), d =
+    half(a / -8), u = clamp(floor(x / d + 8.5), 0, 15) (8 where d = 0)."""
+    rows = x.shape[0]
+    blocks = x.reshape(rows, -1, 32).astype(np.float32)
+    first = np.abs(blocks).argmax(-1)[..., None]
+    a = np.take_along_axis(blocks, first, -1)[..., 0]
+    a = np.where(np.abs(a) > 0, a, np.float32(0.0))
+    d = np.clip(a / np.float32(-8.0), -65504, 65504).astype(np.float16)
+    dh = d.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        u = np.floor(blocks / dh + np.float32(8.5))
+    u = np.where(dh == 0, 8, np.clip(u, 0, 15)).astype(np.uint8)
+    nibbles = u[..., :16] | (u[..., 16:] << 4)
+    return np.concatenate([d[..., None].view(np.uint8), nibbles], -1).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("weight_type", TYPES)
+def test_requantised_q4_0_is_the_stated_arithmetic_within_one_step_of_the_input(weight_type):
+    """es_quantize_q4_0 from every type gives blocks.c's bytes (stated_q4_0 of the
+    dequantised input; an all-zero block from the float types), and each weight read back is within its block's |d| of the input:
+    u = floor(x / d + 8.5) is the nearest step except where it clamps at 15, x / d = 8 (the
+    block's extreme itself, off by one step), and d's rounding to half moves x / d by at most
+    8 * 2^-11 of a step."""
+    rows, cols = shape_for(weight_type) if weight_type in BLOCKS else (52, 96)
+    if weight_type in BLOCKS:
+        raw, floats = quantised(weight_type, rows, cols)
+    else:
+        qtype = gguf.GGMLQuantizationType[weight_type]
+        floats = np.random.default_rng(1).standard_normal((rows, cols)).astype(np.float32)
+        floats[3, :32] = 0.0  # an all-zero block: d = 0, every u = 8
+        raw = floats if weight_type == "F32" else gguf.quants.quantize(floats, qtype)
+        floats = gguf.quants.dequantize(raw, qtype).astype(np.float32)
+    got = KERNELS.quantize_q4_0(np.ascontiguousarray(raw), native.WEIGHT_TYPES[weight_type],
+                                rows, cols)
+    assert np.array_equal(got, stated_q4_0(floats))
+    back = gguf.quants.dequantize(got, gguf.GGMLQuantizationType.Q4_0).reshape(rows, -1, 32)
+    steps = np.abs(got.reshape(rows, -1, 18)[..., :2].copy().view(np.float16).astype(np.float32))
+    error = np.abs(back - floats.reshape(rows, -1, 32))
+    assert (error <= steps * (1 + 2.0 ** -8)).all()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        KERNELS.quantize_q4_0(np.zeros((2, 40), np.float32), 0, 2, 40)
+
+
 @pytest.mark.parametrize("weight_type", native.INT8_TYPES)
 def test_int8_products_are_the_stated_arithmetic_with_the_same_bits_everywhere(weight_type,
                                                                             isa_path):
@@ -339,6 +384,33 @@ def test_converted_weights_run_batch_invariant_and_close_to_float32(tiny_gguf, w
     got, expected = forward_one(backend, 1, [4, 5]), forward_one(reference, 1, [4, 5])
     assert not torch.equal(got, expected) or weight_type == "F32"
     assert torch.allclose(got, expected, atol=0.1 * float(expected.abs().max()))
+
+
+def test_weights_converted_to_q4_0_are_the_stated_blocks_and_run_batch_invariant(
+        tiny_gguf, tmp_path, monkeypatch):
+    """converted_gguf(…, "Q4_0") (a cheaper draft model) writes every 2-D weight as
+    es_quantize_q4_0 of the source's floats (stated_q4_0), keeps the vectors, and the native
+    backend runs the file batch-invariant. (Its logits are not compared with float32's: 4-bit
+    weights of a random tiny model move them by more than any bound worth stating; only the
+    draft's acceptance depends on them.)"""
+    from exactspec.model_files import converted_gguf
+
+    monkeypatch.setenv("EXACTSPEC_CACHE_DIR", str(tmp_path))
+    path = converted_gguf(tiny_gguf, "Q4_0")
+    source = {t.name: t for t in gguf.GGUFReader(tiny_gguf).tensors}
+    converted = gguf.GGUFReader(path).tensors
+    assert {t.name for t in converted} == set(source)
+    for tensor in converted:
+        floats = gguf.quants.dequantize(source[tensor.name].data,
+                                        source[tensor.name].tensor_type).astype(np.float32)
+        if floats.ndim < 2:
+            assert tensor.tensor_type.name == "F32" and np.array_equal(tensor.data, floats)
+        else:
+            assert tensor.tensor_type.name == "Q4_0"
+            assert np.array_equal(tensor.data.reshape(floats.shape[0], -1), stated_q4_0(floats))
+    backend = native_backend(path)
+    assert set(backend.model.weight_types) == {"F32", "Q4_0"}
+    assert backend.batch_invariant and backend.sequences_invariant
 
 
 @pytest.mark.parametrize("weight_type", [None, "Q8_0", "F16"])

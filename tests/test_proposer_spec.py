@@ -28,6 +28,8 @@ from conftest import tiny_backend
                                              model="m.gguf", vocab=4096)),
     ("draft:m.gguf:vocab=all", ProposerSpec("draft:m.gguf:vocab=all", "draft", model="m.gguf",
                                             vocab="all")),
+    ("draft:m.gguf:weights=q4_0", ProposerSpec("draft:m.gguf:weights=q4_0", "draft",
+                                               model="m.gguf", weights="q4_0")),
     ("head:h.safetensors:tree=6:weights=q4_0", ProposerSpec(
         "head:h.safetensors:tree=6:weights=q4_0", "head", head="h.safetensors", tree=6,
         weights="q4_0")),
@@ -46,7 +48,8 @@ def test_former_kind_names_are_refused_naming_the_one_name(spec, name):
 
 @pytest.mark.parametrize("spec, reason", [
     ("magic", "use one of plain, forced, prompt-lookup[:ngram=MIN-MAX], "
-              "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL[:vocab=N]"),
+              "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, "
+              "draft:MODEL[:vocab=N][:weights=W]"),
     ("prompt-lookup:corpus=100", "use one of"),  # the corpus is suffix drafting's
     ("suffix:corpus=0", "corpus = 0 must be ≥ 1"),
     ("suffix:corpus=many", "corpus = 'many' is not an integer"),
@@ -62,7 +65,8 @@ def test_former_kind_names_are_refused_naming_the_one_name(spec, name):
     ("prompt-lookup:ngram=3-1", "ngram '3-1' is invalid: need 1 ≤ MIN ≤ MAX"),
     ("prompt-lookup:ngram=x", "ngram 'x' is invalid: give MIN-MAX n-gram sizes, e.g. 1-3"),
     ("head:weights=q2", "weights = 'q2' must be one of q8_0, q4_0, bf16"),
-    ("suffix:weights=q4_0", "use one of"),  # weights belong to a head
+    ("suffix:weights=q4_0", "use one of"),  # weights belong to a head or a draft model
+    ("draft:m:weights=q2_k", "weights = 'q2_k' must be one of file, q4_0, q8_0, f16, bf16, f32"),
     ("draft:m:vocab=1", "vocab = '1' must be a number of tokens ≥ 2 or 'all'"),
     ("draft:m:vocab=some", "vocab = 'some' must be a number of tokens ≥ 2 or 'all'"),
     ("head:vocab=100", "use one of"),  # a draft vocabulary is a draft model's

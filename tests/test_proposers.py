@@ -299,3 +299,52 @@ def test_a_draft_vocabulary_that_cannot_be_had_is_refused():
         DraftModelProposer(RestrictedLogits(tiny_backend(1)), target, draft_vocabulary=[64])
     with pytest.raises(ValueError, match="vocab = 'some' is invalid"):
         DraftModelProposer(RestrictedLogits(tiny_backend(1)), target, draft_vocabulary="some")
+
+
+def test_greedy_drafting_stops_where_the_drafts_own_confidence_falls_below_the_threshold():
+    """The confidence policy's stop (llama.cpp's p_min) on the greedy fast path: the draft
+    stops before the first token whose softmax maximum is below min_confidence, and drafts
+    its argmax until then."""
+    target, draft = tiny_backend(0), tiny_backend(3)
+    context = [1, 2, 3, 4]
+    reference, tokens, confidences = tiny_backend(model=draft.model), [], []
+    reference.prefill(0, context[:-1])
+    pending = context[-1:]
+    for _ in range(4):
+        logits = reference.forward([(0, pending)], 1)[0][0]
+        confidences.append(float(logits.softmax(-1).max()))
+        tokens.append(int(logits.argmax()))
+        pending = tokens[-1:]
+    pipeline = pipe(GREEDY)
+    assert pipeline.is_identity
+    for stop in range(4):
+        threshold = (confidences[stop] + min(confidences[:stop], default=1.0)) / 2
+        if any(c < threshold for c in confidences[:stop]) or confidences[stop] >= threshold:
+            continue  # the confidences do not order so that the draft stops exactly here
+        proposer = DraftModelProposer(tiny_backend(model=draft.model), target)
+        proposal = proposer.propose(context, 4, pipeline, G, min_confidence=threshold)
+        assert proposal.token_ids == tokens[:stop]
+    proposer = DraftModelProposer(tiny_backend(model=draft.model), target)
+    assert proposer.propose(context, 4, pipeline, G, min_confidence=1e-9).token_ids == tokens
+
+
+def test_a_draft_model_spec_with_weights_loads_the_draft_converted_to_them():
+    """draft:MODEL:weights=W asks the loader for the draft in GGUF type W, weights=file as the
+    loader gives it; without weights=, a draft of more than 6 bits per weight (a native
+    backend's Q8_0 file) is loaded again converted to Q4_0, a narrower one kept."""
+    from exactspec.proposers.build import build_proposer
+    from exactspec.proposers.spec import parse_proposer
+
+    target, asked = tiny_backend(0), []
+
+    def load(name, **options):
+        asked.append((name, options))
+        draft = tiny_backend(1)
+        draft.model.bits_per_weight = 8.5 if name == "wide" else 4.5
+        return draft
+
+    for spec in ("draft:d", "draft:d:weights=file", "draft:d:weights=q4_0",
+                 "draft:wide:weights=file", "draft:wide"):
+        assert isinstance(build_proposer(parse_proposer(spec), target, load), DraftModelProposer)
+    assert asked == [("d", {}), ("d", {}), ("d", {"weight_type": "Q4_0"}), ("wide", {}),
+                     ("wide", {}), ("wide", {"weight_type": "Q4_0"})]

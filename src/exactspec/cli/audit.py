@@ -14,7 +14,7 @@ from exactspec.cli.audit_endpoint import add_endpoint_options
 from exactspec.cli.common import (DEFAULT_K, add_constraint_options, add_model_options,
                                   add_policy_option, add_ray_options, allows_batch_variance,
                                   check_proposer_before_loading, check_ray_options,
-                                  constraint_from_args, load_from_args, positive_int,
+                                  constraint_from_args, load_from_args, model_spec, positive_int,
                                   print_error, seed, start_workers, worker_args)
 from exactspec.extras import require
 from exactspec.proposers.spec import FORMS, parse_proposer
@@ -235,7 +235,7 @@ def build_audit(args: argparse.Namespace, prompts: list[str], params) -> "AuditS
 
     proposer_spec = parse_proposer(args.proposer)
     target = load_from_args(args, proposer=proposer_spec)
-    load = functools.cache(lambda name: load_from_args(args, name))  # one draft model
+    load = functools.cache(model_spec(args).load)  # one draft model
     proposer = build_proposer(proposer_spec, target, load)
     k, batch = args.num_speculative_tokens, args.max_batch_size
     as_engine = ExactspecEngine if not batch else (

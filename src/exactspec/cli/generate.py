@@ -14,9 +14,8 @@ from rich.markup import escape
 from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_constraint_options,
                                   add_model_options, add_policy_option, allows_batch_variance,
                                   check_proposer_before_loading, constraint_from_args,
-                                  has_chat_template,
-                                  load_from_args, logit_bias, ngram_range, positive_int,
-                                  print_error, proposer_spec, seed)
+                                  has_chat_template, load_from_args, logit_bias, model_spec,
+                                  ngram_range, positive_int, print_error, proposer_spec, seed)
 from exactspec.extras import require
 from exactspec.files import readable_json
 from exactspec.model_files import ModelNotFoundError
@@ -191,7 +190,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         draft = next((part.model for part in proposer_spec.parts if part.model), None)
         with (console.status(f"Loading draft {draft} …") if draft
               else contextlib.nullcontext()):
-            proposer = build_proposer(proposer_spec, target, lambda name: load_from_args(args, name))
+            proposer = build_proposer(proposer_spec, target, model_spec(args).load)
         method = proposer_spec.description
         if proposer is not None and not target.batch_invariant and allows_batch_variance(args):
             console.print(f"note: {target.description} is not batch-invariant: the output is "

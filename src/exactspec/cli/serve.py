@@ -16,7 +16,8 @@ from rich.console import Console
 
 from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_model_options,
                                   add_policy_option, allows_batch_variance,
-                                  check_proposer_before_loading, load_from_args, positive_int,
+                                  check_proposer_before_loading, load_from_args, model_spec,
+                                  positive_int,
                                   print_error, proposer_spec, worker_args)
 from exactspec.distributed import RayNotInstalledError
 from exactspec.extras import require
@@ -186,7 +187,7 @@ def build_app(args: argparse.Namespace, ray_metrics: bool = False):
     from exactspec.server import SpeculationSettings, create_app  # the server extra
 
     target = load_from_args(args, proposer=args.proposer)
-    proposer = build_proposer(args.proposer, target, lambda name: load_from_args(args, name))
+    proposer = build_proposer(args.proposer, target, model_spec(args).load)
     k = args.num_speculative_tokens if proposer is not None else 0
     factory = {}
     if args.broken_verifier:  # the audit's code, loaded only for this test of audits

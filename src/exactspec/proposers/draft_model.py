@@ -13,7 +13,8 @@ it), where a table for the tokenizer is shipped.
 
 Greedy drafting under a request that changes no logit (no penalty, bias, ban or
 constraint) takes the draft's argmax straight from its logits: no full-vocabulary tensor
-is built per drafted token.
+is built per drafted token (the confidence policy's stop, ``min_confidence``, is the
+softmax maximum of the same logits).
 
 The draft keeps its own KV cache; before each proposal it is rolled back to the longest
 common prefix with the engine's context, so rejected drafts never leak into the next cycle.
@@ -36,7 +37,11 @@ from exactspec.logits_pipeline import LogitsPipeline, check_finite
 
 DEFAULT_DRAFT_VOCAB_SIZE = 32768
 """The draft vocabulary's size where the draft runs on the native backend and a table fits
-the tokenizer (chosen by measurement: docs/design.md, "Draft vocabularies")."""
+the tokenizer (chosen by measurement: docs/design.md, "Draft vocabularies and weights")."""
+DEFAULT_DRAFT_WEIGHTS = "q4_0"
+"""What a draft model's weights of more than 6 bits are converted to by default
+(``draft:…:weights=``; :func:`exactspec.proposers.build.load_draft`; chosen by measurement:
+docs/design.md, "Draft vocabularies and weights")."""
 
 
 class DraftModelProposer(Proposer):
@@ -131,13 +136,16 @@ class DraftModelProposer(Proposer):
         pending = self._sync_cache(token_ids)
         drafted: list[int] = []
         probs: list[torch.Tensor] = []
-        argmax = pipeline.params.greedy and pipeline.is_identity and not min_confidence
+        argmax = pipeline.params.greedy and pipeline.is_identity
         for _ in range(k):
             logits = forward_one(self.draft, self.sequence_id, pending, num_logits=1)  # [1, Vd]
             self._cached.extend(pending)
             if argmax:  # the draw's greedy choice, without the full-vocabulary tensor
                 check_finite(logits)
-                column = int(logits[0, :self.num_real_tokens].argmax())
+                real = logits[0, :self.num_real_tokens]
+                if min_confidence and float(real.softmax(-1).max()) < min_confidence:
+                    break
+                column = int(real.argmax())
                 token = column if self.draft_token_ids is None else int(self.draft_token_ids[column])
                 drafted.append(token)
                 pending = [token]

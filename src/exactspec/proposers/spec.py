@@ -24,11 +24,14 @@ A spec is ``[PEER-]KIND[:ARG][:key=value...]``::
                                  a chain, its depth at most k (one sequence at a time);
                                  weights=W how the native kernels hold its weights (q4_0,
                                  the default, q8_0 or bf16; see exactspec.draft_head.kernels)
-    draft:MODEL[:vocab=N]        a smaller model on the same tokenizer (embedded name, model
+    draft:MODEL[:vocab=N][:weights=W]
+                                 a smaller model on the same tokenizer (embedded name, model
                                  folder or .gguf); vocab=N scores and drafts only the N
                                  tokens its target writes most (a draft vocabulary, FR-Spec;
                                  native backend; default 32768 where a table fits the
-                                 tokenizer, vocab=all for the whole)
+                                 tokenizer, vocab=all for the whole); weights=W its GGUF
+                                 weights converted once to W (q4_0, q8_0, f16, bf16, f32;
+                                 file: as the file has them, or as --weight-type says)
     MATCHER+MODEL                a matcher (prompt-lookup or suffix, each with its options)
                                  drafts when it has a match, the model proposer (head,
                                  draft or early-exit) in the cycles it has none, e.g.
@@ -73,8 +76,8 @@ RENAMED = {"none": "plain", "assistant": "draft"}
 ARGUMENT = {"early-exit": "L", "draft": "MODEL"}
 """Kinds that take a positional argument, and its name."""
 FORMS = ("plain, forced, prompt-lookup[:ngram=MIN-MAX], "
-         "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, draft:MODEL[:vocab=N], "
-         "head[:PATH][:tree=N][:weights=W], MATCHER+MODEL (e.g. suffix+head)")
+         "suffix[:ngram=MIN-MAX][:corpus=TOKENS], early-exit:L, "
+         "draft:MODEL[:vocab=N][:weights=W], head[:PATH][:tree=N][:weights=W], MATCHER+MODEL (e.g. suffix+head)")
 """The allowed forms, for messages."""
 BACKENDS_NEEDED = {"early-exit": (("transformers",), "drafts with the target's own layers"),
                    "head": (("native", "transformers"),
@@ -88,6 +91,10 @@ MODELS = ("early-exit", "draft", "head")
 HEAD_WEIGHTS = ("q8_0", "q4_0", "bf16")
 """How the native kernels may hold a draft head's weights (``head:…:weights=``;
 ``exactspec.draft_head.kernels.WEIGHTS``)."""
+DRAFT_WEIGHTS = ("file", "q4_0", "q8_0", "f16", "bf16", "f32")
+"""A draft model's weights (``draft:…:weights=``): ``file`` as loaded for the target (its
+file's, or ``--weight-type``), else converted once to that GGUF type
+(:func:`~exactspec.model_files.converted_gguf`)."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +110,8 @@ class ProposerSpec:
         corpus: suffix only: ``corpus=`` (tokens of earlier outputs kept per scope), None: off.
         head: a draft head file (``head:PATH``), None for the shipped head or other kinds.
         tree: head only: ``tree=`` (most nodes of a drafted token tree), None: a chain.
-        weights: head only: ``weights=`` (:data:`HEAD_WEIGHTS`), None: the default.
+        weights: head and draft: ``weights=`` (:data:`HEAD_WEIGHTS`, :data:`DRAFT_WEIGHTS`),
+            None: the default.
         vocab: draft only: ``vocab=`` (a draft vocabulary's size, or ``"all"``), None: the
             default (:data:`~exactspec.proposers.draft_model.DEFAULT_DRAFT_VOCAB_SIZE`).
         k: ``k=`` if given, else None (the command's default).
@@ -151,7 +159,8 @@ class ProposerSpec:
                     f" with a corpus of {self.corpus} tokens" if self.corpus else ""),
                 "early-exit": f"early-exit self-draft, {self.layers} layers",
                 "draft": f"draft model {self.model}" + (
-                    f", draft vocabulary {self.vocab}" if self.vocab else ""),
+                    f", draft vocabulary {self.vocab}" if self.vocab else "") + (
+                    f", weights {self.weights}" if self.weights else ""),
                 "head": f"draft head {self.head or '(shipped)'}" + (
                     f", trees of {self.tree} nodes" if self.tree else "")}[self.kind]
 
@@ -200,7 +209,8 @@ def parse_proposer(spec: str, *, what: str = "proposer", options: Collection[str
             or (kind == "draft" and not any(positional)) or set(keys) - allowed_keys
             or ("ngram" in keys and kind not in NGRAM_DEFAULTS)
             or ("corpus" in keys and kind != "suffix")
-            or (("tree" in keys or "weights" in keys) and kind != "head")
+            or ("tree" in keys and kind != "head")
+            or ("weights" in keys and kind not in ("head", "draft"))
             or ("vocab" in keys and kind != "draft")):
         extras = [f":{key}={OPTION_VALUES[key]}" for key in options] + (
             [f"a peer prefix {' or '.join(f'{p}-' for p in peers)}"] if peers else [])
@@ -229,9 +239,10 @@ def parse_proposer(spec: str, *, what: str = "proposer", options: Collection[str
         raise ValueError(f"{prefix}: tree = {tree} must be ≥ 1 (the most nodes of a drafted "
                          "token tree; leave it out for a chain)")
     weights = keys.get("weights")
-    if weights is not None and weights not in HEAD_WEIGHTS:
+    allowed_weights = DRAFT_WEIGHTS if kind == "draft" else HEAD_WEIGHTS
+    if weights is not None and weights not in allowed_weights:
         raise ValueError(f"{prefix}: weights = {weights!r} must be one of "
-                         f"{', '.join(HEAD_WEIGHTS)}")
+                         f"{', '.join(allowed_weights)}")
     if layers is not None and layers < 1:
         raise ValueError(f"{prefix}: L = {layers} must be ≥ 1")
     vocab = keys.get("vocab")

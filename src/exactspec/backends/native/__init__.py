@@ -156,6 +156,9 @@ class NativeKernels:
         library.es_linear_typed.errcheck = _scratch_allocated
         library.es_row_bytes.argtypes = [ctypes.c_int, i64]
         library.es_row_bytes.restype = i64
+        library.es_quantize_q4_0.argtypes = [ptr, ctypes.c_int, i64, i64, ptr]
+        library.es_quantize_q4_0.restype = ctypes.c_int
+        library.es_quantize_q4_0.errcheck = _scratch_allocated
         library.es_forward.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Segment), i64, ptr,
                                        ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int,
                                        ctypes.c_int]
@@ -262,6 +265,27 @@ class NativeKernels:
         packed = np.empty(size, dtype=np.uint8)
         self._lib.es_repack(weight.ctypes.data, weight_type, n, k, packed.ctypes.data)
         return packed
+
+    def quantize_q4_0(self, weight: np.ndarray, weight_type: int, n: int, k: int) -> np.ndarray:
+        """A ``[n, k]`` weight of ``weight_type`` (any of :data:`WEIGHT_TYPES`) re-quantised to
+        Q4_0 (``es_quantize_q4_0``; blocks.c gives the arithmetic): ``[n, k / 32 * 18]``
+        uint8, Q4_0's bytes.
+
+        Raises:
+            ValueError: for a k that is not a multiple of 32 (and of 256 for the K types), or
+                a weight that is not ``n`` contiguous rows of its type.
+            MemoryError: if the per-thread scratch row cannot be allocated.
+        """
+        row_bytes = self.row_bytes(weight_type, k)
+        if k % 32 or row_bytes == 0:
+            raise ValueError(f"weight type {weight_type} with K = {k} cannot be re-quantised "
+                             "to Q4_0: K must be a multiple of 32 (256 for the K types)")
+        if not weight.flags.c_contiguous or weight.nbytes != n * row_bytes:
+            raise ValueError(f"the weight's {weight.nbytes} bytes are not {n} contiguous rows "
+                             f"of type {weight_type}")
+        out = np.empty((n, self.row_bytes(WEIGHT_TYPES["Q4_0"], k)), dtype=np.uint8)
+        self._lib.es_quantize_q4_0(weight.ctypes.data, weight_type, n, k, out.ctypes.data)
+        return out
 
     def linear_int8(self, x: torch.Tensor, packed: np.ndarray, weight_type: int, n: int,
                     threads: int = 1) -> torch.Tensor:

@@ -251,3 +251,65 @@ void dequantize_row(int type, const uint8_t *w, int64_t row, int64_t K, float *o
     else if (dequantize_isa == 1) dequantize_row_avx2(type, w, row, K, out);
     else dequantize_row_portable(type, w, row, K, out);
 }
+
+
+/* ---- re-quantising to Q4_0 (a cheaper draft model) ----
+ *
+ * Each row of w [N, K] of `type` is dequantised (above: exact, or the one rounding stated),
+ * then each block of 32 floats x_0..x_31 becomes one Q4_0 block:
+ *
+ *     a   = the x_i of largest |x_i| (the first of equals), sign kept
+ *     d   = half(a / -8)                      (float division, then round to nearest even;
+ *                                              |d| clamped to the largest finite half)
+ *     u_i = clamp(floor(x_i / float(d) + 8.5), 0, 15)     (u_i = 8 where d = 0)
+ *
+ * so that a maps to u = 0 and w_i = (u_i - 8) * d as Q4_0 reads it (the scheme of ggml's
+ * reference quantiser, dividing by the stored half rather than the float). The result
+ * depends on nothing but the block's 32 floats, so it is the same on every path and thread
+ * split. Its fidelity is the draft's business only: a draft drafts from the q it computes
+ * with these weights, so exactness never depends on them.
+ */
+int es_quantize_q4_0(const uint8_t *w, int type, int64_t N, int64_t K, uint8_t *out) {
+    const int64_t out_bytes = es_row_bytes(T_Q4_0, K);
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *x = malloc(sizeof(float) * (size_t)K);
+        if (!x) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < N; row++) {
+            if (!x) continue;
+            dequantize_row(type, w, row, K, x);
+            uint8_t *o = out + row * out_bytes;
+            for (int64_t b = 0; b < K / 32; b++, o += 18) {
+                const float *xb = x + 32 * b;
+                float a = 0.0f;
+                for (int i = 0; i < 32; i++)
+                    if (__builtin_fabsf(xb[i]) > __builtin_fabsf(a)) a = xb[i];
+                float d = a / -8.0f;
+                if (d > 65504.0f) d = 65504.0f;
+                if (d < -65504.0f) d = -65504.0f;
+                _Float16 h = (_Float16)d;
+                uint16_t bits;
+                __builtin_memcpy(&bits, &h, 2);
+                __builtin_memcpy(o, &bits, 2);
+                const float dh = half_to_float(bits);
+                for (int i = 0; i < 16; i++) {
+                    int lo = 8, hi = 8;
+                    if (dh != 0.0f) {
+                        lo = (int)__builtin_floorf(xb[i] / dh + 8.5f);
+                        hi = (int)__builtin_floorf(xb[i + 16] / dh + 8.5f);
+                        lo = lo < 0 ? 0 : lo > 15 ? 15 : lo;
+                        hi = hi < 0 ? 0 : hi > 15 ? 15 : hi;
+                    }
+                    o[2 + i] = (uint8_t)(lo | hi << 4);
+                }
+            }
+        }
+        free(x);
+    }
+    return failed ? -1 : 0;
+}

@@ -123,6 +123,8 @@ ES_INTERNAL void decode_block(int type, const uint8_t *p, q8_block *c);
  * every path, so the fastest the CPU runs is used) */
 ES_INTERNAL void dequantize_row(int type, const uint8_t *w, int64_t row, int64_t K, float *out);
 int64_t es_row_bytes(int type, int64_t K);
+/* out = w [N, K] of `type` re-quantised to Q4_0 (blocks.c); 0, or -1 if scratch failed */
+int es_quantize_q4_0(const uint8_t *w, int type, int64_t N, int64_t K, uint8_t *out);
 
 /* One block of 32 weights dequantised into two AVX-512 vectors (the floats above: for
  * Q4_1 an FMA q * d + m rounds once, like the exact multiply then the add), for
