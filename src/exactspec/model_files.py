@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 import functools
 from functools import partial
@@ -443,23 +444,29 @@ WEIGHT_TYPES = ("F32", "BF16", "F16", "Q8_0", "Q4_0")
 """Types a GGUF file's weights can be converted to."""
 
 
-def converted_gguf(source: Path, weight_type: str) -> Path:
+def converted_gguf(source: Path, weight_type: str,
+                   quantize_q4_0: Callable[[np.ndarray], np.ndarray] | None = None) -> Path:
     """``source`` with every 2-D weight in ``weight_type`` (one of :data:`WEIGHT_TYPES`),
     converted on first use (seconds; a progress bar over the tensors) and cached. F32, BF16,
-    F16 and Q8_0 are gguf-py's quantisers; Q4_0 is exactspec's
-    (:meth:`~exactspec.backends.native.NativeKernels.quantize_q4_0`, for a cheaper draft
-    model), which keeps a tensor whose rows are not a multiple of 32 weights as it was.
+    F16 and Q8_0 are gguf-py's quantisers; Q4_0 is ``quantize_q4_0`` (``[rows, K]`` float32
+    → ``[rows, K / 32 * 18]`` Q4_0 bytes: exactspec's own, from the backends,
+    :func:`~exactspec.backends.native_backend.q4_0_quantizer`), which keeps a tensor whose
+    rows are not a multiple of 32 weights as it was.
 
     Raises:
-        ValueError: for an unknown type.
-        NativeKernelsUnavailableError: for Q4_0 where the native kernels cannot be built.
+        ValueError: for an unknown type, or Q4_0 without ``quantize_q4_0``.
     """
     import gguf
     import numpy as np
 
+    from exactspec.progress import LoggedProgress
+
     if weight_type not in WEIGHT_TYPES:
         raise ValueError(f"weight type {weight_type!r} is invalid: choose one of "
                          f"{', '.join(WEIGHT_TYPES)}")
+    if weight_type == "Q4_0" and quantize_q4_0 is None:
+        raise ValueError("converting weights to Q4_0 needs exactspec's quantiser "
+                         "(exactspec.backends.native_backend.q4_0_quantizer())")
     types = gguf.GGMLQuantizationType
     qtype = types[weight_type]
     file_type = {"F32": gguf.LlamaFileType.ALL_F32, "BF16": gguf.LlamaFileType.MOSTLY_BF16,
@@ -470,18 +477,6 @@ def converted_gguf(source: Path, weight_type: str) -> Path:
               / f"{source.stem}-{stat.st_size}-{int(stat.st_mtime)}.{weight_type}.gguf")
     if target.exists():
         return target
-    from exactspec.progress import LoggedProgress
-
-    kernels = None
-    if weight_type == "Q4_0":
-        from exactspec.backends import native
-        from exactspec.backends.native_backend import NativeKernelsUnavailableError
-
-        kernels = native.load()
-        if kernels is None:
-            raise NativeKernelsUnavailableError(
-                "converting weights to Q4_0 needs exactspec's native kernels, which need a C "
-                "compiler (cc or gcc) on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)
     reader = gguf.GGUFReader(source)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
@@ -500,17 +495,16 @@ def converted_gguf(source: Path, weight_type: str) -> Path:
             weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
             if weights.ndim < 2 or qtype == types.F32:
                 writer.add_tensor(tensor.name, weights)
-            elif kernels is None:
+            elif weight_type != "Q4_0":
                 writer.add_tensor(tensor.name, gguf.quants.quantize(weights, qtype),
                                   raw_dtype=qtype)
             elif weights.shape[-1] % 32:
                 writer.add_tensor(tensor.name, np.ascontiguousarray(tensor.data),
                                   raw_dtype=tensor.tensor_type)
             else:
-                rows = weights.reshape(-1, weights.shape[-1])
-                writer.add_tensor(tensor.name, kernels.quantize_q4_0(
-                    rows, 0, rows.shape[0], rows.shape[1]).reshape(
-                        *weights.shape[:-1], -1), raw_dtype=qtype)
+                rows = np.ascontiguousarray(weights.reshape(-1, weights.shape[-1]))
+                writer.add_tensor(tensor.name, quantize_q4_0(rows).reshape(
+                    *weights.shape[:-1], -1), raw_dtype=qtype)
             progress.advance(task)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -12,11 +12,11 @@ from pathlib import Path
 from exactspec.backends import native
 from exactspec.backends.base import Backend
 from exactspec.backends.llama_cpp_backend import LlamaCppBackend, llama_cpp_available
-from exactspec.backends.native_backend import ARCHITECTURES, NativeBackend
+from exactspec.backends.native_backend import ARCHITECTURES, NativeBackend, converted
 from exactspec.backends.transformers_backend import TransformersBackend, resolve_device
 from exactspec.load_options import BACKENDS
-from exactspec.model_files import (DEFAULT_MODEL, check_model_path, converted_gguf,
-                                   gguf_architecture, gguf_tensor_types)
+from exactspec.model_files import (DEFAULT_MODEL, check_model_path, gguf_architecture,
+                                   gguf_tensor_types)
 from exactspec.proposers.spec import BACKENDS_NEEDED, ProposerSpec
 
 
@@ -113,8 +113,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
             it is also the KV cache allocated per sequence, so batched decoding's memory
             grows with ``max_model_len`` × its batch size.
         weight_type: native and llama.cpp: the GGUF file's weights converted to ``F32`` (the same
-            weights), ``BF16``, ``F16`` or ``Q8_0`` (rounded), see
-            :func:`~exactspec.model_files.converted_gguf`; None: as the file has them.
+            weights), ``BF16``, ``F16``, ``Q8_0`` or ``Q4_0`` (rounded), see
+            :func:`~exactspec.backends.native_backend.converted`; None: as the file has them.
         activations: native only: ``int8`` (the default) or ``float32`` inputs to the
             products over Q4_0, Q4_1 and Q8_0 weights (see
             :class:`~exactspec.backends.native_backend.GGUFModel`); None: the default.
@@ -136,7 +136,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, backend: str = "auto",
     chosen = choose_backend(path, backend, device=device, dtype=dtype, kernels=kernels,
                             proposer=proposer)
     if chosen == "native":
-        return NativeBackend.load(path if weight_type is None else converted_gguf(path, weight_type),
+        return NativeBackend.load(path if weight_type is None else converted(path, weight_type),
                                   threads=threads, max_model_len=max_model_len,
                                   activations=activations or "int8")
     if activations is not None:

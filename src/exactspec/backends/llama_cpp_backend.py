@@ -46,8 +46,9 @@ from exactspec.backends.base import (PREFILL_CHUNK_SIZE, TargetTensors, Unsuppor
                                      chat_messages, check_batch_invariance, check_context,
                                      check_retain, check_rows, check_sequence_invariance,
                                      forward_trees_apart)
+from exactspec.backends.native_backend import converted
 from exactspec.load_options import default_threads
-from exactspec.model_files import converted_gguf, gguf_architecture_value
+from exactspec.model_files import gguf_architecture_value
 
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 INSTALL_HINT = (f"CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" CFLAGS=\"{NO_AMX}\" CXXFLAGS=\"{NO_AMX}\" "
@@ -279,8 +280,9 @@ class LlamaCppBackend:
             context_length: KV cache size in tokens, per sequence (default: the model's own
                 context, at most :data:`DEFAULT_CONTEXT_LENGTH`).
             weight_type: run the file's weights converted to this GGUF type (``F32``,
-                ``BF16``, ``F16``, ``Q8_0``; converted once and cached, see
-                :func:`~exactspec.model_files.converted_gguf`), None: as the file has them.
+                ``BF16``, ``F16``, ``Q8_0``, ``Q4_0``; converted once and cached, see
+                :func:`~exactspec.backends.native_backend.converted`), None: as the file
+                has them.
         Raises:
             LlamaCppNotInstalledError: if llama-cpp-python is not installed.
             FileNotFoundError: if ``path`` does not exist.
@@ -306,7 +308,7 @@ class LlamaCppBackend:
             raise ValueError(f"context_length = {context_length} is invalid: {path.name}'s "
                              f"context holds {trained} tokens")
         if weight_type is not None:
-            path = converted_gguf(path, weight_type)
+            path = converted(path, weight_type)
         backend = cls(new_llama(path, threads=threads or default_threads(),
                                 context_length=context_length))
         if weight_type is not None:

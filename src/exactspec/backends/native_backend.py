@@ -35,7 +35,7 @@ from exactspec.backends.base import (PREFILL_CHUNK_SIZE, TargetTensors, Unsuppor
                                      check_tree)
 from exactspec.backends.transformers_backend import HFTokenizer
 from exactspec.gguf_file import GGUFFile
-from exactspec.model_files import check_gguf_file, gguf_tokenizer
+from exactspec.model_files import check_gguf_file, converted_gguf, gguf_tokenizer
 from exactspec.threads import ThreadChooser
 from exactspec.trees import TreePaths
 
@@ -247,6 +247,22 @@ class GGUFModel:
             self._keep.append(packed)
         return native.Weight(data=data.ctypes.data, type=type_number,
                              packed=None if packed is None else packed.ctypes.data)
+
+
+def converted(path: Path, weight_type: str) -> Path:
+    """:func:`~exactspec.model_files.converted_gguf` with exactspec's Q4_0 quantiser
+    (:meth:`~exactspec.backends.native.NativeKernels.quantize_q4_0` over float32 rows) for
+    ``weight_type`` Q4_0; what the GGUF backends load for ``--weight-type``.
+
+    Raises:
+        ValueError: as ``converted_gguf``.
+        NativeKernelsUnavailableError: for Q4_0 where the kernels cannot be built.
+    """
+    quantize = None
+    if weight_type == "Q4_0":
+        kernels = _kernels()
+        quantize = lambda rows: kernels.quantize_q4_0(rows, native.WEIGHT_TYPES["F32"], *rows.shape)
+    return converted_gguf(path, weight_type, quantize)
 
 
 def _kernels() -> native.NativeKernels:
