@@ -1,4 +1,4 @@
-"""llama.cpp's own speculative decoding (``llama-server -md``, the same 0.5B draft file) against
+"""llama.cpp's own speculative decoding (``llama-server --spec-type draft-simple -md``, the same 0.5B draft file) against
 its plain decoding and exactspec's native plain and draft decoding, on HumanEval's first N
 problems asked as ``exactspec bench --questions humaneval`` asks them (the target's chat
 template, rendered by exactspec's tokenizer and sent as token ids), greedy, 256 new tokens.
@@ -38,12 +38,13 @@ def post(body):
 
 def run_server(config):
     command = [server, "-m", str(target_path), "-t", "2", "-tb", "2", "-c", "4096", "-np", "1",
-               "--port", str(PORT), "--host", "127.0.0.1", "--no-webui"]
+               "--port", str(PORT), "--host", "127.0.0.1"]
     if config != "plain":
-        command += ["-md", str(draft_path), "-td", "2", "-tbd", "2", "-cd", "4096"]
+        command += ["--spec-type", "draft-simple", "-md", str(draft_path), "-td", "2", "-tbd", "2"]
         if config != "default":
             n_max, p_min = config.split(",")
-            command += ["--draft-max", n_max, "--draft-min", "0", "--draft-p-min", p_min]
+            command += ["--spec-draft-n-max", n_max, "--spec-draft-n-min", "0",
+                        "--spec-draft-p-min", p_min]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         for _ in range(240):
