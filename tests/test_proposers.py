@@ -259,6 +259,7 @@ def test_a_draft_vocabulary_drafts_only_its_tokens_with_q_normalised_over_them()
     proposer = DraftModelProposer(RestrictedLogits(tiny_backend(3)), target,
                                   draft_vocabulary=vocabulary)
     assert proposer.draft_token_ids.tolist() == sorted(set(vocabulary))
+    assert proposer.description.endswith(f"; draft vocabulary {len(set(vocabulary))}")
     params = SamplingParams(temperature=1.0, seed=0)
     pipeline = LogitsPipeline(params, [1, 2, 3], target.vocab_size)
     drafted = []
@@ -289,6 +290,7 @@ def test_a_draft_vocabulary_that_cannot_be_had_is_refused():
 
     target = tiny_backend(0)
     assert DraftModelProposer(tiny_backend(1), target).draft_token_ids is None
+    assert DraftModelProposer(tiny_backend(1), target).description.endswith("; whole vocabulary")
     assert DraftModelProposer(RestrictedLogits(tiny_backend(1)), target).draft_token_ids is None
     assert DraftModelProposer(tiny_backend(1), target, "all").draft_token_ids is None
     with pytest.raises(UnsupportedModelError, match="needs the native backend"):

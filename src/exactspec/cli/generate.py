@@ -129,6 +129,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                                       slow_decoding_warning)
     from exactspec.generator import SpeculativeGenerator
     from exactspec.proposers.build import build_proposer
+    from exactspec.proposers.draft_model import DraftModelProposer
     from exactspec.sampling import SamplingParams
     from exactspec.trace.terminal import show
 
@@ -191,7 +192,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         with (console.status(f"Loading draft {draft} …") if draft
               else contextlib.nullcontext()):
             proposer = build_proposer(proposer_spec, target, model_spec(args).load)
-        method = proposer_spec.description
+        method = proposer_spec.description + (
+            f" ({proposer.description})" if isinstance(proposer, DraftModelProposer) else "")
         if proposer is not None and not target.batch_invariant and allows_batch_variance(args):
             console.print(f"note: {target.description} is not batch-invariant: the output is "
                           "exact only up to rounding (near-tied tokens can flip)", highlight=False)

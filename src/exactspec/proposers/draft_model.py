@@ -127,6 +127,15 @@ class DraftModelProposer(Proposer):
         restrict(ids.tolist())
         return torch.from_numpy(ids)
 
+    @property
+    def description(self) -> str:
+        """The draft in words: its backend's description and its draft vocabulary, e.g.
+        ``native avx512 kernels, F32, Q4_0 weights, int8 activations; draft vocabulary
+        32768``."""
+        vocabulary = ("whole vocabulary" if self.draft_token_ids is None
+                      else f"draft vocabulary {len(self.draft_token_ids)}")
+        return f"{getattr(self.draft, 'description', type(self.draft).__name__)}; {vocabulary}"
+
     def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
                 rng: torch.Generator, min_confidence: float = 0.0) -> Proposal:
         if self.draft.max_context_length is not None:
