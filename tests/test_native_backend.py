@@ -264,6 +264,23 @@ def test_requantised_q4_0_is_the_stated_arithmetic_within_one_step_of_the_input(
         KERNELS.quantize_q4_0(np.zeros((2, 40), np.float32), 0, 2, 40)
 
 
+def test_requantised_scales_are_halves_rounded_to_nearest_even_in_every_range():
+    """The Q4_0 scale d = half(a / -8) (blocks.c's own float -> half conversion) is numpy's
+    round-to-nearest-even float16 across every range: subnormal halves, the underflow to
+    zero, normals, exact ties either way, and the clamp at the largest finite half."""
+    rng = np.random.default_rng(2)
+    maxima = np.concatenate([
+        2.0 ** rng.uniform(-30, 19, 400),  # d from underflow through subnormal to clamped
+        8 * np.array([1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 2.0 ** -24, 1.5 * 2.0 ** -24,
+                      2.0 ** -25, 65504.0, 65520.0, 6.1e-5])])  # ties, the smallest halves
+    blocks = rng.uniform(-1, 1, (len(maxima), 32)).astype(np.float32)
+    blocks[:, 5] = 1.0  # the block's largest magnitude, scaled to its maximum (sign kept)
+    blocks *= (maxima * rng.choice([-1, 1], len(maxima)))[:, None].astype(np.float32)
+    got = KERNELS.quantize_q4_0(np.ascontiguousarray(blocks), native.WEIGHT_TYPES["F32"],
+                                len(maxima), 32)
+    assert np.array_equal(got, stated_q4_0(blocks))
+
+
 @pytest.mark.parametrize("weight_type", native.INT8_TYPES)
 def test_int8_products_are_the_stated_arithmetic_with_the_same_bits_everywhere(weight_type,
                                                                             isa_path):

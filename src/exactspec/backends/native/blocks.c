@@ -292,9 +292,7 @@ int es_quantize_q4_0(const uint8_t *w, int type, int64_t N, int64_t K, uint8_t *
                 float d = a / -8.0f;
                 if (d > 65504.0f) d = 65504.0f;
                 if (d < -65504.0f) d = -65504.0f;
-                _Float16 h = (_Float16)d;
-                uint16_t bits;
-                __builtin_memcpy(&bits, &h, 2);
+                const uint16_t bits = float_to_half(d);
                 __builtin_memcpy(o, &bits, 2);
                 const float dh = half_to_float(bits);
                 for (int i = 0; i < 16; i++) {

@@ -65,6 +65,31 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
+/* float -> IEEE half, rounded to nearest even (subnormal halves included; inf and nan kept),
+ * in integer arithmetic: no _Float16 or F16C needed */
+static inline uint16_t float_to_half(float f) {
+    uint32_t x;
+    __builtin_memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, e = (x >> 23) & 0xff;
+    uint32_t m = x & 0x7fffff;
+    if (e == 0xff) return (uint16_t)(sign | 0x7c00 | (m ? 0x200 : 0));
+    const int32_t he = (int32_t)e - 112; /* the half's biased exponent */
+    if (he >= 31) return (uint16_t)(sign | 0x7c00);
+    if (he <= 0) { /* a subnormal half (or zero): the 24-bit significand shifted down */
+        if (he < -10) return (uint16_t)sign;
+        m |= 0x800000;
+        const int shift = 14 - he;
+        uint32_t h = m >> shift;
+        const uint32_t rest = m & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+        if (rest > halfway || (rest == halfway && (h & 1))) h++;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = sign | (uint32_t)he << 10 | m >> 13; /* a carry may round up to inf */
+    const uint32_t rest = m & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;
+    return (uint16_t)h;
+}
+
 static inline uint16_t read_u16(const uint8_t *p) {
     uint16_t v;
     __builtin_memcpy(&v, p, 2);
