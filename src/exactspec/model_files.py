@@ -449,9 +449,9 @@ def converted_gguf(source: Path, weight_type: str,
     """``source`` with every 2-D weight in ``weight_type`` (one of :data:`WEIGHT_TYPES`),
     converted on first use (seconds; a progress bar over the tensors) and cached. F32, BF16,
     F16 and Q8_0 are gguf-py's quantisers; Q4_0 is ``quantize_q4_0`` (``[rows, K]`` float32
-    → ``[rows, K / 32 * 18]`` Q4_0 bytes: exactspec's own, from the backends,
-    :func:`~exactspec.backends.native_backend.q4_0_quantizer`), which keeps a tensor whose
-    rows are not a multiple of 32 weights as it was.
+    → ``[rows, K / 32 * 18]`` Q4_0 bytes: exactspec's own, passed in by
+    :func:`~exactspec.backends.native_backend.converted`), which keeps a tensor whose rows
+    are not a multiple of 32 weights as it was.
 
     Raises:
         ValueError: for an unknown type, or Q4_0 without ``quantize_q4_0``.
@@ -465,8 +465,8 @@ def converted_gguf(source: Path, weight_type: str,
         raise ValueError(f"weight type {weight_type!r} is invalid: choose one of "
                          f"{', '.join(WEIGHT_TYPES)}")
     if weight_type == "Q4_0" and quantize_q4_0 is None:
-        raise ValueError("converting weights to Q4_0 needs exactspec's quantiser "
-                         "(exactspec.backends.native_backend.q4_0_quantizer())")
+        raise ValueError("converting weights to Q4_0 needs exactspec's quantiser: use "
+                         "exactspec.backends.native_backend.converted")
     types = gguf.GGMLQuantizationType
     qtype = types[weight_type]
     file_type = {"F32": gguf.LlamaFileType.ALL_F32, "BF16": gguf.LlamaFileType.MOSTLY_BF16,
