@@ -5,15 +5,15 @@ the methods interleaved per prompt in a rotating order, decoding tokens/s (prefi
 excluded), every output checked equal to plain decoding's.
 
 Usage: python edits.py METHOD...   (METHOD: plain or SPEC,K,POLICY, as measure.py)"""
-import fnmatch, glob, inspect, json, os.path, shutil, sys, textwrap
+import fnmatch, glob, inspect, json, shutil, sys, textwrap
 
 from exactspec import SamplingParams, SpeculativeGenerator
 from exactspec.models import ModelSpec
 from exactspec.proposers.build import build_proposer
 from exactspec.proposers.spec import parse_proposer
 
-FUNCTIONS = [textwrap.dedent, textwrap.indent, shutil.copyfileobj, os.path.commonprefix,
-             fnmatch.translate, glob.has_magic, json.dumps, os.path.relpath]
+FUNCTIONS = [textwrap.dedent, textwrap.indent, shutil.copyfileobj, shutil.which,
+             fnmatch.translate, glob.has_magic, json.dumps, textwrap.shorten]
 INSTRUCTION = ("Rewrite this Python function with type hints and a docstring, keeping its "
                "code exactly the same:\n```python\n{source}```")
 spec = ModelSpec("qwen2.5-coder-1.5b-instruct")
