@@ -14,11 +14,10 @@ Usage: python llama_spec.py N LLAMA_SERVER [CONFIG...]   CONFIG: plain, default,
        NMAX,PMIN (e.g. 4,0.75); prints one JSON line per configuration."""
 import json, subprocess, sys, time, urllib.request
 
-from exactspec import SamplingParams, SpeculativeGenerator
+from exactspec import SamplingParams
 from exactspec.bench import load_humaneval
 from exactspec.models import ModelSpec, check_model_path
-from exactspec.proposers.build import build_proposer
-from exactspec.proposers.spec import parse_proposer
+from measure import build
 
 count, server, configs = int(sys.argv[1]), sys.argv[2], sys.argv[3:] or ["plain", "default"]
 TOKENS, PORT = 256, 8391
@@ -72,12 +71,7 @@ def run_server(config):
 
 
 def run_exactspec(method):
-    if method == "plain":
-        generator = SpeculativeGenerator(target, None)
-    else:
-        proposer, k, policy = method.split(",")
-        generator = SpeculativeGenerator(
-            target, build_proposer(parse_proposer(proposer), target, spec.load), int(k), policy)
+    generator = build(spec, target, [method])[method]
     params = SamplingParams(max_new_tokens=TOKENS)
     generator.generate(prompts[0], params)  # warm-up
     results = [generator.generate(ids, params) for ids in prompts]
