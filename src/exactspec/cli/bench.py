@@ -167,7 +167,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 worker_args(args), build, console))
         console.print(f"loading {args.model} …", highlight=False)
         results = pipeline.run(spec)
-    except (ValueError, FileNotFoundError, ModuleNotFoundError, LlamaCppNotInstalledError, RayNotInstalledError,
+    except (ValueError, FileNotFoundError, ModuleNotFoundError, LlamaCppNotInstalledError,
+            RayNotInstalledError,
             ConnectionError, RuntimeError) as error:
         print_error(console, error)
         return 1
