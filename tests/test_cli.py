@@ -344,8 +344,8 @@ def test_explicit_flags_override_quick(command, args, expected, model_folder, mo
                                        capsys):
     seen = {}
 
-    def load_from_args(parsed, name=None, **kwargs):
-        seen.update({key: getattr(parsed, key) for key in expected})
+    def audit_setup(spec):  # the audit's sizes as its spec holds them
+        seen.update({key: getattr(spec, key) for key in expected})
         raise ValueError("stopped before loading")
 
     def run_bench(spec):  # the bench's sizes as its spec holds them
@@ -353,7 +353,7 @@ def test_explicit_flags_override_quick(command, args, expected, model_folder, mo
                     max_new_tokens=spec.params.max_new_tokens)
         raise ValueError("stopped before loading")
     if command == "audit":
-        monkeypatch.setattr("exactspec.cli.audit.load_from_args", load_from_args)
+        monkeypatch.setattr("exactspec.audit.pipeline.audit_setup", audit_setup)
     else:
         monkeypatch.setattr("exactspec.bench.pipeline.run", run_bench)
     assert cli.main([command, "--model", str(model_folder), *args]) == 1

@@ -59,6 +59,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
+DEFAULT_K = 4
+"""num_speculative_tokens where a command or spec gives none."""
 POLICIES = ("auto", "constant", "heuristic", "confidence")
 DEFAULT_POLICY = "auto"
 DEFAULT_MIN_CONFIDENCE = 0.4

@@ -5,8 +5,9 @@ to a spec and prints.
 
 Two ways to sample, one result:
 
-- **local** (:attr:`AuditSpec.setup`): the engine and its broken control run here (or on
-  Ray workers, :attr:`AuditSpec.executor`); greedy identity against plain decoding, then
+- **local** (:attr:`AuditSpec.setup`, a :class:`~exactspec.speculation.SpeculationSpec`):
+  the engine and its broken control, loaded by :func:`audit_setup`, run here (or on Ray
+  workers, :attr:`AuditSpec.executor`); greedy identity against plain decoding, then
   each engine's samples against the target's exact probabilities
   (:mod:`exactspec.audit.runner`).
 - **over HTTP** (:attr:`AuditSpec.endpoint`): A (speculation on), B (off) and a control
@@ -18,6 +19,7 @@ Two ways to sample, one result:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -29,7 +31,7 @@ from exactspec.extras import require
 
 require("audit", "exactspec.audit")
 
-from exactspec.audit.modes import MODES  # noqa: E402 (after the check)
+from exactspec.audit.modes import BROKEN, CONSTRAINT_CONTROL, ENGINES, MODES, PEERS  # noqa: E402 (after the check)
 from exactspec.audit.endpoint import TRANSLATED, Endpoint  # noqa: E402
 from exactspec.audit.reference import ExactReference, SampledReference  # noqa: E402
 from exactspec.audit.remote import (compare_greedy, draw_interleaved, local_greedy,
@@ -39,7 +41,9 @@ from exactspec.audit.result import (AuditResult, DistributionTest, describer, di
 from exactspec.audit.runner import AuditSetup, audit_distribution, run_greedy_checks
 from exactspec.audit.two_sample import subsample_power
 from exactspec.distributed import Executor, LocalExecutor
+from exactspec.request import prompt_tokens
 from exactspec.sampling import SamplingParams
+from exactspec.speculation import SpeculationSettings, SpeculationSpec
 
 
 class Progress(Protocol):
@@ -117,11 +121,15 @@ class AuditSpec:
         prompt_names: how the report lists the prompts (None: the prompts themselves).
         config: what the report lists about the audited setup beside what the spec holds
             (model, proposer, k ...), first.
-        setup: loads what a local audit runs on (target, ``engine`` and optional
-            ``control`` engines, the prompts tokenised, ``params``).
-        executor: makes the executor of a local audit's units from the loaded setup (None:
-            here, :class:`~exactspec.distributed.LocalExecutor`); closed at the end when it
-            has ``close``.
+        setup: what a local audit tests: the target, proposer, k, policy and batching
+            (:func:`audit_setup` loads it).
+        engine: who runs ``setup`` in a local audit: ``exactspec`` or a peer
+            (:data:`ENGINES`: transformers' or llama-cpp-python's own assisted generation).
+        broken: a local audit's broken control (:data:`BROKEN`; exactspec only).
+        executor: makes the executor of a local audit's units from the loaded
+            :class:`~exactspec.audit.runner.AuditSetup` (None: here,
+            :class:`~exactspec.distributed.LocalExecutor`); closed at the end when it has
+            ``close``.
         endpoint: the engines of an audit over HTTP.
     """
 
@@ -133,7 +141,9 @@ class AuditSpec:
     chat: bool = False
     prompt_names: Sequence[str] | None = None
     config: dict = field(default_factory=dict)
-    setup: Callable[[], AuditSetup] | None = None
+    setup: SpeculationSpec | None = None
+    engine: str = "exactspec"
+    broken: str = "accept-all"
     executor: Callable[[AuditSetup], Executor] | None = None
     endpoint: EndpointSpec | None = None
 
@@ -180,9 +190,56 @@ def _common_config(spec: AuditSpec) -> dict:
             "greedy_tokens": spec.greedy_tokens, "chat": spec.chat}
 
 
+def audit_setup(spec: AuditSpec) -> AuditSetup:
+    """Load what a local audit runs on (:class:`~exactspec.audit.runner.AuditSetup`): the
+    target of ``spec.setup``, the engine and the broken control, the prompts tokenised.
+    With Ray each worker runs this once, in its own process.
+
+    Raises:
+        ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError, ValueError:
+            as loading the models and proposer does; ValueError for an unknown engine or
+            control, or a peer that cannot run the proposer.
+    """
+    from exactspec.audit.broken import BrokenGenerator, ConstraintControl
+    from exactspec.engines import BatchedEngine, ExactspecEngine
+
+    if spec.engine not in ENGINES or spec.broken not in BROKEN:
+        raise ValueError(f"engine {spec.engine!r} or control {spec.broken!r} is invalid: "
+                         f"choose from {', '.join(ENGINES)} and {', '.join(BROKEN)}")
+    speculation = spec.setup.load()
+    proposer_spec, settings = spec.setup.proposer, spec.setup.settings
+    k, batch = spec.setup.num_speculative_tokens, spec.setup.max_batch_size
+    described = f"{proposer_spec.spec} k={k}"
+
+    def as_engine(generator, name):
+        if not batch:
+            return ExactspecEngine(generator, name)
+        return BatchedEngine(speculation.batched_generator(batch, generator),
+                             f"{name}, batched ×{batch}")
+
+    if spec.engine == "exactspec":
+        engine = as_engine(speculation.generator(),
+                           f"exactspec {described} {settings.policy}")
+    else:
+        engine = speculation.peer(dataclasses.replace(proposer_spec, peer=PEERS[spec.engine]),
+                                  k)
+        engine.name = f"{engine.label} {described}"
+    engines = {"engine": engine}
+    control = f"broken control: {spec.broken}, {described}"
+    constant = SpeculationSettings(k, "constant")
+    if spec.broken == CONSTRAINT_CONTROL and speculation.proposer is not None:
+        engines["control"] = ConstraintControl(as_engine(speculation.generator(constant),
+                                                         control), control)
+    elif spec.broken != "none" and speculation.proposer is not None:
+        engines["control"] = as_engine(speculation.generator(
+            constant, factory=functools.partial(BrokenGenerator, broken=spec.broken)), control)
+    return AuditSetup(speculation.target, engines,
+                      [speculation.prompt_ids(p, spec.chat) for p in spec.prompts], spec.params)
+
+
 def _run_local(spec: AuditSpec, progress: Progress) -> AuditResult:
     task = progress.add_task(f"loading {spec.config.get('model', 'the models')} …", total=None)
-    setup = spec.setup()
+    setup = audit_setup(spec)
     progress.remove_task(task)
     executor = spec.executor(setup) if spec.executor is not None else LocalExecutor(setup)
     try:
@@ -259,8 +316,7 @@ def _run_endpoint(spec: AuditSpec, progress: Progress) -> AuditResult:
                        seed_offset=2 << 29, **common)
     prompt_ids = None
     if mode == "reference":
-        prompt_ids = [tokenizer.apply_chat_template(p) if spec.chat else tokenizer.encode(p)
-                      for p in prompts]
+        prompt_ids = [prompt_tokens(target, p, spec.chat) for p in prompts]
     control_samples = options.control_samples or spec.samples
     config = {"mode": mode, "A": a.url, "A_model": a.model,
               "B": None if b is None else b.name.removeprefix("B "),

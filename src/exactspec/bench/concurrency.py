@@ -27,9 +27,10 @@ from exactspec.bench.methods import Method
 from exactspec.bench.questions import Question
 from exactspec.bench.runner import machine_info
 from exactspec.files import readable_json, replaced_atomically, write_text_atomically
-from exactspec.generator import SpeculativeGenerator
 from exactspec.progress import LoggedProgress
+from exactspec.request import prompt_tokens
 from exactspec.sampling import SamplingParams
+from exactspec.speculation import Speculation
 
 
 @dataclass
@@ -82,16 +83,14 @@ def run_concurrency_bench(target: Backend, questions: list[Question], methods: l
         raise ValueError(f"{len(questions)} questions cannot fill a wave of {widest}: use more "
                          "questions (--per-category) or a smaller --concurrency")
     questions = questions[:usable]
-    tokenizer = target.tokenizer
-    prompts = [tokenizer.apply_chat_template(q.prompt) if chat else tokenizer.encode(q.prompt)
-               for q in questions]
+    prompts = [prompt_tokens(target, q.prompt, chat) for q in questions]
     warm_up = SamplingParams(**{**asdict(params), "max_new_tokens": 4, "min_new_tokens": 0})
     for method in methods:
         for c in sorted(set(concurrencies)):
             method.wave(prompts[:c], warm_up)
     alone = None  # greedy: plain decoding of each question alone, the one-sequence engine
     if params.greedy:
-        plain = SpeculativeGenerator(target, None)
+        plain = Speculation(target, None).generator()
         alone = [plain.generate(ids, params).token_ids for ids in prompts]
     results = ConcurrencyResults(config | {"questions_used": usable,
                                            "concurrencies": list(concurrencies)},

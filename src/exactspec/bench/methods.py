@@ -27,11 +27,10 @@ from typing import NamedTuple
 
 from exactspec.backends.base import Backend
 from exactspec.engines import Engine, ExactspecEngine, Generation
-from exactspec.generator import SpeculativeGenerator
-from exactspec.peers import DEFAULT_PROMPT_LOOKUP_K, PEERS, is_peer, make_peer
-from exactspec.proposers.build import build_proposer
+from exactspec.peers import DEFAULT_PROMPT_LOOKUP_K, PEERS, is_peer
 from exactspec.proposers.spec import ProposerSpec, parse_proposer
 from exactspec.sampling import SamplingParams
+from exactspec.speculation import Speculation, SpeculationSettings
 from exactspec.speculation_length import POLICIES
 
 __all__ = ["Method", "WaveOutcome", "is_peer", "parse_method", "parse_method_spec"]
@@ -148,15 +147,16 @@ def parse_method(spec: str, target: Backend, load_model: Callable[[str], Backend
     kind = (f"{proposer_spec.peer}-{proposer_spec.kind}" if proposer_spec.peer
             else "+".join(part.kind for part in proposer_spec.parts))
     k = proposer_spec.k if proposer_spec.drafts else 0
+    speculation = Speculation(target, None, allow_batch_variance=allow_batch_variance,
+                              load_model=load_model)
     if proposer_spec.peer:
         try:
-            engine = make_peer(proposer_spec, target, load_model, k, share=True)
+            engine = speculation.peer(proposer_spec, k, share=True)
         except ValueError as error:
             raise ValueError(f"method {spec!r}: {error}") from None
         return Method(spec, kind, k, engine)
-    engine = ExactspecEngine(SpeculativeGenerator(
-        target, build_proposer(proposer_spec, target, load_model), k, proposer_spec.policy,
-        allow_batch_variance=allow_batch_variance), spec)
+    engine = ExactspecEngine(speculation.with_proposer(
+        proposer_spec, SpeculationSettings(k, proposer_spec.policy)).generator(), spec)
     notes = None if engine.corpus is None else (
         "suffix corpus: refilled before every run with the outputs of the questions run "
         "before this one (never its own; the warm-up's is dropped), and cleared after it; "

@@ -28,6 +28,7 @@ from exactspec.bench.runner import BenchResults, BenchSetup, prepare_bench, run_
 from exactspec.distributed import Executor
 from exactspec.models import ModelSpec
 from exactspec.sampling import SamplingParams
+from exactspec.speculation import SpeculationSpec
 
 
 @dataclass
@@ -71,11 +72,10 @@ def load(spec: BenchSpec) -> tuple[Backend, list[Method]]:
         ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError, ValueError:
             as loading the models and parsing the methods do.
     """
-    target = spec.model.load()
-    draft = functools.cache(spec.model.load)  # a draft model named twice loads once
-    return target, [parse_method(method, target, draft,
-                                 allow_batch_variance=spec.allow_batch_variance)
-                    for method in spec.methods]
+    plain = SpeculationSpec(spec.model, "plain").load()  # the target; drafts load once each
+    return plain.target, [parse_method(method, plain.target, plain.load_model,
+                                       allow_batch_variance=spec.allow_batch_variance)
+                          for method in spec.methods]
 
 
 def build(spec: BenchSpec) -> BenchSetup:

@@ -28,7 +28,7 @@ from exactspec.bench.questions import Question
 from exactspec.constraints import Constraint
 from exactspec.distributed import Executor, LocalExecutor, Missing
 from exactspec.progress import LoggedProgress
-from exactspec.request import logits_pipeline
+from exactspec.request import logits_pipeline, prompt_tokens
 from exactspec.sampling import SamplingParams
 from exactspec.threads import torch_threads
 from exactspec.verification import verify
@@ -179,9 +179,7 @@ def prepare_bench(target: Backend, questions: list[Question], methods: list[Meth
         ValueError: if no method is ``plain`` (the baseline every speedup is relative to).
     """
     _check_baseline(methods, questions)
-    tokenizer = target.tokenizer
-    prompts = {q.question_id: tokenizer.apply_chat_template(q.prompt) if chat
-               else tokenizer.encode(q.prompt) for q in questions}
+    prompts = {q.question_id: prompt_tokens(target, q.prompt, chat) for q in questions}
     warm_up = dataclasses.replace(params, max_new_tokens=4, min_new_tokens=0)
     for method in methods:
         method.run(prompts[questions[0].question_id], warm_up)

@@ -7,23 +7,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import TYPE_CHECKING
 
-from exactspec.audit.modes import CONSTRAINT_CONTROL
+from exactspec.audit.modes import BROKEN, CONSTRAINT_CONTROL, ENGINES, PEERS
 from exactspec.cli.audit_endpoint import add_endpoint_options
 from exactspec.cli.common import (DEFAULT_K, add_constraint_options, add_model_options,
-                                  add_policy_option, add_ray_options, allows_batch_variance,
-                                  check_proposer_before_loading, check_ray_options,
-                                  constraint_from_args, load_from_args, model_spec, positive_int,
-                                  print_error, seed, start_workers, worker_args)
+                                  add_policy_option, add_ray_options, check_ray_options,
+                                  check_spec, constraint_from_args, positive_int, print_error,
+                                  seed, speculation_spec, start_workers)
 from exactspec.extras import require
 from exactspec.proposers.spec import FORMS, parse_proposer
 
-if TYPE_CHECKING:
-    from exactspec.audit import AuditSetup
-
-PEER = {"transformers": "hf", "llama_cpp": "llama"}
-"""--engine → the peer (:mod:`exactspec.peers`) that runs it."""
 QUICK = {"samples": 200, "greedy_tokens": 24, "num_prompts": 3}
 FULL = {"samples": 1000, "greedy_tokens": 64}
 """Test sizes when neither --quick nor the flag itself is given."""
@@ -45,7 +38,7 @@ def add_parser(commands) -> None:
                     "verdict 'exact'.")
     add_model_options(audit)
     what = audit.add_argument_group("what to audit")
-    what.add_argument("--engine", choices=["exactspec", "transformers", "llama_cpp"],
+    what.add_argument("--engine", choices=ENGINES,
                       default="exactspec",
                       help="exactspec (the default); transformers generate() in the matching "
                            "mode: prompt_lookup_num_tokens, assistant_early_exit or "
@@ -65,8 +58,7 @@ def add_parser(commands) -> None:
                            "unseeded request, so under auto its k follows the batch, drawing "
                            "from its own generator); the broken control is batched too "
                            "(default: one sample after another)")
-    what.add_argument("--broken", choices=["accept-all", "no-residual", CONSTRAINT_CONTROL,
-                                           "none"], default=None,
+    what.add_argument("--broken", choices=BROKEN, default=None,
                       help="broken control for the power check: accept every draft (the "
                            "default), or resample from p instead of the residual after a "
                            f"rejection; {CONSTRAINT_CONTROL} (the default with a structured-"
@@ -126,6 +118,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from exactspec import SamplingParams
     from exactspec.audit import AUDIT_PROMPTS, AuditSpec, verdict_line, write_report
     from exactspec.audit import run as run_audit
+    from exactspec.audit.pipeline import audit_setup
     from exactspec.audit.endpoint import EndpointError
     from exactspec.backends.base import UnsupportedModelError
     from exactspec.backends.llama_cpp_backend import LlamaCppNotInstalledError
@@ -187,19 +180,21 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if not args.endpoint:
             proposer_spec = parse_proposer(args.proposer)
             if args.engine != "exactspec":
-                check_peer_runs(dataclasses.replace(proposer_spec, peer=PEER[args.engine]))
-            check_proposer_before_loading(args, parser, proposer_spec,
-                                          f"--proposer {args.proposer}")
+                check_peer_runs(dataclasses.replace(proposer_spec, peer=PEERS[args.engine]))
+            setup = speculation_spec(args, proposer_spec)
+            check_spec(setup, parser, f"--proposer {args.proposer}")
             if args.ray is not None:  # before loading: a missing Ray or cluster fails at once
                 connect(args.ray or None)
             spec = dataclasses.replace(
-                spec, setup=functools.partial(build_audit, args, prompts, params),
+                spec, setup=setup, engine=args.engine, broken=args.broken,
                 config={"model": args.model, "proposer": args.proposer,
                         "k": args.num_speculative_tokens, "policy": args.policy,
-                        "max_batch_size": args.max_batch_size},
-                executor=None if args.ray is None else lambda setup: start_workers(
-                    args, functools.partial(build_audit, worker_args(args), prompts, params),
-                    console))
+                        "max_batch_size": args.max_batch_size})
+            if args.ray is not None:  # each worker loads with the CPUs Ray reserves for it
+                workers = dataclasses.replace(spec, setup=dataclasses.replace(
+                    setup, model=dataclasses.replace(setup.model, threads=args.threads or 1)))
+                spec.executor = lambda loaded: start_workers(
+                    args, functools.partial(audit_setup, workers), console)
         with LoggedProgress(console=console, transient=True) as progress:
             result = run_audit(spec, progress)
     except (ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError,
@@ -214,52 +209,3 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                   highlight=False, style="bold")
     return 0 if result.verdict == "exact" else 1
 
-
-def build_audit(args: argparse.Namespace, prompts: list[str], params) -> "AuditSetup":
-    """Load what the audit runs on (:class:`~exactspec.audit.runner.AuditSetup`): the
-    target, the engine and the broken control, the prompts tokenised. With ``--ray`` each
-    worker runs this once, in its own process.
-
-    Raises:
-        ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError, ValueError:
-            as loading the models and proposer does.
-    """
-    import functools
-
-    from exactspec import SpeculativeGenerator
-    from exactspec.audit import AuditSetup, BatchedEngine, BrokenGenerator, ExactspecEngine
-    from exactspec.audit.broken import ConstraintControl
-    from exactspec.batching import BatchedGenerator
-    from exactspec.peers import make_peer
-    from exactspec.proposers.build import build_proposer
-
-    proposer_spec = parse_proposer(args.proposer)
-    target = load_from_args(args, proposer=proposer_spec)
-    load = functools.cache(model_spec(args).load)  # one draft model
-    proposer = build_proposer(proposer_spec, target, load)
-    k, batch = args.num_speculative_tokens, args.max_batch_size
-    as_engine = ExactspecEngine if not batch else (
-        lambda generator, name: BatchedEngine(BatchedGenerator(generator, batch),
-                                              f"{name}, batched ×{batch}"))
-    if args.engine == "exactspec":
-        engine = as_engine(SpeculativeGenerator(
-            target, proposer, k, args.policy, allow_batch_variance=allows_batch_variance(args)),
-                           f"exactspec {args.proposer} k={k} {args.policy}")
-    else:
-        engine = make_peer(dataclasses.replace(proposer_spec, peer=PEER[args.engine]), target,
-                           load, k)
-        engine.name = f"{engine.label} {args.proposer} k={k}"
-    engines = {"engine": engine}
-    control = f"broken control: {args.broken}, {args.proposer} k={k}"
-    if args.broken == CONSTRAINT_CONTROL and proposer is not None:
-        engines["control"] = ConstraintControl(as_engine(SpeculativeGenerator(
-            target, proposer, k, "constant", allow_batch_variance=allows_batch_variance(args)),
-            control), control)
-    elif args.broken != "none" and proposer is not None:
-        engines["control"] = as_engine(BrokenGenerator(
-            target, proposer, k, "constant", broken=args.broken,
-            allow_batch_variance=allows_batch_variance(args)), control)
-    tokenizer = target.tokenizer
-    prompt_ids = [tokenizer.apply_chat_template(p) if args.chat else tokenizer.encode(p)
-                  for p in prompts]
-    return AuditSetup(target, engines, prompt_ids, params)

@@ -127,4 +127,4 @@ def endpoint_spec(args: argparse.Namespace, parser: argparse.ArgumentParser, spe
         dict(args.extra_body), args.against_body, args.control_body, args.control_samples,
         args.api_key, args.concurrency, args.samples_per_request, args.timeout, args.retries,
         ask_token_ids=not args.no_token_ids, ask_logprobs=not args.no_logprobs,
-        local_model=args.model, load_target=lambda: common.load_from_args(args)))
+        local_model=args.model, load_target=common.model_spec(args).load))

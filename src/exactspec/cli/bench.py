@@ -7,6 +7,7 @@ once and says how to run it without the extra."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from importlib.resources import files
 from pathlib import Path
 
@@ -14,10 +15,11 @@ from rich.console import Console
 from rich.markup import escape
 
 from exactspec.cli.common import (EXIT_STATUSES, EXIT_UNSTABLE, add_model_options,
-                                  add_ray_options, allows_batch_variance, check_head_files,
-                                  check_models_before_loading, check_ray_options, model_spec,
-                                  print_error, seed, start_workers, worker_args)
+                                  add_ray_options, allows_batch_variance, check_ray_options,
+                                  check_spec, model_spec, print_error, seed,
+                                  speculation_spec, start_workers, worker_args)
 from exactspec.distributed import RayNotInstalledError, connect
+from exactspec.proposers.spec import parse_proposer
 
 DEFAULT_BENCH_METHODS = {
     "transformers": ("plain", "prompt-lookup:k=4", "prompt-lookup:k=6:policy=auto", "hf-plain",
@@ -140,12 +142,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      "process under load: give one of them")
     console = Console(stderr=True, soft_wrap=True)
     try:
-        specs = [parse_method_spec(spec) for spec in args.method or ()]
-        for spec in specs:
-            check_head_files(spec, f"--method {spec.spec}")
-        backend = check_models_before_loading(args, {f"--method {spec.spec}": part.model
-                                                     for spec in specs for part in spec.parts
-                                                     if part.model})
+        backend = check_spec(speculation_spec(args, parse_proposer("plain")), parser, "")
+        for method in args.method or ():
+            method_spec = parse_method_spec(method)
+            check_spec(speculation_spec(args, dataclasses.replace(method_spec, peer=None)),
+                       parser, f"--method {method_spec.spec}")
         if args.ray is not None:  # before loading: a missing Ray or cluster fails at once
             connect(args.ray or None)
         spec = BenchSpec(

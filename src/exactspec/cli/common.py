@@ -12,13 +12,10 @@ from rich.markup import escape
 
 from exactspec.distributed import RayExecutor, connect, default_workers
 from exactspec.load_options import ACTIVATIONS, BACKENDS, KERNELS, default_threads
-from exactspec.model_files import (DEFAULT_MODEL, EMBEDDED_MODELS, WEIGHT_TYPES,
-                                   check_model_path, context_length, layer_count,
-                                   resolve_model_path)
+from exactspec.model_files import DEFAULT_MODEL, EMBEDDED_MODELS, WEIGHT_TYPES
 from exactspec.proposers.spec import ProposerSpec, parse_ngram, parse_proposer
-from exactspec.speculation_length import DEFAULT_POLICY, POLICIES
+from exactspec.speculation_length import DEFAULT_K, DEFAULT_POLICY, POLICIES
 
-DEFAULT_K = 4
 EXIT_UNSTABLE = 3
 """``bench``'s exit status when its measurements look disturbed (and nothing failed)."""
 EXIT_INTERRUPTED = 130
@@ -142,81 +139,6 @@ def positive_int(text: str) -> int:
     return value
 
 
-def check_models_before_loading(args: argparse.Namespace, drafts: dict[str, str],
-                                proposer=None) -> str:
-    """What can be checked without loading a model, in a moment: ``--model`` and each of
-    ``drafts`` (flag → model name or path) exist and look like a model (see
-    :func:`~exactspec.model_files.check_model_path`), and the model options, and
-    ``proposer``'s needs, fit the target (:func:`~exactspec.models.choose_backend`).
-
-    Returns:
-        the target's backend (``native``, ``transformers`` or ``llama_cpp``).
-    Raises:
-        ModelNotFoundError, ValueError: naming the flag and the bad value.
-    """
-    from exactspec.models import choose_backend
-
-    for flag, name in {"--model": args.model, **drafts}.items():
-        try:
-            path = check_model_path(name)
-        except (FileNotFoundError, ValueError) as error:
-            raise type(error)(f"{flag}: {error}") from None
-        if flag == "--model":
-            backend = choose_backend(path, args.backend, device=args.device, dtype=args.dtype,
-                                     kernels=args.kernels, proposer=proposer)
-            limit = context_length(path) if args.max_model_len else None
-            if limit is not None and args.max_model_len > limit:
-                raise ValueError(f"--max-model-len {args.max_model_len} is invalid: the model's "
-                                 f"context holds {limit} tokens")
-    return backend
-
-
-def check_proposer_before_loading(args: argparse.Namespace, parser: argparse.ArgumentParser,
-                                 proposer_spec, flag: str) -> str:
-    """:func:`check_models_before_loading` for ``--model`` and ``proposer``'s draft model;
-    for early exit, :func:`check_early_exit`; for a draft head, that its file exists.
-    ``flag`` names the proposer in messages (e.g. ``--draft-model``, ``--proposer SPEC``).
-
-    Returns:
-        the target's backend (``native``, ``transformers`` or ``llama_cpp``).
-    Raises:
-        ModelNotFoundError, ValueError: naming the flag and the bad value; bad layer counts
-        exit through ``parser.error``.
-        (a head file that does not exist is a ValueError too).
-    """
-    parts = proposer_spec.parts
-    backend = check_models_before_loading(
-        args, {flag: part.model for part in parts if part.model}, proposer_spec)
-    for part in parts:
-        if part.kind == "early-exit":
-            check_early_exit(parser, flag if flag == "--early-exit" else f"{flag}: L =",
-                             part.layers, layer_count(resolve_model_path(args.model)))
-    check_head_files(proposer_spec, flag)
-    return backend
-
-
-def check_head_files(proposer_spec: ProposerSpec, flag: str) -> None:
-    """That each draft head file ``proposer_spec`` names exists (``flag`` names it).
-
-    Raises:
-        ValueError: naming the flag and the missing file.
-    """
-    for part in proposer_spec.parts:
-        if part.head is not None and not Path(part.head).expanduser().is_file():
-            raise ValueError(f"{flag}: draft head {part.head!r} does not exist")
-
-
-def check_early_exit(parser: argparse.ArgumentParser, flag: str, layers: int,
-                     num_layers: int | None) -> None:
-    """Exit through ``parser.error`` (status 2) unless 1 ≤ ``layers`` < ``num_layers``, the
-    target's layer count (None: unknown, then only ≥ 1 is checked)."""
-    if num_layers is not None and not 1 <= layers < num_layers:
-        parser.error(f"{flag} {layers} is invalid: it must be in [1, {num_layers - 1}] (the "
-                     f"target has {num_layers} layers)")
-    if layers < 1:
-        parser.error(f"{flag} {layers} is invalid: it must be ≥ 1")
-
-
 def model_spec(args: argparse.Namespace):
     """The :class:`~exactspec.models.ModelSpec` of ``--model`` and the model options."""
     from exactspec.models import ModelSpec
@@ -227,26 +149,41 @@ def model_spec(args: argparse.Namespace):
                      activations=args.activations)
 
 
-def load_from_args(args: argparse.Namespace, name_or_path: str | None = None, *,
-                   proposer=None):
-    """The model ``name_or_path`` (default ``--model``) with the parsed model options, on the
-    backend ``proposer``'s needs allow (see :func:`~exactspec.models.choose_backend`)."""
-    return model_spec(args).load(name_or_path, proposer=proposer)
+def speculation_spec(args: argparse.Namespace, proposer: ProposerSpec | None = None):
+    """The :class:`~exactspec.speculation.SpeculationSpec` of the model options,
+    ``proposer`` (default ``--proposer``), ``-k``, ``--policy``, ``--max-batch-size`` and
+    the batch-variance flags, where the command has them."""
+    from exactspec.speculation import SpeculationSpec
+
+    return SpeculationSpec(model_spec(args), proposer or args.proposer,
+                           num_speculative_tokens=getattr(args, "num_speculative_tokens", DEFAULT_K),
+                           policy=getattr(args, "policy", DEFAULT_POLICY),
+                           allow_batch_variance=allows_batch_variance(args),
+                           max_batch_size=getattr(args, "max_batch_size", None))
+
+
+def check_spec(spec, parser: argparse.ArgumentParser, flag: str) -> str:
+    """:meth:`SpeculationSpec.check <exactspec.speculation.SpeculationSpec.check>` with the
+    command line's names (``--model``, ``flag`` for the proposer); a value out of range
+    exits through ``parser.error`` (status 2).
+
+    Returns:
+        the target's backend (``native``, ``transformers`` or ``llama_cpp``).
+    Raises:
+        ModelNotFoundError, ValueError: naming the flag and the bad value.
+    """
+    from exactspec.speculation import InvalidValueError
+
+    try:
+        return spec.check(model_flag="--model", proposer_flag=flag)
+    except InvalidValueError as error:
+        parser.error(str(error))
 
 
 def allows_batch_variance(args: argparse.Namespace) -> bool:
     """Whether the user accepted rounding differences (``--allow-batch-variance``, or the
     fast kernels chosen explicitly)."""
     return args.allow_batch_variance or args.kernels == "fast"
-
-
-def has_chat_template(target) -> bool:
-    """Whether the target's tokenizer has a chat template."""
-    try:
-        target.tokenizer.apply_chat_template("")
-    except ValueError:
-        return False
-    return True
 
 
 def add_constraint_options(parser: argparse.ArgumentParser) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -12,10 +12,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_constraint_options,
-                                  add_model_options, add_policy_option, allows_batch_variance,
-                                  check_proposer_before_loading, constraint_from_args,
-                                  has_chat_template, load_from_args, logit_bias, model_spec,
-                                  ngram_range, positive_int, print_error, proposer_spec, seed)
+                                  add_model_options, add_policy_option, check_spec,
+                                  constraint_from_args, logit_bias, ngram_range, positive_int,
+                                  print_error, proposer_spec, seed, speculation_spec)
 from exactspec.extras import require
 from exactspec.files import readable_json
 from exactspec.model_files import ModelNotFoundError
@@ -127,8 +126,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from exactspec.backends.base import UnsupportedModelError
     from exactspec.backends.llama_cpp_backend import (LlamaCppNotInstalledError,
                                                       slow_decoding_warning)
-    from exactspec.generator import SpeculativeGenerator
-    from exactspec.proposers.build import build_proposer
     from exactspec.proposers.draft_model import DraftModelProposer
     from exactspec.sampling import SamplingParams
     from exactspec.trace.terminal import show
@@ -176,33 +173,32 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"{flag} needs a constraint (it drafts only the tokens a "
                      "constraint forces): give --json-schema, --json-object, --regex, "
                      "--grammar or --choice")
+    spec = speculation_spec(args, proposer_spec)
     try:  # what can be checked before the (slow) loading
-        check_proposer_before_loading(args, parser, proposer_spec, flag)
+        check_spec(spec, parser, flag)
     except (ModelNotFoundError, ValueError) as error:
         print_error(console, error)
         return 1
     if args.num_speculative_tokens == 0:
         proposer_spec = ProposerSpec("plain", "plain")
+        spec = dataclasses.replace(spec, proposer=proposer_spec)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("exactspec").setLevel(logging.INFO)
+    draft = next((part.model for part in proposer_spec.parts if part.model), None)
     try:
-        with console.status(f"Loading {args.model} …"):
-            target = load_from_args(args, proposer=proposer_spec)
-        draft = next((part.model for part in proposer_spec.parts if part.model), None)
-        with (console.status(f"Loading draft {draft} …") if draft
-              else contextlib.nullcontext()):
-            proposer = build_proposer(proposer_spec, target, model_spec(args).load)
+        with console.status(f"Loading {args.model}" + (f" and draft {draft}" if draft else "")
+                            + " …"):
+            speculation = spec.load()
+        target, proposer = speculation.target, speculation.proposer
         method = proposer_spec.description + (
             f" ({proposer.description})" if isinstance(proposer, DraftModelProposer) else "")
-        if proposer is not None and not target.batch_invariant and allows_batch_variance(args):
+        if proposer is not None and not target.batch_invariant and spec.allow_batch_variance:
             console.print(f"note: {target.description} is not batch-invariant: the output is "
                           "exact only up to rounding (near-tied tokens can flip)", highlight=False)
-        chat = args.chat if args.chat is not None else has_chat_template(target)
-        generator = SpeculativeGenerator(target, proposer, args.num_speculative_tokens,
-                                         args.policy,
-                                         allow_batch_variance=allows_batch_variance(args))
-        results = generator.generate_samples(prompt, params, n=args.num_samples, chat=chat,
-                                             trace=args.show or args.trace is not None)
+        chat = args.chat if args.chat is not None else speculation.chat_template
+        results = speculation.generator().generate_samples(
+            prompt, params, n=args.num_samples, chat=chat,
+            trace=args.show or args.trace is not None)
     except (ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError,
             ValueError) as error:
         print_error(console, error)

@@ -15,10 +15,8 @@ import time
 from rich.console import Console
 
 from exactspec.cli.common import (DEFAULT_K, EXIT_STATUSES, add_model_options,
-                                  add_policy_option, allows_batch_variance,
-                                  check_proposer_before_loading, load_from_args, model_spec,
-                                  positive_int,
-                                  print_error, proposer_spec, worker_args)
+                                  add_policy_option, check_spec, positive_int, print_error,
+                                  proposer_spec, speculation_spec, worker_args)
 from exactspec.distributed import RayNotInstalledError
 from exactspec.extras import require
 from exactspec.load_options import DEFAULT_MAX_BATCH_SIZE
@@ -118,7 +116,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.replicas:
         return _run_replicas(args, parser, console)
     try:
-        check_proposer_before_loading(args, parser, proposer_spec, f"--proposer {proposer_spec.spec}")
+        check_spec(speculation_spec(args), parser, f"--proposer {proposer_spec.spec}")
         with console.status(f"Loading {args.model} …"):
             app = build_app(args)
     except (ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError,
@@ -144,7 +142,11 @@ def _run_replicas(args: argparse.Namespace, parser, console) -> int:
     """``--replicas N``: the application on N Ray Serve replicas until Ctrl-C."""
     from exactspec.server import replicas  # the server extra
 
-    check_proposer_before_loading(args, parser, args.proposer, f"--proposer {args.proposer.spec}")
+    try:
+        check_spec(speculation_spec(args), parser, f"--proposer {args.proposer.spec}")
+    except (ModelNotFoundError, ValueError) as error:
+        print_error(console, error)
+        return 1
     _warn_broken(args, console)
     threads = args.threads or 1
     try:
@@ -183,25 +185,24 @@ def build_app(args: argparse.Namespace, ray_metrics: bool = False):
         ModelNotFoundError, UnsupportedModelError, LlamaCppNotInstalledError, ValueError:
             as loading does.
     """
-    from exactspec.proposers.build import build_proposer
-    from exactspec.server import SpeculationSettings, create_app  # the server extra
+    from exactspec.server import create_app  # the server extra
 
-    target = load_from_args(args, proposer=args.proposer)
-    proposer = build_proposer(args.proposer, target, model_spec(args).load)
-    k = args.num_speculative_tokens if proposer is not None else 0
+    spec = speculation_spec(args)
+    speculation = spec.load()
     factory = {}
     if args.broken_verifier:  # the audit's code, loaded only for this test of audits
         from exactspec.audit.broken import BrokenGenerator
 
         factory = {"generator_factory": functools.partial(BrokenGenerator,
                                                           broken=args.broken_verifier)}
-    return create_app(target, proposer, model_name=args.served_model_name or args.model,
-                      speculation=SpeculationSettings(k, args.policy),
+    return create_app(speculation.target, speculation.proposer,
+                      model_name=args.served_model_name or args.model,
+                      speculation=speculation.settings,
                       api_key=args.api_key or os.environ.get(API_KEY_VARIABLE),
                       max_queue=args.max_queue, max_request_bytes=args.max_request_bytes,
                       max_batch_size=args.max_batch_size,
-                      allow_batch_variance=allows_batch_variance(args),
-                      ray_metrics=ray_metrics, **factory)
+                      allow_batch_variance=spec.allow_batch_variance, ray_metrics=ray_metrics,
+                      **factory)
 
 
 def _warn_broken(args: argparse.Namespace, console) -> None:

@@ -12,6 +12,6 @@ from exactspec.extras import require
 require("server", "exactspec.server")
 
 from exactspec.server.app import create_app  # noqa: E402 (after the extra's check)
-from exactspec.server.worker import SpeculationSettings  # noqa: E402
+from exactspec.speculation import SpeculationSettings  # noqa: E402
 
 __all__ = ["SpeculationSettings", "create_app"]

@@ -36,10 +36,11 @@ from exactspec.request import Request as EngineRequest
 from exactspec.request import RequestError, prepare_request, prompt_tokens
 from exactspec.server.metrics import ServerMetrics
 from exactspec.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                       SamplingRequest, ServerError, Speculation, created,
+                                       SamplingRequest, ServerError, SpeculationOptions, created,
                                        new_id, speculation_figures, usage)
 from exactspec.server.streaming import results, stream
-from exactspec.server.worker import EngineWorker, Job, QueueFullError, SpeculationSettings
+from exactspec.server.worker import EngineWorker, Job, QueueFullError
+from exactspec.speculation import Speculation, SpeculationSettings
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 """Largest request body accepted (bytes); larger ones get 413."""
@@ -83,9 +84,9 @@ def create_app(target: Backend, proposer: Proposer | None, *, model_name: str,
     metrics = ServerMetrics(model_name, ray=ray_metrics)
     if proposer is not None and proposer.corpus is not None:
         metrics.watch_corpus(proposer.corpus)
-    worker = EngineWorker(target, proposer, speculation, metrics, max_queue=max_queue,
-                          max_batch_size=max_batch_size,
-                          allow_batch_variance=allow_batch_variance,
+    worker = EngineWorker(Speculation(target, proposer, speculation,
+                                      allow_batch_variance=allow_batch_variance),
+                          metrics, max_queue=max_queue, max_batch_size=max_batch_size,
                           generator_factory=generator_factory)
 
     @contextlib.asynccontextmanager
@@ -175,15 +176,15 @@ class Serving:
         except RequestError as error:
             raise body.request_error(error) from None
 
-    def speculation(self, request: Speculation | None) -> SpeculationSettings:
+    def speculation(self, request: SpeculationOptions | None) -> SpeculationSettings:
         """A request's speculation settings over the server's defaults.
 
         Raises:
             ServerError: 400 for speculation asked of a server without a proposer, or a
                 policy the proposer cannot run.
         """
-        request = request or Speculation()
-        default = self.worker.default_speculation
+        request = request or SpeculationOptions()
+        default = self.worker.speculation.settings
         has_proposer = self.worker.proposer is not None
         k = (default.num_speculative_tokens if request.num_speculative_tokens is None
              else request.num_speculative_tokens)

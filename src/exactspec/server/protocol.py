@@ -76,7 +76,7 @@ class ServerError(Exception):
                           "param": self.param, "code": self.status}}
 
 
-class Speculation(BaseModel):
+class SpeculationOptions(BaseModel):
     """Per-request speculation settings; a field left out takes the server's default.
 
     Attributes:
@@ -212,7 +212,7 @@ class SamplingRequest(BaseModel):
     structured_outputs: StructuredOutputs | None = None
     # exactspec's
     banned_token_ids: list[int] | None = None
-    speculation: Speculation | None = None
+    speculation: SpeculationOptions | None = None
     # vLLM's cache isolation: only requests with the same salt (and API key) share what the
     # suffix proposer's corpus learnt from earlier outputs
     cache_salt: Annotated[str, Field(min_length=1)] | None = None

@@ -22,14 +22,12 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from exactspec.backends.base import Backend
-from exactspec.batching import BatchedGenerator
 from exactspec.generator import GenerationResult, SpeculativeGenerator
 from exactspec.load_options import DEFAULT_MAX_BATCH_SIZE
-from exactspec.proposers.base import Proposer
 from exactspec.request import Request
 from exactspec.sampling import SamplingParams
 from exactspec.server.metrics import ServerMetrics
+from exactspec.speculation import Speculation, SpeculationSettings
 
 logger = logging.getLogger(__name__)
 
@@ -40,15 +38,6 @@ class QueueFullError(Exception):
 
 class Cancelled(Exception):
     """Raised inside generation when the job was cancelled."""
-
-
-@dataclass(frozen=True)
-class SpeculationSettings:
-    """What a request's generation runs with: num_speculative_tokens (0 = plain decoding)
-    and the policy."""
-
-    num_speculative_tokens: int
-    policy: str
 
 
 @dataclass
@@ -99,31 +88,28 @@ class EngineWorker:
     """The thread that runs every job on one target and proposer, batched.
 
     Args:
-        target: the loaded target model.
-        proposer: the server's proposer (None: plain decoding only).
-        speculation: the server's default num_speculative_tokens and policy.
+        speculation: the loaded target and the server's proposer (None: plain decoding
+            only), its settings the server's default num_speculative_tokens and policy.
         metrics: where finished requests are counted.
         max_queue: most jobs waiting (beyond it :meth:`submit` raises QueueFullError).
         max_batch_size: most prompts decoded together (1 with a proposer that is not
             ``batchable``: a draft model's cache follows one sequence).
-        allow_batch_variance: as :class:`~exactspec.generator.SpeculativeGenerator`.
         generator_factory: makes the generator of every speculative setting, called as
             :class:`~exactspec.generator.SpeculativeGenerator` is (the default; plain
-            decoding always gets it). Injected by a caller that verifies otherwise: for
+            decoding always gets it; :meth:`Speculation.generator
+            <exactspec.speculation.Speculation.generator>`'s ``factory``). Injected by a caller that verifies otherwise: for
             testing audits only, ``serve --broken-verifier`` passes
             :class:`~exactspec.audit.broken.BrokenGenerator`, a deliberately wrong one.
     """
 
-    def __init__(self, target: Backend, proposer: Proposer | None,
-                 speculation: SpeculationSettings, metrics: ServerMetrics, *,
+    def __init__(self, speculation: Speculation, metrics: ServerMetrics, *,
                  max_queue: int = 64, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-                 allow_batch_variance: bool = False,
                  generator_factory: Callable[..., SpeculativeGenerator] = SpeculativeGenerator,
                  ) -> None:
-        self.target, self.proposer = target, proposer
-        self.default_speculation = speculation
+        self.speculation = speculation
+        self.target, self.proposer = speculation.target, speculation.proposer
+        proposer = self.proposer
         self.metrics = metrics
-        self.allow_batch_variance = allow_batch_variance
         self.generator_factory = generator_factory
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._generators: dict[SpeculationSettings, SpeculativeGenerator] = {}
@@ -133,7 +119,8 @@ class EngineWorker:
                         type(proposer).__name__)
             max_batch_size = 1
         # a bad default fails at start, not at the first request
-        self.batched = BatchedGenerator(self.generator(speculation), max_batch_size)
+        self.batched = speculation.batched_generator(max_batch_size,
+                                                     self.generator(speculation.settings))
         self._rows: dict[int, tuple[Job, int]] = {}  # request id → (job, prompt index)
         self._outstanding: dict[int, int] = {}  # id(job) → rows not finished
         self._jobs_waiting_for_room = 0  # jobs taken from the queue, none of their rows active
@@ -149,12 +136,8 @@ class EngineWorker:
         """
         with self._generators_lock:
             if speculation not in self._generators:
-                plain = speculation.num_speculative_tokens == 0 or self.proposer is None
-                factory = SpeculativeGenerator if plain else self.generator_factory
-                self._generators[speculation] = factory(
-                    self.target, None if plain else self.proposer,
-                    speculation.num_speculative_tokens, speculation.policy,
-                    allow_batch_variance=self.allow_batch_variance)
+                self._generators[speculation] = self.speculation.generator(
+                    speculation, factory=self.generator_factory)
             return self._generators[speculation]
 
     def submit(self, job: Job) -> None:
