@@ -255,7 +255,7 @@ def test_logprobs_of_tokens_that_split_a_character():
     """A character split over two tokens goes whole to the token completing it, so the
     tokens join to the text and text_offset counts characters of the text."""
     from exactspec.generator import TokenLogprob
-    from exactspec.server.protocol import chat_logprobs, completion_logprobs
+    from exactspec.server.responses import chat_logprobs, completion_logprobs
 
     table = {0: b"\xc3", 1: b"\xa9", 2: b"x"}  # "é" in two tokens, then "x"
     decode = lambda ids: b"".join(table[t] for t in ids).decode("utf-8", "replace")
@@ -396,7 +396,7 @@ def test_max_tokens_beyond_the_context_is_400_naming_what_fits(client):
 
 def test_stop_reason_is_vllms_the_stop_string_or_stop_token_id_never_eos():
     from exactspec.generation_stats import GenerationStats
-    from exactspec.server.protocol import stop_reason
+    from exactspec.server.responses import stop_reason
 
     def result(reason):
         return GenerationResult("", [1, 2], "stop", reason, [0], GenerationStats())

@@ -9,7 +9,8 @@ whose :class:`~exactspec.request.RequestError` becomes a 400 naming the API's fi
 :class:`~exactspec.server.worker.Job` is queued on the
 :class:`~exactspec.server.worker.EngineWorker` (a full queue → 503 at once), and its events
 become either one JSON response or server-sent events
-(:mod:`~exactspec.server.streaming`). A client that disconnects cancels its job.
+(:mod:`~exactspec.server.streaming`), rendered by the endpoint's
+:mod:`~exactspec.server.responses`. A client that disconnects cancels its job.
 
 The endpoints are module-level functions on one router; what they serve from lives in a
 :class:`Serving` on ``app.state.serving``.
@@ -36,8 +37,9 @@ from exactspec.request import Request as EngineRequest
 from exactspec.request import RequestError, prepare_request, prompt_tokens
 from exactspec.server.metrics import ServerMetrics
 from exactspec.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                       SamplingRequest, ServerError, SpeculationOptions, created,
-                                       new_id, speculation_figures, usage)
+                                       SamplingRequest, ServerError, SpeculationOptions)
+from exactspec.server.responses import (created, new_id, responses_for, speculation_figures,
+                                        usage)
 from exactspec.server.streaming import results, stream
 from exactspec.server.worker import EngineWorker, Job, QueueFullError
 from exactspec.speculation import Speculation, SpeculationSettings
@@ -145,21 +147,22 @@ class Serving:
             self.worker.submit(job)
         except QueueFullError as error:
             raise ServerError(503, str(error), headers={"Retry-After": "1"}) from None
-        header = {"id": new_id(body.id_prefix), "object": body.response_object,
+        render = responses_for(body)
+        header = {"id": new_id(render.id_prefix), "object": render.response_object,
                   "created": created(), "model": self.model_name}
         decode = self.target.tokenizer.decode
         if body.stream:
-            return StreamingResponse(stream(job, header, body, decode),
+            return StreamingResponse(stream(job, header, render, decode),
                                      media_type="text/event-stream")
         ordered = await results(job, request)
-        return {**header, "choices": [body.choice(i, result, job.params, decode)
+        return {**header, "choices": [render.choice(i, result, job.params, decode)
                                       for i, result in enumerate(ordered)],
                 "usage": usage(ordered, job.prompt_lengths),
                 "speculation": speculation_figures([result.stats for result in ordered])}
 
     def prepare(self, body: SamplingRequest) -> list[EngineRequest]:
-        """The body's prompts as requests ready to decode, one per prompt (tokenising takes
-        time: run it off the event loop).
+        """The body's prompts as requests ready to decode, one per prompt, each tokenised
+        once here (it takes time: run it off the event loop); the requests get the ids.
 
         Raises:
             ServerError: 400 naming the API's field, for what the engine refuses (the
@@ -168,7 +171,7 @@ class Serving:
                 <exactspec.server.protocol.SamplingRequest.sampling_params>`).
         """
         try:
-            prompts = [prompt_tokens(self.target, prompt) for prompt in body.prompts()]
+            prompts = [prompt_tokens(self.target, prompt) for prompt in body.asked().prompts]
             params = body.sampling_params([len(p) for p in prompts],
                                           self.target.max_context_length)
             return [prepare_request(self.target, prompt, params, n=body.n)

@@ -16,8 +16,9 @@ from typing import Any
 from fastapi import Request
 
 from exactspec.generator import GenerationResult
-from exactspec.server.protocol import (Decode, SamplingRequest, ServerError, final_text,
-                                       speculation_figures, usage)
+from exactspec.server.errors import ServerError
+from exactspec.server.responses import (CompletionResponses, Decode, final_text,
+                                        speculation_figures, usage)
 from exactspec.server.worker import Cancelled, Job
 from exactspec.text import INCOMPLETE, find_stop
 
@@ -81,7 +82,7 @@ class StreamedChoice:
     engine finds it, :func:`~exactspec.text.find_stop`, and never the last
     ``len(stop) - 1`` characters), and less an incomplete character. The rest comes with
     the result (:meth:`rest`), cut as the non-streamed text is
-    (:func:`~exactspec.server.protocol.final_text`)."""
+    (:func:`~exactspec.server.responses.final_text`)."""
 
     def __init__(self, decode: Decode, stop: Sequence[str]) -> None:
         self.decode, self.stop = decode, stop
@@ -107,13 +108,14 @@ class StreamedChoice:
         return piece
 
 
-async def stream(job: Job, header: dict, body: SamplingRequest, decode: Decode
+async def stream(job: Job, header: dict, render: CompletionResponses, decode: Decode
                  ) -> AsyncIterator[str]:
     """Server-sent events for ``job``: a chunk per cycle and choice, a last chunk per choice
     with its finish reason, then (with ``stream_options.include_usage``) usage in a chunk
     with no choices, then ``data: [DONE]``. The request's speculative figures ride on the
     last chunk before ``[DONE]``. An error is sent as OpenAI's error body."""
-    header = header | {"object": body.chunk_object}
+    header = header | {"object": render.chunk_object}
+    include_usage = render.body.include_usage
     choices = [StreamedChoice(decode, job.params.stop) for _ in range(job.num_choices)]
     finished: dict[int, GenerationResult] = {}
 
@@ -122,12 +124,12 @@ async def stream(job: Job, header: dict, body: SamplingRequest, decode: Decode
 
     def chunk(index: int, text: str, result: GenerationResult | None = None,
               first: bool = False) -> str:
-        data = body.chunk_choice(index, text, job.params, result, first)
-        last = result is not None and len(finished) == len(choices) and not body.include_usage
+        data = render.chunk_choice(index, text, job.params, result, first)
+        last = result is not None and len(finished) == len(choices) and not include_usage
         return sse(header | {"choices": [data]} | ({"speculation": figures()} if last else {}))
 
     try:
-        if body.opening_chunk:
+        if render.opening_chunk:
             for index in range(len(choices)):
                 yield chunk(index, "", first=True)
         async for event, index, value in events(job, keepalive=True):
@@ -139,7 +141,7 @@ async def stream(job: Job, header: dict, body: SamplingRequest, decode: Decode
             else:  # result
                 finished[index] = value
                 yield chunk(index, choices[index].rest(value), value)
-        if body.include_usage:  # OpenAI's usage chunk: no choices
+        if include_usage:  # OpenAI's usage chunk: no choices
             yield sse(header | {"choices": [], "speculation": figures(),
                                 "usage": usage([finished[i] for i in sorted(finished)],
                                                job.prompt_lengths)})
