@@ -304,7 +304,7 @@ class CountingFallback(FallbackProposer):
 
     def propose(self, *args, **kwargs):
         proposal = super().propose(*args, **kwargs)
-        self.counts[self.last_drafter is self.matcher] += len(proposal)
+        self.counts[self.last_proposer is self.matcher] += len(proposal)
         return proposal
 
 

@@ -337,7 +337,7 @@ def test_suffix_then_head_drafts_with_each_and_keeps_the_greedy_output(target, t
     def counting(*args, **kwargs):
         proposal = propose(*args, **kwargs)
         drafted.append(len(proposal))
-        drafters.append(proposer.last_drafter is suffix)
+        drafters.append(proposer.last_proposer is suffix)
         return proposal
 
     proposer.propose = counting

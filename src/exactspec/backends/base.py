@@ -3,8 +3,11 @@
 A backend owns one model and the KV caches of the sequences it holds, each by an id the
 caller chooses (a lone generation is one sequence; batched decoding holds many). The engine
 drives it with ``prefill`` (append tokens to a sequence's cache, no logits), ``forward``
-(append tokens to one or more sequences in one forward pass and return their logits) and
-``rollback`` (drop rejected positions from the end of a sequence's cache). The contract, in
+(append tokens to one or more sequences in one forward pass and return their logits; a
+token tree through ``forward_tree``/``forward_trees``) and, after verification, ``retain``
+(keep the scored rows that were accepted: a chain's prefix or a tree's accepted path, and
+drop the rest); ``rollback`` (drop positions from the end of a sequence's cache) is what a
+chain's ``retain`` comes down to. The contract, in
 the style of llama.cpp's ``common/speculative.h`` (one state per sequence):
 
     requires  forward([(id, ids)]): the sequence's cache holds the tokens before ``ids``

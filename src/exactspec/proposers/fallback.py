@@ -52,7 +52,7 @@ class FallbackProposer(Proposer):
                                       or model.needs_target_features)
         self.batchable = matcher.batchable and model.batchable
         self.corpus = matcher.corpus
-        self.last_drafter: Proposer | None = None
+        self.last_proposer: Proposer | None = None
         """The part that made the last proposal (None before any)."""
 
     def __copy__(self) -> FallbackProposer:  # a batch row's copy has its own parts
@@ -61,10 +61,10 @@ class FallbackProposer(Proposer):
     def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
                 rng: torch.Generator, min_confidence: float = 0.0) -> Proposal:
         proposal = self.matcher.propose(token_ids, k, pipeline, rng)
-        self.last_drafter = self.matcher
+        self.last_proposer = self.matcher
         if not proposal.token_ids:
             proposal = self.model.propose(token_ids, k, pipeline, rng, min_confidence)
-            self.last_drafter = self.model
+            self.last_proposer = self.model
         return proposal
 
     def follow(self, sequence_id: int) -> None:
@@ -72,11 +72,11 @@ class FallbackProposer(Proposer):
         self.model.follow(sequence_id)
 
     def observe(self, num_accepted: int) -> None:
-        if self.last_drafter is not None:
-            self.last_drafter.observe(num_accepted)
+        if self.last_proposer is not None:
+            self.last_proposer.observe(num_accepted)
 
     def reset(self, reproducible: bool = False, scope: Hashable = None) -> None:
-        self.last_drafter = None
+        self.last_proposer = None
         self.matcher.reset(reproducible, scope)
         self.model.reset(reproducible, scope)
 
