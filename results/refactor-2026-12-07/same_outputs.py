@@ -49,11 +49,15 @@ LAUNCH = "import sys; from exactspec.cli import main; sys.exit(main(sys.argv[1:]
 """The CLI of the tree on PYTHONPATH (the installed ``exactspec`` script would run main's)."""
 VOLATILE = re.compile(r"seconds|per_second|tokens_per_s|_ms$|^ms|time|ttft|tpot|itl|latency|"
                       r"speedup|created|^id$|ran_on|wall|throughput|^cv$|stable|unstable|"
-                      r"cost|rate_per|^files?$|output|draft_tokens_per_target|ratio")
+                      r"cost|rate_per|^files?$|output|draft_tokens_per_target|ratio|share|spread|per_cycle")
 
 
 def normalised(value):
+    """``value`` without :data:`VOLATILE` keys (nor, under ``auto``, whose k follows the
+    timings, the drafting figures: only the tokens must be the same)."""
     if isinstance(value, dict):
+        if value.get("policy") == "auto" or "auto" in str(value.get("method", "")):
+            value = {k: v for k, v in value.items() if k != "stats"}
         return {k: normalised(v) for k, v in value.items() if not VOLATILE.search(k)}
     if isinstance(value, list):
         return [normalised(v) for v in value]
@@ -74,7 +78,8 @@ def run_tree(tree: Path, out: Path) -> dict[str, object]:
     out.mkdir(parents=True, exist_ok=True)
     outputs: dict[str, object] = {}
     for name, args in GENERATE.items():
-        done = cli(tree, "generate", *args, "--json", cwd=out)
+        policy = [] if "auto" in name else ["--policy", "constant"]  # auto's k follows timings
+        done = cli(tree, "generate", *args, *policy, "--json", cwd=out)
         outputs[f"generate: {name}"] = (json.loads(done.stdout) if done.returncode == 0
                                         else {"exit": done.returncode, "err": done.stderr[-300:]})
     questions = Path(__file__).resolve().parents[3] / "shared/data/spec_bench/question.jsonl"
@@ -106,7 +111,7 @@ def serve(tree: Path, out: Path) -> dict[str, object]:
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
     server = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--proposer",
-                               "suffix", "--port", str(port)], env=env, cwd=out,
+                               "suffix", "--policy", "constant", "--port", str(port)], env=env, cwd=out,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}/v1"
     try:
