@@ -56,7 +56,7 @@ def normalised(value):
     """``value`` without :data:`VOLATILE` keys (nor, under ``auto``, whose k follows the
     timings, the drafting figures: only the tokens must be the same)."""
     if isinstance(value, dict):
-        if value.get("policy") == "auto" or "auto" in str(value.get("method", "")):
+        if isinstance(value.get("stats"), dict) and value["stats"].get("policy") == "auto":
             value = {k: v for k, v in value.items() if k != "stats"}
         return {k: normalised(v) for k, v in value.items() if not VOLATILE.search(k)}
     if isinstance(value, list):
