@@ -31,7 +31,8 @@ from exactspec.extras import require
 
 require("audit", "exactspec.audit")
 
-from exactspec.audit.modes import BROKEN, CONSTRAINT_CONTROL, ENGINES, MODES, PEERS  # noqa: E402 (after the check)
+from exactspec.audit.modes import (BROKEN, CONSTRAINT_CONTROL, ENGINES, MODES,  # noqa: E402
+                                   PEERS)  # (after the check)
 from exactspec.audit.endpoint import TRANSLATED, Endpoint  # noqa: E402
 from exactspec.audit.reference import ExactReference, SampledReference  # noqa: E402
 from exactspec.audit.remote import (compare_greedy, draw_interleaved, local_greedy,

@@ -155,9 +155,9 @@ def speculation_spec(args: argparse.Namespace, proposer: ProposerSpec | None = N
     the batch-variance flags, where the command has them."""
     from exactspec.speculation import SpeculationSpec
 
+    k = getattr(args, "num_speculative_tokens", DEFAULT_K)
     return SpeculationSpec(model_spec(args), proposer or args.proposer,
-                           num_speculative_tokens=getattr(args, "num_speculative_tokens", DEFAULT_K),
-                           policy=getattr(args, "policy", DEFAULT_POLICY),
+                           num_speculative_tokens=k, policy=getattr(args, "policy", DEFAULT_POLICY),
                            allow_batch_variance=allows_batch_variance(args),
                            max_batch_size=getattr(args, "max_batch_size", None))
 

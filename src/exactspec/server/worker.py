@@ -97,9 +97,10 @@ class EngineWorker:
         generator_factory: makes the generator of every speculative setting, called as
             :class:`~exactspec.generator.SpeculativeGenerator` is (the default; plain
             decoding always gets it; :meth:`Speculation.generator
-            <exactspec.speculation.Speculation.generator>`'s ``factory``). Injected by a caller that verifies otherwise: for
-            testing audits only, ``serve --broken-verifier`` passes
-            :class:`~exactspec.audit.broken.BrokenGenerator`, a deliberately wrong one.
+            <exactspec.speculation.Speculation.generator>`'s ``factory``). Injected by a
+            caller that verifies otherwise: for testing audits only, ``serve
+            --broken-verifier`` passes :class:`~exactspec.audit.broken.BrokenGenerator`, a
+            deliberately wrong one.
     """
 
     def __init__(self, speculation: Speculation, metrics: ServerMetrics, *,
