@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_backend, one
-from exactspec import (BatchedGenerator, DraftModelProposer, PromptLookupProposer,
-                       SamplingParams, SpeculativeGenerator, SuffixProposer)
+from conftest import one, perturbed_backend, tiny_backend
+from exactspec import (BatchedGenerator, DraftModelProposer, EarlyExitProposer,
+                       PromptLookupProposer, SamplingParams, SpeculativeGenerator, SuffixProposer)
 from exactspec.audit import BatchedEngine, audit_distribution
 from exactspec.audit.broken import BROKEN_VERIFIERS, BrokenGenerator
 from exactspec.backends.base import check_sequence_invariance
@@ -366,32 +366,107 @@ def test_two_batches_on_one_target_never_share_a_sequence():
     assert [outputs[a][0].token_ids, outputs[b][0].token_ids] == alone
 
 
+class OneSequenceDraft(DraftModelProposer):
+    """A draft model that says it is not batchable (as a proposer of a user's own may)."""
+
+    batchable = False
+
+
 def test_what_cannot_be_batched_is_refused():
     target = tiny_backend(0)
-    draft = DraftModelProposer(tiny_backend(1), target)
-    with pytest.raises(ValueError, match="max_batch_size = 1"):
-        BatchedGenerator(SpeculativeGenerator(target, draft, 4))
-    one_by_one = BatchedGenerator(SpeculativeGenerator(target, draft, 4, "constant"), 1)
+    one_sequence = OneSequenceDraft(tiny_backend(1), target)
+    with pytest.raises(ValueError, match="not batchable.*max_batch_size = 1"):
+        BatchedGenerator(SpeculativeGenerator(target, one_sequence, 4))
+    one_by_one = BatchedGenerator(SpeculativeGenerator(target, one_sequence, 4, "constant"), 1)
     seeded = SamplingParams(temperature=1.0, seed=4, max_new_tokens=8)
     assert [r.token_ids for r in one_by_one.generate(PROMPTS[:3], seeded)] == [
-        SpeculativeGenerator(target, draft, 4, "constant").generate(p, seeded).token_ids
+        SpeculativeGenerator(target, one_sequence, 4, "constant").generate(p, seeded).token_ids
         for p in PROMPTS[:3]]
     with pytest.raises(ValueError, match="max_batch_size = 0"):
         BatchedGenerator(SpeculativeGenerator(target, None), 0)
-    with pytest.raises(ValueError, match="max_batch_size = 1000 is invalid: .* holds 1 to 256"):
-        BatchedGenerator(SpeculativeGenerator(target, None), 1000)
-    batched = BatchedGenerator(SpeculativeGenerator(target, None))
-    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
-        batched.generate(PROMPTS[:3], [SamplingParams()] * 2)
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        batched.generate([[1, 10_000]])
-    with pytest.raises(TypeError, match="a list of prompts"):
-        batched.generate("hello")
-    with pytest.raises(TypeError, match="a list of prompts"):
-        batched.generate([1, 2, 3])
-    batched.submit(PROMPTS[0])
-    with pytest.raises(ValueError, match="1 submitted ones are pending"):
-        batched.generate(PROMPTS[:1])
+
+
+def held_sequences(backend) -> int:
+    """Sequences a tiny backend holds now (its caches)."""
+    return len(backend._caches if hasattr(backend, "_caches") else backend._sequences)
+
+
+def recording_forwards(backend) -> list[int]:
+    """Record the number of rows of every ``forward`` of ``backend`` (in the list returned)."""
+    rows, forward = [], backend.forward
+
+    def recorded(items, num_logits=None):
+        rows.append(len(items))
+        return forward(items, num_logits)
+
+    backend.forward = recorded
+    return rows
+
+
+@pytest.mark.parametrize("make_backend", ["transformers", "native"], indirect=True)
+@pytest.mark.parametrize("draft_seed", ["same", 3])
+def test_draft_model_rows_share_packed_draft_forwards_and_equal_decoding_alone(
+        draft_seed, make_backend):
+    """A draft model in a batch of 3: each row drafts in a sequence of its own in the one
+    draft model, the rows' draft forwards packed (forwards of 2 or more rows, at least one
+    per drafted position); greedy rows equal plain decoding alone, seeded ones what
+    ``generate`` gives alone, with drafts accepted (the draft on the target's own weights)
+    or rejected and rolled back (another draft); no draft sequence is left held."""
+    target = make_backend(0)
+    draft = make_backend(same_as=target) if draft_seed == "same" else make_backend(draft_seed)
+    rows = recording_forwards(draft)
+    generator = SpeculativeGenerator(target, DraftModelProposer(draft, target), 3, "constant")
+    greedy = [SamplingParams(max_new_tokens=10 + 3 * i) for i in range(len(PROMPTS))]
+    seeded = [SamplingParams(temperature=1.0, seed=i, max_new_tokens=12) for i in range(len(PROMPTS))]
+    plain = SpeculativeGenerator(target, None)
+    for params, reference in ((greedy, plain), (seeded, generator)):
+        expected = [reference.generate(p, q).token_ids for p, q in zip(PROMPTS, params)]
+        rows.clear()
+        results = BatchedGenerator(generator, max_batch_size=3).generate(PROMPTS, params)
+        assert [r.token_ids for r in results] == expected
+        drafted = sum(r.stats.drafted_tokens for r in results)
+        packed = [n for n in rows if n > 1]
+        assert drafted > 0 and packed and max(rows) <= 3, rows
+        assert sum(rows) >= drafted  # every drafted token came from a draft forward
+        if draft_seed == "same" and params is greedy:
+            assert sum(r.stats.accepted_tokens for r in results) == drafted
+        assert held_sequences(draft) == 0
+
+
+def test_early_exit_rows_are_batched_and_equal_decoding_alone():
+    """Early exit is a draft model over the target's first layers: batched, its rows equal
+    plain decoding alone, its draft forwards packed."""
+    target = tiny_backend(0)
+    proposer = EarlyExitProposer(target, 1)
+    rows = recording_forwards(proposer.draft)
+    params = SamplingParams(max_new_tokens=12)
+    results = BatchedGenerator(SpeculativeGenerator(target, proposer, 3, "constant"),
+                               3).generate(PROMPTS, params)
+    plain = SpeculativeGenerator(target, None)
+    assert [r.token_ids for r in results] == [plain.generate(p, params).token_ids
+                                              for p in PROMPTS]
+    assert max(rows) == 3 and sum(r.stats.drafted_tokens for r in results) > 0
+
+
+def test_a_cancelled_or_failed_row_frees_its_draft_sequence():
+    target, draft = tiny_backend(0), tiny_backend(2)
+    generator = SpeculativeGenerator(target, DraftModelProposer(draft, target), 3, "constant")
+    batched = BatchedGenerator(generator, 3)
+    params = SamplingParams(max_new_tokens=20)
+    ids = [batched.submit(prompt, params) for prompt in PROMPTS[:3]]
+    batched.step()
+    batched.step()
+    assert held_sequences(draft) == 3
+    batched.cancel(ids[1])
+    assert held_sequences(draft) == 2
+    forward = draft.forward
+    draft.forward = lambda items, num_logits=None: (_ for _ in ()).throw(RuntimeError("draft down"))
+    outputs = batched.step()  # a packed draft forward fails: every row in it ends with it
+    assert [type(outputs[i]) for i in (ids[0], ids[2])] == [RuntimeError] * 2
+    assert held_sequences(draft) == 0 and batched.num_active == 0
+    draft.forward = forward
+    assert batched.generate(PROMPTS[:2], params)[0].token_ids == SpeculativeGenerator(
+        target, None).generate(PROMPTS[0], params).token_ids
 
 
 def test_llama_cpp_slots_are_reserved_and_run_out_with_a_clear_error(make_backend):
@@ -495,4 +570,26 @@ def test_batched_sampling_follows_the_target_at_every_block_position(broken, pol
     if not broken:
         floor = [50, 50, 50] if policy == "constant" else [200, 100, 20]
         assert all(a >= f for a, f in zip(test.accepted_per_position, floor)), (
+            test.drafted_per_position, test.accepted_per_position)
+
+
+@pytest.mark.parametrize("broken", [None, *BROKEN_VERIFIERS])
+def test_batched_draft_model_sampling_follows_the_target_at_every_block_position(broken):
+    """A draft model close to the target (noisy weights: p ≠ q) drafting for eight rows at a
+    temperature, its forwards packed: every position of the continuation follows the
+    target's conditional, each of the 3 block positions drafted and accepted many times, and
+    the broken verifiers are caught."""
+    target = tiny_backend(0)
+    draft = perturbed_backend(target, 0.02)
+    rows = recording_forwards(draft)
+    proposer = DraftModelProposer(draft, target)
+    generator = (BrokenGenerator(target, proposer, 3, "constant", broken=broken) if broken
+                 else SpeculativeGenerator(target, proposer, 3, "constant"))
+    params = SamplingParams(temperature=0.8, seed=0, max_new_tokens=4)
+    test = audit_distribution(target, BatchedEngine(BatchedGenerator(generator, 8), "batched"),
+                              [[1, 2, 3, 1, 2], [23, 15, 9]], params, 600, 0.01)
+    assert test.rejected == (broken is not None), [p.positions for p in test.prompts]
+    assert max(rows) == 8  # the eight rows' draft forwards packed
+    if not broken:
+        assert all(a >= 50 for a in test.accepted_per_position[:3]), (
             test.drafted_per_position, test.accepted_per_position)

@@ -1,7 +1,8 @@
 """Batched speculative decoding: many sequences advance together, one target forward per cycle.
 
 Each cycle every active row drafts on its own (its own proposer state, policy, k, possibly
-none), one packed forward of the target scores every row's ``[last, d_1 .. d_k]``
+none; a draft model's forwards for all rows packed, one per drafted position,
+:func:`run_packed`), one packed forward of the target scores every row's ``[last, d_1 .. d_k]``
 (:meth:`~exactspec.backends.base.Backend.forward`), and each row is verified,
 committed and rolled back on its own, exactly as :class:`~exactspec.generator.SpeculativeGenerator`
 does for one sequence (each row the same :class:`~exactspec.generator.SequenceState`). Rows join
@@ -24,7 +25,9 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Generator, Hashable, Sequence
+
+from typing import TypeVar
 
 import torch
 
@@ -32,6 +35,7 @@ from exactspec.backends.base import Backend, UnsupportedModelError, new_sequence
 from exactspec.generator import (PLAIN_STEP, GenerationResult, OnCommit, SequenceState,
                                  SpeculativeGenerator)
 from exactspec.load_options import DEFAULT_MAX_BATCH_SIZE
+from exactspec.proposers.base import ModelStep
 from exactspec.request import Prompt, Request, prepare_request
 from exactspec.sampling import SamplingParams
 from exactspec.speculation_length import Choice, ForwardCost, batch_speculation_lengths, survival
@@ -49,6 +53,7 @@ PREFILL_SECONDS_ALONE = 0.25
 (at least one chunk), so that a request arriving meanwhile waits at most about this."""
 
 
+T = TypeVar("T")
 RequestOutput = list[GenerationResult] | Exception
 """What :meth:`BatchedGenerator.step` returns for a finished request: its ``n`` results, or
 the error that ended it (its parameters left nothing to sample, say)."""
@@ -63,9 +68,9 @@ class BatchedGenerator:
             may bring another generator on the same target, see :meth:`submit`).
         max_batch_size: most rows decoded together (≥ 1); more requests wait in order.
     Raises:
-        ValueError: if the proposer is not ``batchable`` (a draft model or early exit: one model
-            cache; prompt lookup and suffix are) and ``max_batch_size`` > 1, or
-            ``max_batch_size`` < 1 or above what the backend holds.
+        ValueError: if the proposer is not ``batchable`` (every one exactspec builds is:
+            a proposer of the caller's own may not be) and ``max_batch_size`` > 1, or ``max_batch_size`` < 1 or above what the backend (or
+            the proposer's model) holds.
         UnsupportedModelError: if the target scores a sequence in a batch differently from
             alone (``sequences_invariant`` False, measured on first use) and the generator
             was not made with ``allow_batch_variance``.
@@ -215,9 +220,7 @@ class BatchedGenerator:
             self._cancelled.add(request_id)
             return
         self._waiting = deque(row for row in self._waiting if row.sequence_id != request_id)
-        if any(row.sequence_id == request_id for row in self._active):
-            self.target.release(request_id)
-            self._active = [row for row in self._active if row.sequence_id != request_id]
+        self._drop({request_id})
 
     def step(self) -> dict[int, RequestOutput]:
         """One cycle for every active row (after admitting waiting requests while there is
@@ -235,9 +238,7 @@ class BatchedGenerator:
                 finished = self._cycle()
         finally:
             self._stepping = False
-        for request_id in finished:
-            self.target.release(request_id)
-        self._active = [row for row in self._active if row.sequence_id not in finished]
+        self._drop(finished)
         for request_id in self._cancelled:
             finished.pop(request_id, None)
             self.cancel(request_id)
@@ -260,16 +261,16 @@ class BatchedGenerator:
                     finished[row.sequence_id] = row.results
             except Exception as error:
                 finished[row.sequence_id] = error
+        drafting = [(row, row.sample.draft_steps(choice, room))
+                    for (row, room), choice in zip(live, self._choose(live, finished))
+                    if row.sequence_id not in finished]
         drafted, inputs = [], []  # rows that drafted, (sequence id, [last, drafts…], parents)
-        for (row, room), choice in zip(live, self._choose(live, finished)):
-            if row.sequence_id in finished:
+        for (row, _), block in zip(drafting, run_packed([steps for _, steps in drafting])):
+            if isinstance(block, Exception):
+                finished[row.sequence_id] = block
                 continue
-            try:
-                block = row.sample.draft(choice, room)
-                inputs.append((row.sequence_id, block, row.sample.tree_parents()))
-                drafted.append(row)
-            except Exception as error:
-                finished[row.sequence_id] = error
+            inputs.append((row.sequence_id, block, row.sample.tree_parents()))
+            drafted.append(row)
         if not drafted:
             return finished
         t0 = time.perf_counter()
@@ -297,14 +298,33 @@ class BatchedGenerator:
         self._decode_cycle_seconds = seconds if old is None else 0.8 * old + 0.2 * seconds
         return finished
 
+    def _drop(self, request_ids: Collection[int]) -> None:
+        """Remove these active rows, freeing their sequences in the target and in their
+        proposer's model (``Proposer.release``)."""
+        for row in self._active:
+            if row.sequence_id in request_ids:
+                self.target.release(row.sequence_id)
+                if row.proposer is not None:
+                    row.proposer.release()
+        self._active = [row for row in self._active if row.sequence_id not in request_ids]
+
     def _check(self, generator: SpeculativeGenerator) -> None:
+        """Refuse a generator this batch cannot run; make room in its proposer's model for
+        a row each (``Proposer.reserve``)."""
         if generator.target is not self.target:
             raise ValueError("a request's generator must run on the batch's target")
         proposer = generator.proposer
-        if proposer is not None and not proposer.batchable and self.max_batch_size > 1:
-            raise ValueError(f"{type(proposer).__name__} keeps a model cache of its own and "
-                             f"drafts for one sequence at a time: use max_batch_size = 1 with "
-                             "it (proposers for several rows: prompt-lookup, suffix)")
+        if proposer is None:
+            return
+        if not proposer.batchable and self.max_batch_size > 1:
+            raise ValueError(f"{type(proposer).__name__} is not batchable (it drafts for one "
+                             "sequence at a time): use max_batch_size = 1 with it, or make it "
+                             "batchable (Proposer.batchable)")
+        try:
+            proposer.reserve(self.max_batch_size)
+        except ValueError as error:
+            raise ValueError(f"max_batch_size = {self.max_batch_size} is invalid for the "
+                             f"proposer's model: {error}") from None
 
     def admit(self) -> dict[int, RequestOutput]:
         """Start waiting requests while there is room (their prompts are prefilled in the
@@ -315,9 +335,7 @@ class BatchedGenerator:
             the errors of those whose prefill failed, by request id (they are dropped).
         """
         failed = self._admit()
-        for request_id in failed:
-            self.target.release(request_id)
-        self._active = [row for row in self._active if row.sequence_id not in failed]
+        self._drop(failed)
         return failed
 
     def _admit(self) -> dict[int, RequestOutput]:
@@ -424,3 +442,52 @@ class BatchedGenerator:
             for i, k in zip(batch_chosen, ks):
                 choices[i] = live[i][0].policy.choice(k)
         return choices
+
+
+def run_packed(steps: Sequence[Generator[ModelStep, torch.Tensor, T]]) -> list[T | Exception]:
+    """Run several rows' work in steps together (each row's cycle of drafting,
+    ``SampleDecoding.draft_steps``): the rows waiting on a forward of the same model are
+    scored in one packed ``forward`` (``num_logits=1``), one per drafted position, where
+    that model is ``sequences_invariant`` (each row's logits then bit for bit its own
+    alone; else each runs alone), and each is sent its own logits.
+
+    Args:
+        steps: ``[rows]`` generators that yield :class:`~exactspec.proposers.base.ModelStep`
+            s (each row's sequence at most once a round).
+    Returns:
+        ``[rows]`` what each generator returned, or the error that ended it (an error of a
+        packed forward ends every row in it).
+    """
+    outputs: list[T | Exception | None] = [None] * len(steps)
+    waiting: dict[int, ModelStep] = {}
+
+    def advance(i: int, logits: torch.Tensor | None) -> None:
+        try:
+            waiting[i] = steps[i].send(logits)
+        except StopIteration as stop:
+            outputs[i] = stop.value
+        except Exception as error:
+            outputs[i] = error
+
+    for i in range(len(steps)):
+        advance(i, None)
+    while waiting:
+        by_model: dict[int, list[tuple[int, ModelStep]]] = {}
+        for i, step in waiting.items():
+            by_model.setdefault(id(step.backend), []).append((i, step))
+        waiting.clear()
+        for group in by_model.values():
+            backend = group[0][1].backend
+            together = len(group) > 1 and backend.sequences_invariant
+            for part in [group] if together else [[item] for item in group]:
+                try:
+                    logits = backend.forward([(step.sequence_id, step.token_ids)
+                                              for _, step in part], num_logits=1)
+                except Exception as error:
+                    for i, _ in part:
+                        outputs[i] = error
+                        steps[i].close()
+                    continue
+                for (i, _), row_logits in zip(part, logits):
+                    advance(i, row_logits)
+    return outputs

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Generator, Hashable
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -30,7 +30,7 @@ from exactspec.backends.base import Backend, UnsupportedModelError, forward_one,
 from exactspec.cycle_trace import CycleTrace, trace_cycle
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.generation_stats import GenerationStats
-from exactspec.proposers.base import EMPTY_PROPOSAL, Proposer
+from exactspec.proposers.base import EMPTY_PROPOSAL, ModelStep, Proposer, run_alone
 from exactspec.proposers.forced import ForcedTokenProposer
 from exactspec.request import Prompt, Request, prepare_request
 from exactspec.sampling import SamplingParams
@@ -168,6 +168,14 @@ class SampleDecoding:
         (together at most num_speculative_tokens, and ``room`` − 1 near the end), or peek
         on a plain step. Returns ``[k+1]`` the block the target scores:
         ``[last, d_1 .. d_k]``."""
+        return run_alone(self.draft_steps(choice, room))
+
+    def draft_steps(self, choice: Choice, room: int) -> Generator[ModelStep, torch.Tensor,
+                                                                  list[int]]:
+        """:meth:`draft`, yielding the forwards of a proposer that ``drafts_in_steps``
+        (:meth:`Proposer.propose_steps <exactspec.proposers.base.Proposer.propose_steps>`)
+        for the caller to run: a batch packs its rows' (``draft_seconds`` is then the
+        packed drafting's)."""
         self.chosen_k = min(choice.k, room - 1)
         t0 = time.perf_counter()
         most = min(self.num_speculative_tokens, room - 1)
@@ -176,8 +184,9 @@ class SampleDecoding:
         k = min(self.num_forced + self.chosen_k, most)
         self.proposal = self.peek = EMPTY_PROPOSAL
         if k:
-            self.proposal = self.proposer.propose(self.tokens, k, self.pipeline, self.rng,
-                                                  self.policy.min_confidence)
+            args = (self.tokens, k, self.pipeline, self.rng, self.policy.min_confidence)
+            self.proposal = ((yield from self.proposer.propose_steps(*args))
+                             if self.proposer.drafts_in_steps else self.proposer.propose(*args))
         elif choice.peek:
             self.peek = self.proposer.propose(self.tokens, 1, self.pipeline, self.rng)  # never verified
         self.draft_seconds = time.perf_counter() - t0

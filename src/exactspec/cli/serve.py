@@ -59,9 +59,9 @@ def add_parser(commands) -> None:
                       metavar="B",
                       help="most prompts decoded together, all in one target forward per cycle "
                            f"(continuous batching: requests join as others finish; default "
-                           f"{DEFAULT_MAX_BATCH_SIZE}; 1 with a draft model or early exit, "
-                           "whose cache follows one sequence). Each request's output is what "
-                           "it would be alone")
+                           f"{DEFAULT_MAX_BATCH_SIZE}; a draft model drafts for every row, "
+                           "its forwards packed too). Each request's output is what it would "
+                           "be alone")
     http = serve.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1",
                       help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 "

@@ -14,16 +14,23 @@ Contract for ``propose(token_ids, k, pipeline, rng, min_confidence)``:
     returns   a :class:`Proposal` of at most k tokens (possibly none), and, unless the
               proposer is a point mass (greedy or n-gram), the exact distributions q the
               tokens were sampled from, over the *target's* vocabulary.
+
+A proposer that runs a model of its own may also draft in steps (``drafts_in_steps``,
+:meth:`Proposer.propose_steps`): a generator that yields each forward of its model as a
+:class:`ModelStep` and is sent that forward's logits, so that batched decoding packs the
+draft forwards of all its rows into one call per step (:mod:`exactspec.batching`), where one
+sequence runs them one by one (:func:`run_alone`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Generator, Hashable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from exactspec.backends.base import Backend, forward_one
 from exactspec.logits_pipeline import LogitsPipeline, greedy_tokens
 from exactspec.sampling import sample_from_probs
 
@@ -61,6 +68,41 @@ class Proposal:
 
 
 EMPTY_PROPOSAL = Proposal([])
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ModelStep:
+    """One forward of a proposer's own model that a proposal in steps waits on
+    (:meth:`Proposer.propose_steps`); it is sent back ``backend.forward([(sequence_id,
+    token_ids)], num_logits=1)``'s logits, ``[1, backend.vocab_size]``.
+
+    Attributes:
+        backend: the proposer's model (a draft model's backend).
+        sequence_id: the proposer's sequence in it.
+        token_ids: ``[n ≥ 1]`` the tokens to add to that sequence's cache.
+    """
+
+    backend: Backend
+    sequence_id: int
+    token_ids: list[int]
+
+
+ProposalSteps = Generator[ModelStep, torch.Tensor, Proposal]
+"""A proposal in steps: yields :class:`ModelStep` s, is sent each one's ``[1, V]`` logits,
+returns the :class:`Proposal`."""
+
+
+def run_alone(steps: Generator[ModelStep, torch.Tensor, T]) -> T:
+    """Run work in steps (a proposal, or a cycle's drafting) for one sequence: each
+    :class:`ModelStep` is its own forward; returns what the generator returns."""
+    logits = None
+    while True:
+        try:
+            step = steps.send(logits)
+        except StopIteration as stop:
+            return stop.value
+        logits = forward_one(step.backend, step.sequence_id, step.token_ids, num_logits=1)
 
 
 class Corpus(Protocol):
@@ -120,6 +162,11 @@ class Proposer(Protocol):
     head), so it cannot continue a context extended by tokens the target has not scored:
     a cycle that begins with a constraint's forced tokens drafts those alone
     (:class:`~exactspec.proposers.forced.ForcedTokenProposer`)."""
+    drafts_in_steps: bool = False
+    """It runs a model of its own and :meth:`propose_steps` yields that model's forwards,
+    so batched decoding packs them across rows; the engine then drafts through
+    :meth:`propose_steps` alone (a subclass that changes :meth:`propose` must change it
+    too). False: the engine calls :meth:`propose`."""
     batchable: bool = False
     """A shallow copy per sequence, each ``reset`` on its own, drafts independently of the
     others (no model cache of its own), so batched decoding can give every row one
@@ -134,6 +181,27 @@ class Proposer(Protocol):
                 rng: torch.Generator, min_confidence: float = 0.0) -> Proposal:
         """Draft at most ``k`` tokens continuing ``token_ids`` (prompt + committed)."""
         ...
+
+    def propose_steps(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
+                      rng: torch.Generator, min_confidence: float = 0.0) -> ProposalSteps:
+        """:meth:`propose` in steps (module docstring): the same proposal, each forward of
+        the proposer's own model yielded as a :class:`ModelStep` to be run by the caller
+        (default: no model of its own, :meth:`propose` at once)."""
+        return self.propose(token_ids, k, pipeline, rng, min_confidence)
+        yield  # a generator that yields no step
+
+    def reserve(self, num_sequences: int) -> None:
+        """Batched decoding will give ``num_sequences`` copies of the proposer at once
+        (see :attr:`batchable`): a proposer with a model of its own makes room for as many
+        sequences in it (default: nothing to do).
+
+        Raises:
+            ValueError: beyond what its model can hold.
+        """
+
+    def release(self) -> None:
+        """The sequence the proposer drafted for is gone (finished, cancelled or failed):
+        free what it holds of it (a draft model's sequence; default: nothing)."""
 
     def num_forced(self, token_ids: Sequence[int], pipeline: LogitsPipeline) -> int:
         """How many tokens the next proposal after ``token_ids`` begins with that the

@@ -21,6 +21,12 @@ common prefix with the engine's context, so rejected drafts never leak into the 
 A new generation starts from an empty cache (:meth:`DraftModelProposer.reset`) filled by the
 draft's prefill, so that what the draft computes, and a seeded output with it, does not
 depend on what the cache held before.
+
+In a batch each row's copy holds a sequence of its own in the one draft model, and the rows'
+draft forwards are packed, one forward of the draft per drafted position
+(:meth:`DraftModelProposer.propose_steps`, :mod:`exactspec.batching`): a row's logits are
+its own alone where the draft's backend is ``sequences_invariant`` (else each row's step
+runs alone), so its drafts, and a seeded row's output, do not depend on its companions.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import torch
 
-from exactspec.backends.base import Backend, UnsupportedModelError, forward_one, new_sequence_id
-from exactspec.proposers.base import EMPTY_PROPOSAL, Proposal, Proposer, draw_draft_token
+from exactspec.backends.base import Backend, UnsupportedModelError, new_sequence_id
+from exactspec.proposers.base import (EMPTY_PROPOSAL, ModelStep, Proposal, ProposalSteps, Proposer,
+                                      draw_draft_token, run_alone)
 from exactspec.proposers.draft_vocabulary import draft_vocabulary
 from exactspec.logits_pipeline import LogitsPipeline, check_finite
 
@@ -70,6 +77,9 @@ class DraftModelProposer(Proposer):
     supports_min_confidence = True
     """Drafting stops once the draft's top probability falls below ``min_confidence``: a
     draft-side rule, so exactness is unaffected."""
+    drafts_in_steps = batchable = True
+    """Each copy drafts in a sequence of its own in the shared draft model (``__copy__``);
+    batched decoding packs the rows' draft forwards (``propose_steps``)."""
 
     def __init__(self, draft: Backend, target: Backend,
                  draft_vocabulary: int | str | Sequence[int] | None = None) -> None:
@@ -138,6 +148,13 @@ class DraftModelProposer(Proposer):
 
     def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
                 rng: torch.Generator, min_confidence: float = 0.0) -> Proposal:
+        return run_alone(self.propose_steps(token_ids, k, pipeline, rng, min_confidence))
+
+    def propose_steps(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
+                      rng: torch.Generator, min_confidence: float = 0.0) -> ProposalSteps:
+        """:meth:`propose` with each draft forward (one token, its ``[1, Vd]`` logits)
+        yielded as a :class:`~exactspec.proposers.base.ModelStep`; the rollback and the
+        prefill of the draft's cache run here (:meth:`_sync_cache`)."""
         if self.draft.max_context_length is not None:
             k = min(k, self.draft.max_context_length - len(token_ids))
         if k <= 0:
@@ -147,7 +164,7 @@ class DraftModelProposer(Proposer):
         probs: list[torch.Tensor] = []
         argmax = pipeline.params.greedy and pipeline.is_identity
         for _ in range(k):
-            logits = forward_one(self.draft, self.sequence_id, pending, num_logits=1)  # [1, Vd]
+            logits = yield ModelStep(self.draft, self.sequence_id, pending)  # [1, Vd]
             self._cached.extend(pending)
             if argmax:  # the draw's greedy choice, without the full-vocabulary tensor
                 check_finite(logits)
@@ -169,14 +186,31 @@ class DraftModelProposer(Proposer):
             pending = [draw.token]
         return Proposal(drafted, torch.stack(probs) if probs else None)
 
-    def reset(self, reproducible: bool = False, scope: Hashable = None) -> None:
+    def __copy__(self) -> DraftModelProposer:
+        """A batch row's copy: the same draft model, a sequence of its own in it."""
+        row = object.__new__(type(self))
+        row.__dict__.update(self.__dict__)
+        row.sequence_id, row._cached = new_sequence_id(), []
+        return row
+
+    def reserve(self, num_sequences: int) -> None:
+        """Room for ``num_sequences`` rows in the draft model; whether its packed forward
+        scores each row as alone (``sequences_invariant``, which the packing reads) is
+        measured now, while the rows hold none of its sequences."""
+        self.draft.reserve(num_sequences)
+        self.draft.sequences_invariant
+
+    def release(self) -> None:
         self.draft.release(self.sequence_id)
         self._cached = []
+
+    def reset(self, reproducible: bool = False, scope: Hashable = None) -> None:
+        self.release()
 
     def end_sequence(self, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         """Free the draft's sequence (a slot and a KV cache) between generations; the next
         sample prefills it again."""
-        self.reset()
+        self.release()
 
     def _sync_cache(self, token_ids: Sequence[int]) -> list[int]:
         """Roll the draft cache back to its common prefix with ``token_ids`` (keeping at

@@ -26,7 +26,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from exactspec.logits_pipeline import LogitsPipeline
-from exactspec.proposers.base import Proposal, Proposer
+from exactspec.proposers.base import Proposal, ProposalSteps, Proposer, run_alone
 
 
 class FallbackProposer(Proposer):
@@ -35,7 +35,8 @@ class FallbackProposer(Proposer):
     Capabilities: the model's (``supports_min_confidence``, ``estimates_acceptance``,
     ``drafts_trees``: the policy's confidence threshold is the model's to apply, the
     matcher keeping its own), ``needs_target_features`` where either part does, batchable
-    when both are, and never ``drafts_for_free`` (a peek may run the model). The corpus, if any, is the matcher's (suffix's).
+    when both are, ``drafts_in_steps`` where the model does, and never ``drafts_for_free``
+    (a peek may run the model). The corpus, if any, is the matcher's (suffix's).
 
     Args:
         matcher: a proposer that drafts only where the context matches (prompt lookup,
@@ -51,6 +52,7 @@ class FallbackProposer(Proposer):
         self.needs_target_features = (matcher.needs_target_features
                                       or model.needs_target_features)
         self.batchable = matcher.batchable and model.batchable
+        self.drafts_in_steps = model.drafts_in_steps
         self.corpus = matcher.corpus
         self.last_proposer: Proposer | None = None
         """The part that made the last proposal (None before any)."""
@@ -60,16 +62,29 @@ class FallbackProposer(Proposer):
 
     def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
                 rng: torch.Generator, min_confidence: float = 0.0) -> Proposal:
+        return run_alone(self.propose_steps(token_ids, k, pipeline, rng, min_confidence))
+
+    def propose_steps(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
+                      rng: torch.Generator, min_confidence: float = 0.0) -> ProposalSteps:
         proposal = self.matcher.propose(token_ids, k, pipeline, rng)
         self.last_proposer = self.matcher
         if not proposal.token_ids:
-            proposal = self.model.propose(token_ids, k, pipeline, rng, min_confidence)
+            proposal = yield from self.model.propose_steps(token_ids, k, pipeline, rng,
+                                                           min_confidence)
             self.last_proposer = self.model
         return proposal
 
     def follow(self, sequence_id: int) -> None:
         self.matcher.follow(sequence_id)
         self.model.follow(sequence_id)
+
+    def reserve(self, num_sequences: int) -> None:
+        self.matcher.reserve(num_sequences)
+        self.model.reserve(num_sequences)
+
+    def release(self) -> None:
+        self.matcher.release()
+        self.model.release()
 
     def observe(self, num_accepted: int) -> None:
         if self.last_proposer is not None:

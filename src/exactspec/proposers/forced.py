@@ -19,7 +19,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from exactspec.logits_pipeline import LogitsPipeline
-from exactspec.proposers.base import Proposal, Proposer
+from exactspec.proposers.base import Proposal, ProposalSteps, Proposer, run_alone
 
 
 class ForcedTokenProposer(Proposer):
@@ -47,6 +47,7 @@ class ForcedTokenProposer(Proposer):
             self.drafts_trees = inner.drafts_trees
             self.needs_target_features = inner.needs_target_features
             self.batchable = inner.batchable
+            self.drafts_in_steps = inner.drafts_in_steps
             self.corpus = inner.corpus
         self._num_forced = 0  # of the last proposal
         self._inner_proposed = False  # whether the last proposal ended with inner's drafts
@@ -59,6 +60,10 @@ class ForcedTokenProposer(Proposer):
 
     def propose(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
                 rng: torch.Generator, min_confidence: float = 0.0) -> Proposal:
+        return run_alone(self.propose_steps(token_ids, k, pipeline, rng, min_confidence))
+
+    def propose_steps(self, token_ids: Sequence[int], k: int, pipeline: LogitsPipeline,
+                      rng: torch.Generator, min_confidence: float = 0.0) -> ProposalSteps:
         forced = self._forced(token_ids, pipeline)[:k]
         self._num_forced = len(forced)
         self._inner_proposed = self.inner is not None and not (len(forced) == k or (
@@ -66,9 +71,10 @@ class ForcedTokenProposer(Proposer):
         if not self._inner_proposed:
             return Proposal(forced)
         if not forced:
-            return self.inner.propose(token_ids, k, pipeline, rng, min_confidence)
-        rest = self.inner.propose([*token_ids, *forced], k - len(forced), pipeline, rng,
-                                  min_confidence)
+            return (yield from self.inner.propose_steps(token_ids, k, pipeline, rng,
+                                                        min_confidence))
+        rest = yield from self.inner.propose_steps([*token_ids, *forced], k - len(forced),
+                                                   pipeline, rng, min_confidence)
         probs = rest.probs
         if probs is not None:
             point_mass = torch.zeros(len(forced), probs.shape[-1], dtype=probs.dtype,
@@ -87,6 +93,14 @@ class ForcedTokenProposer(Proposer):
     def follow(self, sequence_id: int) -> None:
         if self.inner is not None:
             self.inner.follow(sequence_id)
+
+    def reserve(self, num_sequences: int) -> None:
+        if self.inner is not None:
+            self.inner.reserve(num_sequences)
+
+    def release(self) -> None:
+        if self.inner is not None:
+            self.inner.release()
 
     def observe(self, num_accepted: int) -> None:
         if self._inner_proposed:

@@ -93,7 +93,7 @@ class EngineWorker:
         metrics: where finished requests are counted.
         max_queue: most jobs waiting (beyond it :meth:`submit` raises QueueFullError).
         max_batch_size: most prompts decoded together (1 with a proposer that is not
-            ``batchable``: a draft model's cache follows one sequence).
+            ``batchable``: every one exactspec builds is).
         generator_factory: makes the generator of every speculative setting, called as
             :class:`~exactspec.generator.SpeculativeGenerator` is (the default; plain
             decoding always gets it; :meth:`Speculation.generator
