@@ -193,6 +193,7 @@ class Recorder:
     """A stand-in proposer: drafts ``drafts`` after any context, records every call."""
 
     supports_min_confidence = estimates_acceptance = drafts_trees = batchable = False
+    drafts_in_steps = False
     corpus = None
 
     def __init__(self, drafts, **capabilities):

@@ -30,7 +30,8 @@ from exactspec.backends.base import Backend, UnsupportedModelError, forward_one,
 from exactspec.cycle_trace import CycleTrace, trace_cycle
 from exactspec.logits_pipeline import LogitsPipeline
 from exactspec.generation_stats import GenerationStats
-from exactspec.proposers.base import EMPTY_PROPOSAL, ModelStep, Proposer, run_alone
+from exactspec.proposers.base import (EMPTY_PROPOSAL, ModelStep, Proposer, proposal_steps,
+                                      run_alone)
 from exactspec.proposers.forced import ForcedTokenProposer
 from exactspec.request import Prompt, Request, prepare_request
 from exactspec.sampling import SamplingParams
@@ -168,14 +169,15 @@ class SampleDecoding:
         (together at most num_speculative_tokens, and ``room`` − 1 near the end), or peek
         on a plain step. Returns ``[k+1]`` the block the target scores:
         ``[last, d_1 .. d_k]``."""
-        return run_alone(self.draft_steps(choice, room))
+        return run_alone(self.draft_steps(choice, room, in_steps=False))
 
-    def draft_steps(self, choice: Choice, room: int) -> Generator[ModelStep, torch.Tensor,
-                                                                  list[int]]:
+    def draft_steps(self, choice: Choice, room: int, in_steps: bool = True
+                    ) -> Generator[ModelStep, torch.Tensor, list[int]]:
         """:meth:`draft`, yielding the forwards of a proposer that ``drafts_in_steps``
         (:meth:`Proposer.propose_steps <exactspec.proposers.base.Proposer.propose_steps>`)
         for the caller to run: a batch packs its rows' (``draft_seconds`` is then the
-        packed drafting's)."""
+        packed drafting's). ``in_steps`` False: the proposer's ``propose``, no step
+        yielded (one sequence)."""
         self.chosen_k = min(choice.k, room - 1)
         t0 = time.perf_counter()
         most = min(self.num_speculative_tokens, room - 1)
@@ -185,8 +187,8 @@ class SampleDecoding:
         self.proposal = self.peek = EMPTY_PROPOSAL
         if k:
             args = (self.tokens, k, self.pipeline, self.rng, self.policy.min_confidence)
-            self.proposal = ((yield from self.proposer.propose_steps(*args))
-                             if self.proposer.drafts_in_steps else self.proposer.propose(*args))
+            self.proposal = ((yield from proposal_steps(self.proposer, *args)) if in_steps
+                             else self.proposer.propose(*args))
         elif choice.peek:
             self.peek = self.proposer.propose(self.tokens, 1, self.pipeline, self.rng)  # never verified
         self.draft_seconds = time.perf_counter() - t0

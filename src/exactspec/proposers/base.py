@@ -93,6 +93,16 @@ ProposalSteps = Generator[ModelStep, torch.Tensor, Proposal]
 returns the :class:`Proposal`."""
 
 
+def proposal_steps(proposer: Proposer, token_ids: Sequence[int], k: int,
+                   pipeline: LogitsPipeline, rng: torch.Generator,
+                   min_confidence: float = 0.0) -> ProposalSteps:
+    """``proposer``'s proposal in steps where it ``drafts_in_steps``
+    (:meth:`Proposer.propose_steps`), else its :meth:`Proposer.propose` (no step)."""
+    if proposer.drafts_in_steps:
+        return (yield from proposer.propose_steps(token_ids, k, pipeline, rng, min_confidence))
+    return proposer.propose(token_ids, k, pipeline, rng, min_confidence)
+
+
 def run_alone(steps: Generator[ModelStep, torch.Tensor, T]) -> T:
     """Run work in steps (a proposal, or a cycle's drafting) for one sequence: each
     :class:`ModelStep` is its own forward; returns what the generator returns."""

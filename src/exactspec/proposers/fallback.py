@@ -26,7 +26,8 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from exactspec.logits_pipeline import LogitsPipeline
-from exactspec.proposers.base import Proposal, ProposalSteps, Proposer, run_alone
+from exactspec.proposers.base import (Proposal, ProposalSteps, Proposer, proposal_steps,
+                                      run_alone)
 
 
 class FallbackProposer(Proposer):
@@ -69,8 +70,8 @@ class FallbackProposer(Proposer):
         proposal = self.matcher.propose(token_ids, k, pipeline, rng)
         self.last_proposer = self.matcher
         if not proposal.token_ids:
-            proposal = yield from self.model.propose_steps(token_ids, k, pipeline, rng,
-                                                           min_confidence)
+            proposal = yield from proposal_steps(self.model, token_ids, k, pipeline, rng,
+                                                 min_confidence)
             self.last_proposer = self.model
         return proposal
 

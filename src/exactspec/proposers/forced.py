@@ -19,7 +19,8 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from exactspec.logits_pipeline import LogitsPipeline
-from exactspec.proposers.base import Proposal, ProposalSteps, Proposer, run_alone
+from exactspec.proposers.base import (Proposal, ProposalSteps, Proposer, proposal_steps,
+                                      run_alone)
 
 
 class ForcedTokenProposer(Proposer):
@@ -71,10 +72,10 @@ class ForcedTokenProposer(Proposer):
         if not self._inner_proposed:
             return Proposal(forced)
         if not forced:
-            return (yield from self.inner.propose_steps(token_ids, k, pipeline, rng,
-                                                        min_confidence))
-        rest = yield from self.inner.propose_steps([*token_ids, *forced], k - len(forced),
-                                                   pipeline, rng, min_confidence)
+            return (yield from proposal_steps(self.inner, token_ids, k, pipeline, rng,
+                                              min_confidence))
+        rest = yield from proposal_steps(self.inner, [*token_ids, *forced], k - len(forced),
+                                         pipeline, rng, min_confidence)
         probs = rest.probs
         if probs is not None:
             point_mass = torch.zeros(len(forced), probs.shape[-1], dtype=probs.dtype,
