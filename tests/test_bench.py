@@ -413,7 +413,7 @@ def test_method_specs_are_checked_without_a_model(spec, message):
 
 def test_concurrency_bench_batches_waves_and_flags_mismatches(questions_file, tmp_path):
     """Waves of 4, 2 and 1 questions: exactspec's methods batch each wave (a draft model
-    serves it one request after another) and equal plain decoding alone, checked whatever
+    too, its forwards packed) and equal plain decoding alone, checked whatever
     the order of the concurrencies; a method that changes one token at c = 2 is flagged;
     peers are not checked; the report, JSON and plot are written."""
     from exactspec.bench.concurrency import run_concurrency_bench, write_concurrency_report
@@ -436,7 +436,7 @@ def test_concurrency_bench_batches_waves_and_flags_mismatches(questions_file, tm
     assert all(r.matches_alone is None for r in hf)  # peers are not held to it
     for record in results.records:
         if record.method in ("plain", "prompt-lookup:k=3:ngram=1-2:policy=auto",
-                             "suffix:k=4:corpus=500", "draft:same:k=2"):  # a draft: one by one
+                             "suffix:k=4:corpus=500", "draft:same:k=2"):
             assert record.matches_alone, (record.method, record.concurrency)
         assert len(record.latencies) == record.concurrency
         assert 0 < max(record.latencies) <= record.seconds + 1e-6
@@ -457,6 +457,11 @@ def test_concurrency_bench_batches_waves_and_flags_mismatches(questions_file, tm
     assert (tmp_path / "out" / "throughput.png").stat().st_size > 5000
     stored = json.loads((tmp_path / "out" / "results.json").read_text())
     assert len(stored["records"]) == len(results.records)
+    # without c = 1 (--concurrency 4 alone) there is no ratio to it: said, not a crash
+    results.records = [r for r in results.records if r.concurrency == 4]
+    write_concurrency_report(results, tmp_path / "only-4")
+    report = (tmp_path / "only-4" / "report.md").read_text()
+    assert "(no c=1)" in report and "| plain | 1.00× |" in report
 
 
 def test_hf_plain_decodes_a_wave_as_one_padded_batch_equal_to_one_by_one():

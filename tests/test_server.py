@@ -19,7 +19,8 @@ import uvicorn
 
 from conftest import tiny_backend
 from exactspec.cli import main
-from exactspec import GenerationResult, PromptLookupProposer, SamplingParams, SpeculativeGenerator
+from exactspec import (DraftModelProposer, GenerationResult, PromptLookupProposer, SamplingParams,
+                       SpeculativeGenerator)
 from exactspec.proposers.base import Proposer
 from exactspec.server import SpeculationSettings, create_app
 from exactspec.server.streaming import KEEPALIVE_SECONDS
@@ -1121,3 +1122,36 @@ def test_a_draft_head_serves_constrained_requests(tiny_head_file, tree):
             expected = plain.generate(PROMPT, SamplingParams(max_new_tokens=12,
                                                              constraint=constraint))
             assert response.json()["choices"][0]["text"] == expected.text, structured
+
+
+def test_a_draft_model_server_decodes_concurrent_requests_together():
+    """Issue 65 item 5: ``serve`` with a draft model batches (each row its own draft
+    sequence, the draft forwards packed): three concurrent requests, greedy and seeded, get
+    the library's outputs alone, and the batch holds three rows."""
+    target = make_target()
+    draft = tiny_backend(0, model=target.model)  # the target's weights: drafts accepted
+    app = create_app(target, DraftModelProposer(draft, target), model_name=MODEL,
+                     speculation=SpeculationSettings(3, "constant"), max_batch_size=3)
+    assert app.state.worker.batched.max_batch_size == 3
+    prompts = [PROMPT, "xyzxyzxyz", "hello hello hel"]
+    params = [SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=25),
+              SamplingParams(temperature=0.9, seed=5, max_new_tokens=20)]
+    texts: dict[int, str] = {}
+    with serving(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+        def request(i: int) -> None:
+            p = params[i]
+            texts[i] = client.completions.create(
+                model=MODEL, prompt=prompts[i], max_tokens=p.max_new_tokens,
+                temperature=p.temperature, seed=p.seed).choices[0].text
+
+        threads = [threading.Thread(target=request, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    alone = SpeculativeGenerator(make_target(), DraftModelProposer(
+        tiny_backend(0, model=target.model), target), 3, "constant")
+    assert [texts[i] for i in range(3)] == [alone.generate(p, q).text
+                                           for p, q in zip(prompts, params)]

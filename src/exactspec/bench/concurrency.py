@@ -192,8 +192,8 @@ def concurrency_markdown(results: ConcurrencyResults, table: dict) -> str:
         for c in concurrencies:
             entry = by_c.get(c)
             cells.append("–" if entry is None else
-                         f"{entry['tokens_per_second']:.1f} ({entry['vs_concurrency_1']:.2f}×) · "
-                         f"{entry['mean_latency_seconds']:.2f} s")
+                         f"{entry['tokens_per_second']:.1f} ({_times(entry['vs_concurrency_1'])})"
+                         f" · {entry['mean_latency_seconds']:.2f} s")
         counts = [e["mismatches"] for e in by_c.values() if e["mismatches"] is not None]
         mismatches = sum(counts) if counts else "not checked"
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {mismatches} |")
@@ -205,7 +205,7 @@ def concurrency_markdown(results: ConcurrencyResults, table: dict) -> str:
         if not any(e["decode_tokens_per_second"] for e in by_c.values()):
             continue
         cells = [f"{by_c[c]['decode_tokens_per_second']:.1f} "
-                 f"({by_c[c]['decode_vs_concurrency_1'] or 0:.2f}×)"
+                 f"({_times(by_c[c]['decode_vs_concurrency_1'])})"
                  if c in by_c and by_c[c]["decode_tokens_per_second"] else "–"
                  for c in concurrencies]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
@@ -219,6 +219,11 @@ def concurrency_markdown(results: ConcurrencyResults, table: dict) -> str:
                      if c in by_c and c in plain else "–" for c in concurrencies]
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _times(ratio: float | None) -> str:
+    """A ratio as ``1.23×``; ``no c=1`` where there is none (c = 1 was not run)."""
+    return "no c=1" if ratio is None else f"{ratio:.2f}×"
 
 
 def _plot(table: dict, path: Path) -> Path:
