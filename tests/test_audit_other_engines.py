@@ -119,3 +119,51 @@ def test_llama_server_with_speculation_against_itself_without(tmp_path, speculat
         result = audit(tmp_path, a, b, "--no-token-ids")
     assert result["token_source"] == "logprob_ids"  # llama-server's logprobs carry ids
     assert result["distribution"]["drafted"] > 0  # from its timings: it did speculate
+
+
+def test_llama_draft_without_llama_server_says_how_to_build_it(monkeypatch, tmp_path):
+    from exactspec.bench.methods import parse_method_spec
+    from exactspec.peers import LlamaServerPeer
+    from exactspec.models import load_model
+
+    spec = parse_method_spec(f"llama-draft:{DEFAULT_MODEL}:k=3")
+    assert (spec.peer, spec.kind, spec.model, spec.k) == ("llama", "draft", DEFAULT_MODEL, 3)
+    monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="build_llama_server.sh"):
+        LlamaServerPeer(load_model(DEFAULT_MODEL, backend="native"), GGUF, 3)
+
+
+@pytest.mark.skipif(not LLAMA_SERVER.is_file(),
+                    reason=f"llama-server is not built at {LLAMA_SERVER} "
+                           "(scripts/build_llama_server.sh builds it)")
+def test_llama_draft_peer_is_llama_servers_own_speculation(monkeypatch):
+    """``bench --method llama-draft:MODEL:k=N``: llama-server with the draft file drafts
+    (its timings count drafted and accepted tokens), decodes greedily the same twice, a
+    seeded sample is reproducible, what it cannot compare is refused, and it stops."""
+    from exactspec import ModelSpec, SamplingParams, SpeculationSpec
+    from exactspec.bench.methods import parse_method
+
+    monkeypatch.setenv("LLAMA_SERVER", str(LLAMA_SERVER))
+    speculation = SpeculationSpec(ModelSpec(DEFAULT_MODEL, backend="native", threads=1),
+                                  "plain").load()
+    method = parse_method(f"llama-draft:{DEFAULT_MODEL}:k=4", speculation.target,
+                          speculation.load_model)
+    peer = method.engine
+    assert peer.command[peer.command.index("-md") + 1] == GGUF
+    prompts = [speculation.prompt_ids("Count: one, two, three,", True),
+               speculation.prompt_ids("def add(a, b):", True)]
+    greedy = SamplingParams(max_new_tokens=24)
+    try:
+        first = peer.generate(prompts, greedy)
+        assert [g.token_ids for g in peer.generate(prompts, greedy)] == [
+            g.token_ids for g in first]
+        assert all(0 < len(g.token_ids) <= 24 for g in first)
+        assert sum(g.stats["drafted_tokens"] for g in first) > 0
+        assert all(0 < g.stats["prefill_seconds"] < g.stats["total_seconds"] for g in first)
+        seeded = SamplingParams(temperature=0.8, seed=3, max_new_tokens=12)
+        assert peer.sample(prompts[0], seeded, 3) == peer.sample(prompts[0], seeded, 3)
+        with pytest.raises(ValueError, match="audited with temperature, seed"):
+            peer.sample(prompts[0], SamplingParams(temperature=0.8, top_k=5), 2)
+    finally:
+        peer.close()
+    assert peer._process.poll() is not None

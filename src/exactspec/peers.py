@@ -5,7 +5,9 @@ tests beside exactspec.
   (:class:`TransformersPeer`), plain or with its own speculation: ``prompt_lookup_num_tokens``,
   ``assistant_early_exit`` or ``assistant_model``.
 - ``llama``: llama-cpp-python's own ``Llama.generate()`` on the target's GGUF file
-  (:class:`LlamaCppPeer`), plain or with its ``LlamaPromptLookupDecoding`` draft.
+  (:class:`LlamaCppPeer`), plain or with its ``LlamaPromptLookupDecoding`` draft; with a
+  draft model (``llama-draft:MODEL``), llama.cpp's own ``llama-server`` and its speculative
+  decoding (:class:`LlamaServerPeer`; llama-cpp-python has no draft-model speculation).
 
 A peer is named by a proposer spec with its prefix (``hf-prompt-lookup:k=10``; the grammar is
 in :mod:`exactspec.proposers.spec`) and made by :func:`make_peer`. Both search n-grams of
@@ -20,18 +22,30 @@ audit draws, refuses the others).
 
 from __future__ import annotations
 
+import atexit
+import json
+import os
+import socket
+import subprocess
+import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
 from exactspec.backends.base import Backend
 from exactspec.backends.llama_cpp_backend import LlamaCppBackend
 from exactspec.engines import Generation, one_after_another
+from exactspec.generation_stats import GenerationStats
+from exactspec.model_files import check_model_path
 from exactspec.proposers.spec import ProposerSpec
 from exactspec.sampling import SamplingParams
 
-PEERS = {"hf": ("plain", "prompt-lookup", "early-exit", "draft"), "llama": ("plain", "prompt-lookup")}
+PEERS = {"hf": ("plain", "prompt-lookup", "early-exit", "draft"),
+         "llama": ("plain", "prompt-lookup", "draft")}
 """Peer prefix → the proposer kinds it runs (the ``peers`` of
 :func:`~exactspec.proposers.spec.parse_proposer`)."""
 DEFAULT_PROMPT_LOOKUP_K = 10
@@ -286,6 +300,180 @@ class LlamaCppPeer(Peer):
         return token_ids
 
 
+LLAMA_SERVER_ENV = "LLAMA_SERVER"
+"""The environment variable naming llama.cpp's ``llama-server`` binary (default:
+``.cache/llama-server/bin/llama-server`` under the working directory, where
+``scripts/build_llama_server.sh`` builds it)."""
+
+
+def llama_server_binary() -> Path:
+    """llama.cpp's ``llama-server``: ``$LLAMA_SERVER``, else the build script's output.
+
+    Raises:
+        FileNotFoundError: where it is not, saying how to build it.
+    """
+    path = Path(os.environ.get(LLAMA_SERVER_ENV) or Path.cwd() / ".cache/llama-server/bin/llama-server")
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"llama.cpp's llama-server is not at {path}: build it with "
+            f"scripts/build_llama_server.sh (from exactspec's repository), or set "
+            f"{LLAMA_SERVER_ENV} to its path")
+    return path
+
+
+class LlamaServerPeer(Peer):
+    """llama.cpp's own speculative decoding with a draft model: its ``llama-server``
+    (``-md`` the draft's GGUF file as it is, ``--spec-type draft-simple``,
+    ``--spec-draft-n-max`` = k, its other settings its defaults, e.g. its ``p_min``
+    confidence stop), started on loopback at the first request with one slot and the
+    target's threads (for the target and the draft alike), stopped by :meth:`close` or at
+    exit. Requests go to its ``/completion`` endpoint as token ids, one at a time, without
+    its prompt cache.
+
+    llama.cpp verifies a draft by sampling the target at every drafted position and keeping
+    the drafts equal to the samples (``common/speculative.cpp``): exact in distribution,
+    but its batched verification rounds differently from its one-token steps, so its greedy
+    output may differ from its plain decoding's.
+
+    Args:
+        target: the target on the native or llama_cpp backend (its GGUF file is served).
+        draft_path: the draft model's GGUF file.
+        k: most drafted tokens per cycle (≥ 1).
+    Attributes:
+        command: the ``llama-server`` command line.
+    Raises:
+        ValueError: for a target on another backend, a draft that is not a GGUF file, or
+            k < 1.
+        FileNotFoundError: where ``llama-server`` is not built (:func:`llama_server_binary`).
+    """
+
+    label = "llama-server (llama.cpp's speculative decoding with a draft model)"
+    translates = LlamaCppPeer.translates
+    comparable = LlamaCppPeer.comparable
+    incomparable_reason = ("llama.cpp applies top-k, top-p and min-p before the temperature "
+                           "(exactspec, transformers and vLLM apply them after), a different "
+                           "distribution by definition")
+    START_SECONDS = 300
+    """How long the server may take to load both models before it is given up."""
+
+    def __init__(self, target: Backend, draft_path: str | Path, k: int) -> None:
+        if target.name == "native":
+            path, threads = target.model.path, target.threads.max_threads
+        elif target.name == "llama_cpp":
+            path, threads = target.llama.model_path, target.llama.n_threads
+        else:
+            raise ValueError(f"{self.label} needs a GGUF target (--backend native or llama_cpp)")
+        if Path(draft_path).suffix != ".gguf":
+            raise ValueError(f"{self.label} needs a GGUF draft model, not {str(draft_path)!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k = {k!r} is invalid: llama-server drafts at least 1 token")
+        super().__init__()
+        self.port = _free_port()
+        self.command = [
+            str(llama_server_binary()), "-m", str(path), "-md", str(draft_path),
+            "--spec-type", "draft-simple", "--spec-draft-n-max", str(k),
+            "-t", str(threads), "-tb", str(threads), "-td", str(threads), "-tbd", str(threads),
+            "-c", str(target.max_context_length or 4096), "-np", "1",
+            "--host", "127.0.0.1", "--port", str(self.port)]
+        self.eos = set(target.eos_token_ids)
+        self._process: subprocess.Popen | None = None
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 at_once: bool = False) -> list[Generation]:
+        """As :meth:`Peer.generate`, with the server's own timings as ``stats``: its
+        prefill (``prompt_ms``) and decoding (``predicted_ms``) seconds, drafted and
+        accepted tokens (``draft_n``, ``draft_n_accepted``)."""
+        self._refuse_untranslated(params)
+
+        def decode(prompt_ids: Sequence[int]) -> Generation:
+            start = time.perf_counter()
+            token_ids, timings = self._complete(prompt_ids, params, params.seed or 0)
+            seconds = time.perf_counter() - start
+            prefill = timings.get("prompt_ms", 0.0) / 1000
+            stats = GenerationStats(
+                num_prompt_tokens=len(prompt_ids), num_generated_tokens=len(token_ids),
+                drafted_tokens=timings.get("draft_n", 0),
+                accepted_tokens=timings.get("draft_n_accepted", 0), prefill_seconds=prefill,
+                total_seconds=prefill + timings.get("predicted_ms", 0.0) / 1000)
+            return Generation(token_ids, seconds, seconds, stats.to_dict())
+        return one_after_another(decode, prompts)
+
+    def _samples(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 num_samples: int) -> list[list[int]]:
+        """Sample i seeded with ``seed × 1000003 + i``."""
+        return [self._complete(prompt_ids, params, (params.seed or 0) * 1_000_003 + i)[0]
+                for i in range(num_samples)]
+
+    def _complete(self, prompt_ids: Sequence[int], params: SamplingParams,
+                  seed: int) -> tuple[list[int], dict]:
+        """One ``/completion`` request: its tokens (ending with the EOS token where it
+        stopped at one) and its ``timings``."""
+        sampling = ({"temperature": 0.0, "top_k": 1} if params.greedy else
+                    {"temperature": params.temperature, "top_k": params.top_k,
+                     "top_p": params.top_p, "min_p": params.min_p})
+        body = {"prompt": list(prompt_ids), "n_predict": params.max_new_tokens,
+                "seed": seed, "cache_prompt": False, "return_tokens": True,
+                "repeat_penalty": 1.0, **sampling}
+        answer = self._post("/completion", body)
+        token_ids = [int(t) for t in answer["tokens"]]
+        if (answer.get("stop_type") == "eos" and len(token_ids) < params.max_new_tokens
+                and not (token_ids and token_ids[-1] in self.eos) and self.eos):
+            token_ids.append(min(self.eos))  # llama-server leaves the EOS token out
+        return token_ids, answer.get("timings", {})
+
+    def _post(self, path: str, body: dict) -> dict:
+        self._start()
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
+                                         json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=3600) as response:
+            return json.load(response)
+
+    def _start(self) -> None:
+        """Start the server unless it runs; wait until its ``/health`` answers.
+
+        Raises:
+            RuntimeError: if it exits or does not answer within :data:`START_SECONDS`,
+                with the end of its log.
+        """
+        if self._process is not None and self._process.poll() is None:
+            return
+        log = tempfile.TemporaryFile()
+        self._process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
+        atexit.register(self.close)
+        deadline = time.monotonic() + self.START_SECONDS
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health",
+                                            timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                log.seek(0)
+                tail = log.read().decode(errors="replace")[-2000:]
+                raise RuntimeError(f"llama-server did not start ({' '.join(self.command)}):"
+                                   f"\n{tail}")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        """Stop the server (a later request starts it again)."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def make_peer(proposer_spec: ProposerSpec, target: Backend, load_model: Callable[[str], Backend],
               k: int, *, share: bool = False) -> Peer:
     """The peer ``proposer.peer`` running ``proposer`` with ``k`` tokens per draft on
@@ -300,6 +488,8 @@ def make_peer(proposer_spec: ProposerSpec, target: Backend, load_model: Callable
         peer = TransformersPeer(target)  # refuses another backend before loading a draft
         peer.generate_kwargs = transformers_generate_kwargs(proposer_spec, k, load_model)
         return peer
+    if proposer_spec.kind == "draft":
+        return LlamaServerPeer(target, check_model_path(proposer_spec.model), k)
     return LlamaCppPeer(target, k if proposer_spec.drafts else 0, share=share)
 
 

@@ -43,8 +43,9 @@ A spec is ``[PEER-]KIND[:ARG][:key=value...]``::
 
 ``PEER-`` (only where a command compares peers, ``bench --method``): the same proposer run by
 another engine on the same model instead of exactspec, ``hf-`` for transformers
-``generate()`` and ``llama-`` for llama-cpp-python (see :mod:`exactspec.peers`), e.g.
-``hf-plain``, ``hf-prompt-lookup:k=10``, ``hf-draft:MODEL``, ``llama-prompt-lookup:k=10``.
+``generate()`` and ``llama-`` for llama-cpp-python, or llama.cpp's ``llama-server`` for a
+draft model (see :mod:`exactspec.peers`), e.g. ``hf-plain``, ``hf-prompt-lookup:k=10``,
+``hf-draft:MODEL``, ``llama-prompt-lookup:k=10``, ``llama-draft:MODEL:k=8``.
 
 One name per kind: the former spellings ``none`` (for ``plain``) and ``assistant`` (for
 ``draft``) are refused with a message naming the one to use.
