@@ -231,7 +231,7 @@ def test_one_slow_generation_is_flagged_in_the_report_the_json_and_the_verdict(t
     checks stayed quiet (its group's tokens/s fell 2.2×, under their tolerances)."""
     import json
 
-    from exactspec.bench.report import verdict_line, write_report
+    from exactspec.bench.report import slow_generations, verdict_line, write_report
 
     results = BenchResults({}, {}, {1: 0.010, 2: 0.012, 3: 0.014})
     seconds = {"plain": (8.1, 8.0), "suffix:k=8:policy=auto": (7.7, 26.4),
@@ -253,6 +253,16 @@ def test_one_slow_generation_is_flagged_in_the_report_the_json_and_the_verdict(t
     verdict = verdict_line(summary, summary["unstable"])
     assert ("slow generations: suffix:k=8:policy=auto on question 2 (rag, 3.3× plain)"
             in verdict and "timings disturbed" in verdict)
+    slow_peer = results.records[:]  # a peer 2.5× slower on every question: measured
+    for question in (1, 2, 3):
+        slow_peer += [Record(question, "rag", "plain", 0, 100, 8.0, [0] * 100, None),
+                      Record(question, "rag", "llama-draft:d:k=8", 0, 100, 20.0, [0] * 100, None)]
+    slow_peer[-1].seconds = 60.0  # ... but 7.5× on one of them: flagged
+    results.records, kept = slow_peer, results.records
+    assert [s["method"] for s in slow_generations(results)] == [
+        "suffix:k=8:policy=auto", "llama-draft:d:k=8"]
+    assert slow_generations(results)[1]["question_id"] == 3
+    results.records = kept
     results.records[3].seconds = 15.0  # under 2× both plain's 8.0 and the others' 7.75
     assert instabilities(results, summarize(results)) == []
     for record in results.records:  # the same ratios 100× shorter: 0.18 s lost, noise
@@ -526,3 +536,19 @@ def test_the_structured_group_constrains_each_question_to_its_schema():
     with pytest.raises(ValueError, match="does not run the structured group"):
         run_concurrency_bench(target, questions, methods[:1], [1], params=params,
                               repetitions=1, chat=False, config={}, show_progress=False)
+
+
+def test_a_speculative_peer_is_compared_with_its_own_engines_plain_decoding():
+    """llama.cpp's own speculation changing greedy outputs (issue 65): the report counts the
+    outputs of ``llama-draft`` that differ from ``llama-plain``'s on the same question."""
+    from exactspec.bench.report import peer_speculation_changes
+
+    results = BenchResults({"temperature": 0.0}, {}, {1: 0.01})
+    outputs = {"plain": [[1, 2], [3, 4]], "llama-plain": [[1, 2], [3, 5]],
+               "llama-draft:d:k=8": [[1, 2], [3, 4]], "hf-plain": [[1, 2], [3, 4]]}
+    for method, per_question in outputs.items():
+        for question, token_ids in enumerate(per_question):
+            results.records.append(Record(question, "qa", method, 0, 2, 1.0, token_ids, None))
+    assert peer_speculation_changes(results) == {"llama-draft:d:k=8": (1, 2)}
+    results.config["temperature"] = 0.7  # sampled outputs are not compared
+    assert peer_speculation_changes(results) == {}
