@@ -525,6 +525,19 @@ def test_batch_level_auto_gives_way_to_batching_as_the_batch_fills():
     assert sum(free) > 0 and sum(dear) < sum(free)
     assert batch_speculation_lengths([[0.6] * 4] * 4, [4] * 4, cost,
                                      draft_costs=[lambda k: 0.1 * k] * 4) == [0, 0, 0, 0]
+    # Drafting the rows share (a draft model's forwards, packed: S(longest draft)) counts
+    # once per drafted position, not per row: it costs less than the same per row, and
+    # enough of it stops drafting.
+    per_row = batch_speculation_lengths([[0.9] * 4] * 4, [4] * 4, cost,
+                                        draft_costs=[lambda k: 0.015 * k] * 4)
+    shared = batch_speculation_lengths([[0.9] * 4] * 4, [4] * 4, cost,
+                                       shared_draft_cost=lambda k: 0.015 * k)
+    assert sum(per_row) < sum(shared) < sum(batch_speculation_lengths([[0.9] * 4] * 4, [4] * 4,
+                                                                      cost))
+    assert batch_speculation_lengths([[0.9] * 4] * 4, [4] * 4, cost,
+                                     shared_draft_cost=lambda k: 0.5 * k) == [0, 0, 0, 0]
+    assert batch_speculation_lengths([[0.9] * 4] * 2, [4] * 2, cost, fixed_longest=4,
+                                     shared_draft_cost=lambda k: 0.5 * k) == [4, 4]  # paid for
     measured = ForwardCost(16)
     measured.observe(1, 0.03)
     measured.observe(8, 0.06)
@@ -568,7 +581,7 @@ def test_batched_sampling_follows_the_target_at_every_block_position(broken, pol
     # a fixed cost line (verification cheap, the batch dearer as it fills), so that auto's
     # choices, and with them the draws, do not depend on this machine's timings
     batched.costs.seconds = [None] + [0.05 + 0.001 * n for n in range(1, 33)]
-    batched.costs.observe = lambda n, seconds: None
+    batched.costs.observe = batched.draft_costs.observe = lambda n, seconds: None
     params = SamplingParams(temperature=0.2, seed=0, max_new_tokens=4)
     test = audit_distribution(target, BatchedEngine(batched, "batched"),
                               [[1, 2, 3, 1, 2], [23, 15, 9]], params, 600, 0.01)

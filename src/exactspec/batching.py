@@ -103,6 +103,9 @@ class BatchedGenerator:
         self._cancelled: set[int] = set()  # cancelled during a step (from a callback)
         self.costs = ForwardCost(max_batch_size * (generator.num_speculative_tokens + 1))
         """Seconds of a packed forward over N tokens, measured (the batch-level auto policy)."""
+        self.draft_costs = ForwardCost(generator.num_speculative_tokens, prior=float)
+        """Seconds of a cycle's drafting (every row's, a draft model's forwards packed) by
+        its longest draft, measured (the batch-level auto policy's shared draft cost)."""
         self._decode_cycle_seconds: float | None = None  # a decoding cycle's, moving average
         self._prefill_credit = 0.0  # seconds of prefill the decoding rows can spare now
 
@@ -265,7 +268,12 @@ class BatchedGenerator:
                     for (row, room), choice in zip(live, self._choose(live, finished))
                     if row.sequence_id not in finished]
         drafted, inputs = [], []  # rows that drafted, (sequence id, [last, drafts…], parents)
-        for (row, _), block in zip(drafting, run_packed([steps for _, steps in drafting])):
+        t0 = time.perf_counter()
+        blocks = run_packed([steps for _, steps in drafting])
+        longest = max((len(b) - 1 for b in blocks if not isinstance(b, Exception)), default=0)
+        if longest:
+            self.draft_costs.observe(longest, time.perf_counter() - t0)
+        for (row, _), block in zip(drafting, blocks):
             if isinstance(block, Exception):
                 finished[row.sequence_id] = block
                 continue
@@ -412,6 +420,11 @@ class BatchedGenerator:
                 finished[row.sequence_id] = error
         return spent
 
+    def _shared_draft_cost(self, k: int) -> float:
+        """Seconds of a cycle's drafting whose longest draft is ``k`` (:attr:`draft_costs`;
+        0 for k = 0 and before any is measured)."""
+        return self.draft_costs(k) if k and self.draft_costs.fresh() else 0.0
+
     def _choose(self, live: list[tuple[SequenceState, int]],
                 finished: dict[int, RequestOutput]) -> list[Choice]:
         """Each live row's choice: rows under ``auto`` that may be timed (greedy or unseeded)
@@ -419,7 +432,7 @@ class BatchedGenerator:
         the others (seeded sampling, other policies) choose on their own, as alone. A row
         whose policy fails gets its error in ``finished`` (and a plain step)."""
         choices: list[Choice] = [PLAIN_STEP] * len(live)
-        batch_chosen, fixed_tokens, fixed_expected = [], 0, 0.0
+        batch_chosen, fixed_tokens, fixed_expected, fixed_longest = [], 0, 0.0, 0
         for i, (row, room) in enumerate(live):
             if row.policy.follows_batch and row.timed and row.sample.num_speculative_tokens:
                 batch_chosen.append(i)
@@ -431,6 +444,7 @@ class BatchedGenerator:
                 continue
             k = min(choices[i].k, room - 1)
             fixed_tokens += k + 1
+            fixed_longest = max(fixed_longest, k)
             fixed_expected += 1 + sum(survival(row.policy.acceptance()[:k]))
         if batch_chosen:
             ks = batch_speculation_lengths(
@@ -438,7 +452,8 @@ class BatchedGenerator:
                 [min(live[i][0].sample.num_speculative_tokens, live[i][1] - 1)
                  for i in batch_chosen],
                 self.costs, fixed_tokens, fixed_expected,
-                [live[i][0].policy.draft_cost for i in batch_chosen])
+                [live[i][0].policy.draft_cost for i in batch_chosen],
+                self._shared_draft_cost, fixed_longest)
             for i, k in zip(batch_chosen, ks):
                 choices[i] = live[i][0].policy.choice(k)
         return choices

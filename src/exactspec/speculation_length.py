@@ -495,16 +495,20 @@ class ForwardCost:
 def batch_speculation_lengths(acceptances: Sequence[Sequence[float]], caps: Sequence[int],
                               cost: Callable[[int], float], fixed_tokens: int = 0,
                               fixed_expected: float = 0.0,
-                              draft_costs: Sequence[Callable[[int], float]] | None = None
-                              ) -> list[int]:
+                              draft_costs: Sequence[Callable[[int], float]] | None = None,
+                              shared_draft_cost: Callable[[int], float] | None = None,
+                              fixed_longest: int = 0) -> list[int]:
     """The ``auto`` policy for a batch: each row's k maximising the batch's expected
     committed tokens per second when one forward scores every row.
 
     Row r drafting k_r tokens commits E_r(k_r) = 1 + Σ_{j≤k_r} Π_{i≤j} α_{r,i} tokens in
     expectation (:func:`survival`), and the forward scores
     N = Σ_r (k_r + 1) + ``fixed_tokens`` tokens, so the batch's rate is
-    (Σ_r E_r(k_r) + ``fixed_expected``) / (cost(N) + Σ_r D_r(k_r)), D_r the seconds row r's
-    proposer takes to draft k_r tokens (one after another: the rows draft in turn). Each
+    (Σ_r E_r(k_r) + ``fixed_expected``) / (cost(N) + Σ_r D_r(k_r) + S(max_r k_r)), D_r the
+    seconds row r's proposer takes to draft k_r tokens on its own (one after another: the
+    rows draft in turn), S the seconds of the drafting the rows share, a function of the
+    longest draft (a draft model's forwards packed across rows: one per drafted position,
+    :func:`~exactspec.batching.run_packed`). Each
     extra draft of row r adds the survival probability of its next position, which falls
     along the row (α ≤ 1), so the best allocation of m extra tokens takes the m largest of
     these gains over all rows; the m with the best rate wins (ties: the smaller). As the
@@ -518,6 +522,9 @@ def batch_speculation_lengths(acceptances: Sequence[Sequence[float]], caps: Sequ
             k is chosen elsewhere.
         draft_costs: per row, D_r (:meth:`AutoPolicy.draft_cost`, in ``cost``'s unit);
             None: drafting is free.
+        shared_draft_cost: S (in ``cost``'s unit; None: none).
+        fixed_longest: the longest draft of the rows whose k is chosen elsewhere (S's
+            argument is at least this).
     Returns:
         ``[len(caps)]`` k per row.
     """
@@ -527,13 +534,17 @@ def batch_speculation_lengths(acceptances: Sequence[Sequence[float]], caps: Sequ
         gains += [(survive, row, draft(j + 1) - draft(j))
                   for j, survive in enumerate(survival(alphas[:cap]))]
     gains.sort(key=lambda item: -item[0])  # stable: a row's gains stay in order
+    shared = shared_draft_cost or (lambda k: 0.0)
     base_tokens = len(caps) + fixed_tokens
-    expected, drafting = len(caps) + fixed_expected, 0.0
-    best_rate, best_m = expected / cost(base_tokens), 0
-    for m, (gain, _, seconds) in enumerate(gains, start=1):
+    expected, drafting, longest = len(caps) + fixed_expected, 0.0, fixed_longest
+    best_rate, best_m = expected / (cost(base_tokens) + shared(longest)), 0
+    ks = [0] * len(caps)
+    for m, (gain, row, seconds) in enumerate(gains, start=1):
         expected += gain
         drafting += seconds
-        rate = expected / (cost(base_tokens + m) + drafting)
+        ks[row] += 1
+        longest = max(longest, ks[row])
+        rate = expected / (cost(base_tokens + m) + drafting + shared(longest))
         if rate > best_rate:
             best_rate, best_m = rate, m
     ks = [0] * len(caps)
