@@ -197,7 +197,8 @@ def test_peers_need_their_backend_and_proposer():
     assert set(PEERS) == {"hf", "llama"}
     with pytest.raises(ValueError, match="needs a GGUF target"):
         make_peer(parse_method_spec("llama-plain"), target, None, 0)
-    with pytest.raises(ValueError, match="llama-cpp-python generate.. runs only plain or "
-                                         "prompt-lookup, not 'early-exit:1'"):
+    with pytest.raises(ValueError, match=r"llama-cpp-python generate\(\) \(llama-server with a "
+                                         "draft model\) runs only plain, prompt-lookup or "
+                                         "draft, not 'early-exit:1'"):
         make_peer(ProposerSpec("early-exit:1", "early-exit", layers=1, peer="llama"), target,
                   None, 4)

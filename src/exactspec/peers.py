@@ -503,6 +503,8 @@ def check_peer_runs(proposer_spec: ProposerSpec) -> None:
         raise ValueError(f"{proposer_spec.spec!r} names no peer: prefix it with "
                          f"{' or '.join(f'{peer}-' for peer in PEERS)}")
     if proposer_spec.kind not in PEERS[proposer_spec.peer]:
-        label = {"hf": TransformersPeer, "llama": LlamaCppPeer}[proposer_spec.peer].label
-        raise ValueError(f"{label} runs only {' or '.join(PEERS[proposer_spec.peer])}, not "
-                         f"{proposer_spec.spec!r}")
+        label = {"hf": TransformersPeer.label,
+                 "llama": f"{LlamaCppPeer.label} (llama-server with a draft model)"}
+        *kinds, last = PEERS[proposer_spec.peer]
+        raise ValueError(f"{label[proposer_spec.peer]} runs only {', '.join(kinds)} or {last}, "
+                         f"not {proposer_spec.spec!r}")
