@@ -178,8 +178,9 @@ class Proposer(Protocol):
     :meth:`propose_steps` alone (a subclass that changes :meth:`propose` must change it
     too). False: the engine calls :meth:`propose`."""
     batchable: bool = False
-    """A shallow copy per sequence, each ``reset`` on its own, drafts independently of the
-    others (no model cache of its own), so batched decoding can give every row one
+    """A copy per sequence (``copy.copy``), each ``reset`` on its own, drafts independently
+    of the others (a draft model's copy in a sequence of its own, :meth:`reserve` making
+    room), so batched decoding can give every row one
     (:class:`~exactspec.batching.BatchedGenerator`)."""
 
     corpus: Corpus | None = None
