@@ -422,7 +422,8 @@ def test_draft_model_rows_share_packed_draft_forwards_and_equal_decoding_alone(
         proposer = FallbackProposer(SuffixProposer(), proposer)
     generator = SpeculativeGenerator(target, proposer, 3, "constant")
     greedy = [SamplingParams(max_new_tokens=10 + 3 * i) for i in range(len(PROMPTS))]
-    seeded = [SamplingParams(temperature=1.0, seed=i, max_new_tokens=12) for i in range(len(PROMPTS))]
+    seeded = [SamplingParams(temperature=1.0, seed=i, max_new_tokens=12)
+              for i in range(len(PROMPTS))]
     plain = SpeculativeGenerator(target, None)
     for params, reference in ((greedy, plain), (seeded, generator)):
         expected = [reference.generate(p, q).token_ids for p, q in zip(PROMPTS, params)]

@@ -26,7 +26,6 @@ import copy
 import time
 from collections import deque
 from collections.abc import Collection, Generator, Hashable, Sequence
-
 from typing import TypeVar
 
 import torch
@@ -69,8 +68,8 @@ class BatchedGenerator:
         max_batch_size: most rows decoded together (≥ 1); more requests wait in order.
     Raises:
         ValueError: if the proposer is not ``batchable`` (every one exactspec builds is:
-            a proposer of the caller's own may not be) and ``max_batch_size`` > 1, or ``max_batch_size`` < 1 or above what the backend (or
-            the proposer's model) holds.
+            a proposer of the caller's own may not be) and ``max_batch_size`` > 1, or
+            ``max_batch_size`` < 1 or above what the backend (or the proposer's model) holds.
         UnsupportedModelError: if the target scores a sequence in a batch differently from
             alone (``sequences_invariant`` False, measured on first use) and the generator
             was not made with ``allow_batch_variance``.

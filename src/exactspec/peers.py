@@ -312,7 +312,8 @@ def llama_server_binary() -> Path:
     Raises:
         FileNotFoundError: where it is not, saying how to build it.
     """
-    path = Path(os.environ.get(LLAMA_SERVER_ENV) or Path.cwd() / ".cache/llama-server/bin/llama-server")
+    path = Path(os.environ.get(LLAMA_SERVER_ENV)
+                or Path.cwd() / ".cache" / "llama-server" / "bin" / "llama-server")
     if not path.is_file():
         raise FileNotFoundError(
             f"llama.cpp's llama-server is not at {path}: build it with "

@@ -174,9 +174,9 @@ class Proposer(Protocol):
     (:class:`~exactspec.proposers.forced.ForcedTokenProposer`)."""
     drafts_in_steps: bool = False
     """It runs a model of its own and :meth:`propose_steps` yields that model's forwards,
-    so batched decoding packs them across rows; the engine then drafts through
-    :meth:`propose_steps` alone (a subclass that changes :meth:`propose` must change it
-    too). False: the engine calls :meth:`propose`."""
+    so batched decoding packs them across rows: a batch drafts through
+    :meth:`propose_steps` (a subclass that changes :meth:`propose` must change it too),
+    one sequence through :meth:`propose`. False: :meth:`propose` everywhere."""
     batchable: bool = False
     """A copy per sequence (``copy.copy``), each ``reset`` on its own, drafts independently
     of the others (a draft model's copy in a sequence of its own, :meth:`reserve` making
