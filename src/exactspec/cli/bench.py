@@ -77,10 +77,11 @@ def add_parser(commands) -> None:
                             "hf-early-exit:L; transformers backend) or llama- for llama-cpp-python "
                             "(llama-plain, llama-prompt-lookup:k=10; llama_cpp or native backend: on "
                             "native, llama.cpp runs the same file with as many threads); "
-                            "llama-draft:MODEL:k=N is llama.cpp's llama-server with its own "
-                            "speculation from the draft's GGUF file (scripts/build_llama_server.sh "
-                            "builds it; LLAMA_SERVER names another). Default "
-                            + "; ".join(f"on {name}: " + " ".join(methods)
+                            "llama-draft:MODEL:k=N (the same backends) is llama.cpp's own "
+                            "llama-server instead, with its speculation from the draft's GGUF "
+                            "file (scripts/build_llama_server.sh builds it; LLAMA_SERVER names "
+                            "another). Default "
+                            + "; ".join(f"on {name}: " + ", ".join(methods)
                                         for name, methods in DEFAULT_BENCH_METHODS.items()))
     bench.add_argument("--max-new-tokens", type=int, default=None,
                        help=f"default {FULL['max_new_tokens']} ({QUICK['max_new_tokens']} with "

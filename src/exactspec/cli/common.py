@@ -58,8 +58,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("models")
     model.add_argument("--model", default=DEFAULT_MODEL,
                        help="target model: an embedded model name "
-                            f"({', '.join(EMBEDDED_MODELS)}; the default), a local Hugging Face "
-                            "model folder, or a .gguf file")
+                            f"({', '.join(EMBEDDED_MODELS)}; default {DEFAULT_MODEL}), a local "
+                            "Hugging Face model folder, or a .gguf file")
     model.add_argument("--device", default="auto",
                        help="auto (the default: cuda if available), cpu, cuda, cuda:N")
     model.add_argument("--backend", default="auto", choices=BACKENDS,
