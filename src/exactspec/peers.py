@@ -48,6 +48,11 @@ PEERS = {"hf": ("plain", "prompt-lookup", "early-exit", "draft"),
          "llama": ("plain", "prompt-lookup", "draft")}
 """Peer prefix → the proposer kinds it runs (the ``peers`` of
 :func:`~exactspec.proposers.spec.parse_proposer`)."""
+LLAMA_CPP_SAMPLER_ORDER = ("applies top-k, top-p and min-p before the temperature (exactspec, "
+                           "transformers and vLLM apply them after), a different distribution "
+                           "by definition")
+"""Why llama.cpp's sampling (llama-cpp-python's and llama-server's) is audited with the
+temperature and seed only."""
 DEFAULT_PROMPT_LOOKUP_K = 10
 """A peer's prompt-lookup tokens per draft when the spec gives no ``k=`` (both engines' own
 default)."""
@@ -250,9 +255,7 @@ class LlamaCppPeer(Peer):
     label = "llama-cpp-python generate()"
     translates = ("temperature", "top_k", "top_p", "min_p", "seed", "max_new_tokens")
     comparable = ("temperature", "seed", "max_new_tokens")
-    incomparable_reason = ("llama-cpp-python applies top-k, top-p and min-p before the "
-                           "temperature (exactspec, transformers and vLLM apply them after), a "
-                           "different distribution by definition")
+    incomparable_reason = f"llama-cpp-python {LLAMA_CPP_SAMPLER_ORDER}"
 
     def __init__(self, target: Backend, k: int = 0, *, share: bool = False) -> None:
         if target.name == "native":  # the same GGUF file on llama.cpp, as many threads
@@ -351,9 +354,7 @@ class LlamaServerPeer(Peer):
     label = "llama-server (llama.cpp's speculative decoding with a draft model)"
     translates = LlamaCppPeer.translates
     comparable = LlamaCppPeer.comparable
-    incomparable_reason = ("llama.cpp applies top-k, top-p and min-p before the temperature "
-                           "(exactspec, transformers and vLLM apply them after), a different "
-                           "distribution by definition")
+    incomparable_reason = f"llama.cpp {LLAMA_CPP_SAMPLER_ORDER}"
     START_SECONDS = 300
     """How long the server may take to load both models before it is given up."""
 
